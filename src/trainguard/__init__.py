@@ -1,0 +1,3 @@
+"""trainguard: fault-tolerant distributed PyTorch training."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,182 @@
+"""``python -m trainguard.agent``: the node agent.
+
+    python -m trainguard.agent --node-id ID --token-file FILE --log-dir DIR
+        [--host 127.0.0.1] [--port 0] [--port-file FILE] [--parent-pid PID]
+        [--cwd DIR] [--env KEY=VALUE]... -- WORKER_ARGV...
+
+Arguments are checked before torch is imported, so a bad command line fails fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from trainguard.agent.exec_worker import set_parent_death_signal
+
+logger = logging.getLogger("trainguard.agent")
+
+EXIT_PARENT_GONE = 1
+EXIT_STUCK = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainguard.agent",
+        usage="%(prog)s --node-id ID --token-file FILE --log-dir DIR [options] -- WORKER_ARGV...",
+        description="Run one node's workers, driven by the controller over HTTP.",
+    )
+    parser.add_argument("--node-id", required=True, help="this node's id (as in assignments)")
+    parser.add_argument("--token-file", required=True, type=Path, help="file holding the API token")
+    parser.add_argument("--log-dir", required=True, type=Path, help="the job's log directory")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    parser.add_argument("--port", type=int, default=0, help="port to bind (0: any free port)")
+    parser.add_argument("--port-file", type=Path, help="write the bound port here once serving")
+    parser.add_argument("--parent-pid", type=int, help="die with this parent (PR_SET_PDEATHSIG)")
+    parser.add_argument("--cwd", type=Path, help="working directory of the workers")
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="add to workers' env"
+    )
+    parser.add_argument("--log-level", default="INFO", help="agent log level (default: INFO)")
+    return parser
+
+
+def read_token(path: Path) -> str:
+    """The API token in ``path``; ``ValueError`` if the file is missing or empty."""
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        raise ValueError(f"--token-file: {path} does not exist") from None
+    except OSError as exc:
+        raise ValueError(f"--token-file: cannot read {path}: {exc.strerror}") from None
+    if not token:
+        raise ValueError(f"--token-file: {path} is empty")
+    return token
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or "\0" in item:
+            raise ValueError(f"--env: expected KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write ``port`` atomically (readers never see a partial file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if "--" not in argv:
+        parser.error("missing '-- WORKER_ARGV...' (the command each worker runs)")
+    split = argv.index("--")
+    args = parser.parse_args(argv[:split])
+    worker_argv = argv[split + 1 :]
+    if not worker_argv:
+        parser.error("WORKER_ARGV after '--' is empty")
+
+    if args.parent_pid is not None:
+        set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != args.parent_pid:
+            print(f"trainguard agent: parent {args.parent_pid} is gone; exiting", file=sys.stderr)
+            return EXIT_PARENT_GONE
+    try:
+        token = read_token(args.token_file)
+        agent_env = parse_env(args.env)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.cwd is not None and not args.cwd.is_dir():
+        parser.error(f"--cwd: {args.cwd} is not a directory")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port: {args.port} is not a port number")
+    try:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--log-dir: cannot create {args.log_dir}: {exc.strerror}")
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s agent {args.node_id} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # torch logs every stopped worker as "failed (exitcode: -15)"; the supervisor says
+    # what happened in its own words.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    return _serve(args, token, agent_env, worker_argv, parser)
+
+
+def _serve(
+    args: argparse.Namespace,
+    token: str,
+    agent_env: dict[str, str],
+    worker_argv: list[str],
+    parser: argparse.ArgumentParser,
+) -> int:
+    # Heavy imports (torch) only once the command line is known to be good.
+    from trainguard.agent.logs import Console, LogLayout
+    from trainguard.agent.server import AgentHTTPServer
+    from trainguard.agent.supervisor import AgentTimings, Supervisor
+    from trainguard.agent.workers import reserved_env_keys
+
+    clashes = sorted(set(agent_env) & reserved_env_keys())
+    if clashes:
+        parser.error(f"--env: {clashes} are set by the agent for every worker")
+
+    timings = AgentTimings()
+    supervisor = Supervisor(
+        args.node_id,
+        worker_argv,
+        LogLayout(args.log_dir.resolve()),
+        agent_env=agent_env,
+        cwd=args.cwd.resolve() if args.cwd is not None else None,
+        console=Console(sys.stdout.buffer),
+        timings=timings,
+    )
+    try:
+        server = AgentHTTPServer(args.host, args.port, supervisor, token)
+    except OSError as exc:
+        parser.error(f"--host/--port: cannot bind {args.host}:{args.port}: {exc.strerror}")
+    received: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: received.append(signum))
+    supervisor.start()
+    server.start()
+    if args.port_file is not None:
+        write_port_file(args.port_file, server.port)
+    logger.info("listening on %s:%d (pid %d)", args.host, server.port, os.getpid())
+    if args.host not in ("127.0.0.1", "::1", "localhost"):
+        logger.warning("the agent API is reachable beyond this machine (%s)", args.host)
+
+    exit_code = 0
+    deadline: float | None = None
+    while not supervisor.done.wait(0.2):
+        if received and deadline is None:
+            name = signal.Signals(received[0]).name
+            exit_code = 128 + received[0]
+            supervisor.request_shutdown(f"agent received {name}")
+            deadline = time.monotonic() + timings.shutdown_timeout
+        elif deadline is not None and time.monotonic() > deadline:
+            # Exiting is enough: the workers' parent-death signal kills them.
+            logger.error("supervisor did not stop its workers in time; exiting anyway")
+            os._exit(EXIT_STUCK)
+    server.stop()
+    logger.info("agent exits: %s", supervisor.snapshot().reason)
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

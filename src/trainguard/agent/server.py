@@ -1,0 +1,251 @@
+"""The agent's HTTP API: JSON over HTTP, every request authenticated by a bearer token.
+
+    POST /start     {"assignment": NodeAssignment.to_json()}          -> 202, 409 if busy
+    POST /stop      {"attempt": n|null, "mode": "graceful"|"process",
+                     "timeout": seconds}                               -> 202
+    GET  /status    AgentStatus.to_json()                             -> 200
+    POST /shutdown                                                    -> 202, then exit
+
+Errors are ``{"error": "..."}`` with 400 (bad body, naming the field), 401
+(token), 404 (path), 405 (method), 409 (refused), 413 (body too large).
+Handlers only validate and queue; the supervisor thread does the work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from trainguard.agent.status import DEFAULT_STOP_TIMEOUT, STOP_MODES
+from trainguard.agent.supervisor import StartRefused, Supervisor
+from trainguard.control.assignment import NodeAssignment
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1024 * 1024
+
+
+class BadRequest(ValueError):
+    """The request body is wrong; the message names the field."""
+
+
+def parse_assignment(data: Any, node_id: str) -> NodeAssignment:
+    """Validate a ``/start`` assignment for the agent ``node_id``; raises :class:`BadRequest`."""
+    if not isinstance(data, dict):
+        raise BadRequest("assignment: expected a JSON object")
+    fields = {f.name: f for f in dataclasses.fields(NodeAssignment)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise BadRequest(f"assignment: unknown fields {unknown}")
+    for name, spec in fields.items():
+        where = f"assignment.{name}"
+        if name not in data:
+            if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+                raise BadRequest(f"{where}: missing")
+            continue
+        _check_type(where, str(spec.type), data[name])
+    assignment = NodeAssignment.from_json(data)
+    checks = [
+        ("attempt", assignment.attempt >= 0, "expected >= 0"),
+        ("nnodes", assignment.nnodes >= 1, "expected >= 1"),
+        ("nproc_per_node", assignment.nproc_per_node >= 1, "expected >= 1"),
+        (
+            "node_rank",
+            0 <= assignment.node_rank < assignment.nnodes,
+            "expected 0 <= node_rank < nnodes",
+        ),
+        ("master_port", 1 <= assignment.master_port <= 65535, "expected 1..65535"),
+        ("restart_count", assignment.restart_count >= 0, "expected >= 0"),
+        ("node_id", assignment.node_id == node_id, f"this agent is {node_id!r}"),
+    ]
+    for name, ok, expected in checks:
+        if not ok:
+            raise BadRequest(f"assignment.{name}: {expected}, got {data[name]!r}")
+    return assignment
+
+
+def _check_type(where: str, type_name: str, value: Any) -> None:
+    if type_name == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        raise BadRequest(f"{where}: expected an integer, got {value!r}")
+    if type_name == "str" and (not isinstance(value, str) or not value):
+        raise BadRequest(f"{where}: expected a non-empty string, got {value!r}")
+    if type_name == "dict[str, str]" and (
+        not isinstance(value, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+    ):
+        raise BadRequest(f"{where}: expected an object of strings, got {value!r}")
+
+
+def parse_stop(data: Any) -> tuple[int | None, str, float]:
+    """Validate a ``/stop`` body: ``(attempt, mode, timeout)``; raises :class:`BadRequest`."""
+    if not isinstance(data, dict):
+        raise BadRequest("stop: expected a JSON object")
+    unknown = sorted(set(data) - {"attempt", "mode", "timeout"})
+    if unknown:
+        raise BadRequest(f"stop: unknown fields {unknown}")
+    attempt = data.get("attempt")
+    if attempt is not None and (
+        isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0
+    ):
+        raise BadRequest(f"stop.attempt: expected an integer >= 0 or null, got {attempt!r}")
+    mode = data.get("mode", "graceful")
+    if mode not in STOP_MODES:
+        raise BadRequest(f"stop.mode: expected one of {', '.join(STOP_MODES)}, got {mode!r}")
+    timeout = data.get("timeout", DEFAULT_STOP_TIMEOUT)
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout < 0
+    ):
+        raise BadRequest(f"stop.timeout: expected seconds >= 0, got {timeout!r}")
+    return attempt, str(mode), float(timeout)
+
+
+class AgentHTTPServer(ThreadingHTTPServer):
+    """Serves one :class:`Supervisor`; binds on construction (port 0: any free port)."""
+
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, supervisor: Supervisor, token: str) -> None:
+        if not token:
+            raise ValueError("token must not be empty")
+        self.supervisor = supervisor
+        self.token = token.encode()
+        self._thread: threading.Thread | None = None
+        super().__init__((host, port), _Handler)
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    def start(self) -> None:
+        """Serve on a background thread."""
+        self._thread = threading.Thread(
+            target=self.serve_forever, name="trainguard-agent-http", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self.shutdown()
+        self.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: AgentHTTPServer
+    server_version = "trainguard-agent"
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s %s", self.address_string(), format % args)
+
+    def _dispatch(self, method: str) -> None:
+        try:
+            body = self._read_body()
+        except BadRequest as exc:
+            self._reply(413, {"error": str(exc)})
+            return
+        if not self._authorized():
+            self._reply(401, {"error": "missing or wrong bearer token"})
+            return
+        path = self.path.split("?", 1)[0]
+        routes = {
+            ("GET", "/status"): self._status,
+            ("POST", "/start"): self._start,
+            ("POST", "/stop"): self._stop,
+            ("POST", "/shutdown"): self._shutdown,
+        }
+        action = routes.get((method, path))
+        if action is None:
+            allowed = [m for m, p in routes if p == path]
+            if allowed:
+                self._reply(405, {"error": f"{path} takes {allowed[0]}"}, {"Allow": allowed[0]})
+            else:
+                self._reply(404, {"error": f"no such path: {path}"})
+            return
+        try:
+            action(body)
+        except BadRequest as exc:
+            self._reply(400, {"error": str(exc)})
+        except StartRefused as exc:
+            self._reply(409, {"error": str(exc)})
+
+    def _status(self, body: bytes) -> None:
+        self._reply(200, self.server.supervisor.snapshot().to_json())
+
+    def _start(self, body: bytes) -> None:
+        data = _json_object(body, required=True)
+        if "assignment" not in data:
+            raise BadRequest("assignment: missing")
+        unknown = sorted(set(data) - {"assignment"})
+        if unknown:
+            raise BadRequest(f"start: unknown fields {unknown}")
+        assignment = parse_assignment(data["assignment"], self.server.supervisor.node_id)
+        self.server.supervisor.request_start(assignment)
+        self._reply(202, {"accepted": True, "attempt": assignment.attempt})
+
+    def _stop(self, body: bytes) -> None:
+        attempt, mode, timeout = parse_stop(_json_object(body, required=False))
+        self.server.supervisor.request_stop(attempt, mode, timeout)
+        self._reply(202, {"accepted": True})
+
+    def _shutdown(self, body: bytes) -> None:
+        try:
+            self._reply(202, {"accepted": True})
+        finally:  # even if the caller hung up before reading the reply
+            self.server.supervisor.request_shutdown("shutdown requested")
+
+    def _read_body(self) -> bytes:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise BadRequest("Content-Length: not a number") from None
+        if length > MAX_BODY_BYTES:
+            raise BadRequest(f"body larger than {MAX_BODY_BYTES} bytes")
+        return self.rfile.read(length) if length > 0 else b""
+
+    def _authorized(self) -> bool:
+        header = self.headers.get("Authorization") or ""
+        scheme, _, credential = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(credential.strip().encode(), self.server.token)
+
+    def _reply(
+        self, code: int, payload: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+
+def _json_object(body: bytes, required: bool) -> dict[str, Any]:
+    if not body.strip():
+        if required:
+            raise BadRequest("body: expected a JSON object, got nothing")
+        return {}
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body: malformed JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise BadRequest("body: expected a JSON object")
+    return data

@@ -1,0 +1,334 @@
+"""The agent's supervisor: one long-lived thread that owns the node's workers.
+
+HTTP handlers never touch processes. They check and update the status under a
+lock (so a second ``/start`` is refused at once) and queue a command; the
+supervisor thread executes commands in order and polls the running attempt.
+Workers are forked by this thread only, because their parent-death signal fires
+when the forking *thread* exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+
+from trainguard.agent.logs import Console, LineHook, LogLayout, LogTailer
+from trainguard.agent.status import (
+    STOP_MODES,
+    AgentState,
+    AgentStatus,
+    WorkerState,
+    WorkerStatus,
+    signal_name,
+)
+from trainguard.agent.workers import WorkerGroup
+from trainguard.control.assignment import NodeAssignment
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgentTimings:
+    """Every interval and timeout of the agent, in seconds, with its default."""
+
+    poll_interval: float = 0.1  # how often the supervisor checks its workers
+    tail_interval: float = 0.1  # how often the tailer reads the workers' log files
+    fault_grace: float = 5.0  # SIGTERM -> SIGKILL for the peers of a failed worker
+    reap_timeout: float = 5.0  # wait for a process to vanish after SIGKILL
+    drain_timeout: float = 30.0  # wait for the tailer to drain the logs of an attempt
+    shutdown_timeout: float = 20.0  # after a signal, exit even if the supervisor is stuck
+
+
+class StartRefused(Exception):
+    """A ``/start`` while workers may still be alive (the caller must stop first)."""
+
+
+@dataclass(frozen=True)
+class _Start:
+    assignment: NodeAssignment
+
+
+@dataclass(frozen=True)
+class _Stop:
+    attempt: int | None
+    mode: str
+    timeout: float
+
+
+@dataclass(frozen=True)
+class _Shutdown:
+    reason: str
+
+
+_Command = _Start | _Stop | _Shutdown
+
+
+class _Keep(Enum):
+    """Sentinel: leave this field of the status as it is."""
+
+    KEEP = 0
+
+
+class Supervisor:
+    """Runs attempts on this node as commanded, and keeps the status snapshot."""
+
+    def __init__(
+        self,
+        node_id: str,
+        worker_argv: Sequence[str],
+        layout: LogLayout,
+        *,
+        agent_env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        console: Console | None = None,
+        on_line: LineHook | None = None,
+        timings: AgentTimings = AgentTimings(),
+    ) -> None:
+        self.node_id = node_id
+        self._worker_argv = list(worker_argv)
+        self._layout = layout
+        self._agent_env = dict(agent_env or {})
+        self._cwd = cwd
+        self._console = console
+        self._on_line = on_line
+        self._timings = timings
+        self._commands: queue.Queue[_Command] = queue.Queue()
+        self._lock = threading.Lock()
+        self._state = AgentState.READY
+        self._attempt: int | None = None
+        self._reason: str | None = None
+        self._workers: dict[int, WorkerStatus] = {}
+        self._updated_at = time.time()
+        self._shutdown_requested = False
+        self._group: WorkerGroup | None = None
+        self._tailer: LogTailer | None = None
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainguard-supervisor", daemon=True)
+
+    # -- called from any thread ------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def snapshot(self) -> AgentStatus:
+        with self._lock:
+            return AgentStatus(
+                node_id=self.node_id,
+                pid=os.getpid(),
+                state=self._state,
+                attempt=self._attempt,
+                reason=self._reason,
+                updated_at=self._updated_at,
+                workers=tuple(self._workers[k] for k in sorted(self._workers)),
+            )
+
+    def request_start(self, assignment: NodeAssignment) -> None:
+        """Accept an attempt, or raise :class:`StartRefused` if workers may be alive."""
+        with self._lock:
+            if self._shutdown_requested or self._state is AgentState.SHUTDOWN:
+                raise StartRefused("agent is shutting down")
+            if self._state.is_active:
+                raise StartRefused(
+                    f"attempt {self._attempt} is {self._state.value}; stop it before starting "
+                    f"attempt {assignment.attempt}"
+                )
+            self._set(AgentState.STARTING, attempt=assignment.attempt, reason=None, workers={})
+            self._commands.put(_Start(assignment))
+
+    def request_stop(self, attempt: int | None, mode: str, timeout: float) -> None:
+        """Stop ``attempt`` (None: whatever runs). Idempotent; another attempt is left alone."""
+        if mode not in STOP_MODES:
+            raise ValueError(f"mode: expected one of {', '.join(STOP_MODES)}, got {mode!r}")
+        with self._lock:
+            if self._state.is_active and self._matches(attempt):
+                self._set(AgentState.STOPPING, reason=f"stop requested ({mode})")
+            self._commands.put(_Stop(attempt, mode, timeout))
+
+    def request_shutdown(self, reason: str) -> None:
+        """Kill the workers and end the supervisor (then the agent exits)."""
+        with self._lock:
+            self._shutdown_requested = True
+            self._commands.put(_Shutdown(reason))
+
+    # -- the supervisor thread -------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    command = self._commands.get(timeout=self._timings.poll_interval)
+                except queue.Empty:
+                    command = None
+                if isinstance(command, _Shutdown):
+                    self._shutdown(command.reason)
+                    return
+                if isinstance(command, _Start):
+                    self._start(command.assignment)
+                elif isinstance(command, _Stop):
+                    self._stop(command)
+                if self._group is not None:
+                    self._check_workers()
+        except Exception:
+            logger.exception("supervisor failed; killing workers")
+            with self._lock:
+                self._set(AgentState.SHUTDOWN, reason="agent supervisor failed")
+            # If this fails too, the agent exits and the workers' death signal kills them.
+            self._end_attempt(signal.SIGKILL, 0.0)
+        finally:
+            self.done.set()
+
+    def _start(self, assignment: NodeAssignment) -> None:
+        if self._shutdown_requested:
+            return
+        group = WorkerGroup(
+            assignment,
+            self._worker_argv,
+            self._layout,
+            agent_env=self._agent_env,
+            cwd=self._cwd,
+            reap_timeout=self._timings.reap_timeout,
+        )
+        logger.info("starting attempt %d: ranks %s", assignment.attempt, assignment.global_ranks)
+        try:
+            pids = group.start()
+        except Exception as exc:
+            logger.exception("could not start the workers of attempt %d", assignment.attempt)
+            with self._lock:
+                self._set(AgentState.FAULTED, reason=f"could not start workers: {exc}")
+            return
+        self._group = group
+        self._tailer = LogTailer(
+            self._layout,
+            assignment.attempt,
+            group.ranks,
+            interval=self._timings.tail_interval,
+            console=self._console,
+            on_line=self._on_line,
+        )
+        self._tailer.start()
+        workers = {
+            local: WorkerStatus(local, rank, pids.get(local), WorkerState.RUNNING)
+            for local, rank in group.ranks.items()
+        }
+        with self._lock:
+            # A stop may have been accepted meanwhile: then stay "stopping".
+            state = AgentState.RUNNING if self._state is AgentState.STARTING else self._state
+            self._set(state, workers=workers)
+
+    def _check_workers(self) -> None:
+        group = self._group
+        assert group is not None
+        exits = group.poll()
+        if not exits:
+            return
+        self._record_exits(exits, stopped=False)
+        failed = sorted((group.ranks[local], local) for local, code in exits.items() if code != 0)
+        first = failed[0][1] if failed else -1  # the lowest failed rank of this poll
+        if failed:
+            logger.warning("rank %d exited with %d; stopping its peers", failed[0][0], exits[first])
+            self._record_exits(group.close(signal.SIGTERM, self._timings.fault_grace), True)
+        if failed or group.all_exited():
+            self._finish_attempt()
+            with self._lock:
+                if failed:
+                    reason = self._workers[first].describe_exit()
+                    self._set(AgentState.FAULTED, reason=reason)
+                else:
+                    self._set(AgentState.COMPLETED, reason=None)
+            logger.info("attempt %d %s", group.assignment.attempt, self.snapshot().state.value)
+
+    def _stop(self, command: _Stop) -> None:
+        with self._lock:
+            if not self._matches(command.attempt):
+                return  # a late stop for an attempt that is no longer current
+            if self._state is not AgentState.STOPPING:
+                self._set(AgentState.STOPPING, reason=f"stop requested ({command.mode})")
+        logger.info("stopping attempt %s (%s)", self._attempt, command.mode)
+        if command.mode == "process" or command.timeout <= 0:
+            self._end_attempt(signal.SIGKILL, self._timings.reap_timeout)
+        else:
+            self._end_attempt(signal.SIGTERM, command.timeout)
+        with self._lock:
+            self._set(AgentState.STOPPED)
+
+    def _shutdown(self, reason: str) -> None:
+        logger.info("shutting down: %s", reason)
+        with self._lock:
+            if self._state.is_active:
+                self._set(AgentState.STOPPING, reason=reason)
+        self._end_attempt(signal.SIGKILL, self._timings.reap_timeout)
+        with self._lock:
+            self._set(AgentState.SHUTDOWN, reason=reason)
+
+    def _end_attempt(self, first_signal: signal.Signals, grace: float) -> None:
+        """Close the running attempt's workers, if any, and drain its logs."""
+        if self._group is None:
+            return
+        self._record_exits(self._group.poll(), stopped=False)
+        self._record_exits(self._group.close(first_signal, grace), stopped=True)
+        self._finish_attempt()
+
+    def _finish_attempt(self) -> None:
+        """Every worker has exited: collect error messages, drain the logs, drop the group."""
+        assert self._group is not None
+        errors = self._group.finish()
+        if self._tailer is not None and not self._tailer.stop(self._timings.drain_timeout):
+            logger.error("log tailer did not drain within %.0f s", self._timings.drain_timeout)
+        self._group = None
+        self._tailer = None
+        with self._lock:
+            workers = {
+                local: replace(w, error=errors[local]) if local in errors else w
+                for local, w in self._workers.items()
+            }
+            self._set(self._state, workers=workers)
+
+    def _record_exits(self, exits: dict[int, int], stopped: bool) -> None:
+        """Record exits; ``stopped``: the agent caused them (a stop or a peer's failure)."""
+        for local in exits:
+            if self._tailer is not None:
+                self._tailer.finish_rank(local)
+        with self._lock:
+            workers = dict(self._workers)
+            for local, code in exits.items():
+                if stopped:
+                    state = WorkerState.STOPPED  # even if it exited 0 on our SIGTERM
+                else:
+                    state = WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED
+                workers[local] = replace(
+                    workers[local], state=state, exitcode=code, signal=signal_name(code)
+                )
+            self._set(self._state, workers=workers)
+
+    # -- helpers (call with the lock held) --------------------------------------
+
+    def _matches(self, attempt: int | None) -> bool:
+        return attempt is None or self._attempt is None or attempt == self._attempt
+
+    def _set(
+        self,
+        state: AgentState,
+        *,
+        attempt: int | _Keep | None = _Keep.KEEP,
+        reason: str | _Keep | None = _Keep.KEEP,
+        workers: dict[int, WorkerStatus] | None = None,
+    ) -> None:
+        self._state = state
+        if not isinstance(attempt, _Keep):
+            self._attempt = attempt
+        if not isinstance(reason, _Keep):
+            self._reason = reason
+        if workers is not None:
+            self._workers = workers
+        self._updated_at = time.time()

@@ -1,0 +1,141 @@
+"""The ``trainguard`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from trainguard.platform import views
+from trainguard.platform.store import JobNotFound, Store, state_dir
+
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--state-dir",
+        help="where jobs, events and logs are kept "
+        "(default: $TRAINGUARD_STATE_DIR or ~/.trainguard)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="trainguard",
+        description="Fault-tolerant distributed PyTorch training.",
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    run = sub.add_parser(
+        "run",
+        parents=[common],
+        help="run a job on this machine (from a spec, or torchrun-style)",
+        description=(
+            "Run a job on this machine: `trainguard run -f job.yaml`, or torchrun-style "
+            "`trainguard run --nnodes 2 --nproc-per-node 2 train.py [args...]`."
+        ),
+    )
+    run.add_argument("-f", "--file", help="a TrainingJob (or HyperPodPyTorchJob) YAML file")
+    run.add_argument("--nnodes", type=_positive_int, help="nodes (agents) to simulate")
+    run.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        help="workers per node: an integer, auto, cpu or gpu",
+    )
+    run.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=_non_negative_int,
+        help="restarts before the job fails",
+    )
+    run.add_argument("--name", help="job name (default: the script's name)")
+    run.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="treat the script as a Python module, like python -m",
+    )
+    run.add_argument(
+        "--no-python", action="store_true", help="run the script directly instead of through Python"
+    )
+    run.add_argument("script", nargs="?", help="training script (torchrun-style form)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
+
+    lst = sub.add_parser("list", parents=[common], help="list jobs")
+    lst.add_argument("-o", "--output", choices=["text", "json"], default="text")
+
+    desc = sub.add_parser("describe", parents=[common], help="show a job: nodes, ranks, events")
+    desc.add_argument("job", help="job id or name")
+    desc.add_argument("-o", "--output", choices=["text", "json"], default="text")
+
+    logs = sub.add_parser("logs", parents=[common], help="print a job's worker output")
+    logs.add_argument("job", help="job id or name")
+    logs.add_argument("--rank", type=_non_negative_int, help="only this global rank")
+    logs.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
+
+    delete = sub.add_parser("delete", parents=[common], help="stop a job and remove it")
+    delete.add_argument("job", help="job id or name")
+    delete.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for a running job to stop (default 60)",
+    )
+
+    sub.add_parser("schema", parents=[common], help="print the TrainingJob JSON Schema")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.verb == "schema":
+        from trainguard.spec import json_schema
+
+        print(json.dumps(json_schema(), indent=2))
+        return 0
+    if args.verb == "run":
+        from trainguard.platform.run import run_command
+
+        return run_command(args, parser)
+    store = Store(state_dir(args.state_dir))
+    try:
+        if args.verb == "list":
+            return views.list_jobs(store, args.output)
+        if args.verb == "describe":
+            return views.describe(store, args.job, args.output)
+        if args.verb == "logs":
+            return views.logs(store, args.job, args.rank, args.follow)
+        if args.verb == "delete":
+            return views.delete(store, args.job, args.timeout)
+    except JobNotFound as exc:
+        print(f"trainguard: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        store.close()
+    parser.error(f"unknown verb {args.verb}")
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

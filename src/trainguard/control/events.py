@@ -1,0 +1,51 @@
+"""Events and faults: the values the control plane records and reasons about."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class FaultType(StrEnum):
+    """What went wrong. Names follow HyperPod's agent where one exists."""
+
+    WORKER_CRASH = "WorkerCrash"
+    NODE_LOST = "NodeLost"
+    NODE_STOP_TIMEOUT = "NodeStopTimeout"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One observed fault: a value, not a string."""
+
+    type: FaultType
+    time: float
+    attempt: int
+    node: str | None = None
+    rank: int | None = None
+    step: int | None = None
+    message: str = ""
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["type"] = str(self.type)
+        return data
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of a job's timeline."""
+
+    time: float
+    kind: str
+    message: str
+    attempt: int | None = None
+    node: str | None = None
+    rank: int | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,70 @@
+"""What the platform tells the control plane about each node, once per poll.
+
+The platform translates whatever it observes (an agent's ``GET /status``, a
+pod's phase, a process that vanished) into these values; the controller never
+sees HTTP or processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class NodeState(StrEnum):
+    """The agent's state, as the agent API reports it."""
+
+    READY = "ready"
+    STARTING = "starting"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAULTED = "faulted"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    SHUTDOWN = "shutdown"
+
+    @property
+    def quiescent(self) -> bool:
+        """No worker of this node runs (or is about to)."""
+        return self in (
+            NodeState.READY,
+            NodeState.COMPLETED,
+            NodeState.FAULTED,
+            NodeState.STOPPED,
+            NodeState.SHUTDOWN,
+        )
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    rank: int
+    local_rank: int
+    exitcode: int | None
+    signal: str | None = None
+    error: str | None = None
+
+    def describe(self) -> str:
+        if self.signal:
+            how = f"signal {self.signal}"
+        elif self.exitcode is not None:
+            how = f"exit code {self.exitcode}"
+        else:
+            how = "an unknown failure"
+        return f"rank {self.rank} exited with {how}"
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """One node as seen by the platform at one instant.
+
+    ``reachable=False`` means the node's agent did not answer (or its process
+    is gone); its other fields are then meaningless.
+    """
+
+    node_id: str
+    reachable: bool
+    state: NodeState = NodeState.READY
+    attempt: int | None = None
+    reason: str | None = None
+    failures: tuple[WorkerFailure, ...] = field(default_factory=tuple)
+    pids: tuple[int, ...] = field(default_factory=tuple)

@@ -1,0 +1,1 @@
+"""Adapters that turn control decisions into reality (local processes; later Kubernetes)."""

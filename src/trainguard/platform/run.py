@@ -1,0 +1,60 @@
+"""``trainguard run``: turn flags or a spec file into a plan, then run it locally."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainguard.platform.local import EXIT_INTERRUPTED, LocalRunner
+from trainguard.platform.store import Store, state_dir
+from trainguard.spec import SpecError, cli_job, load_job, resolve_plan
+
+EXIT_USAGE = 2
+_TORCHRUN_FLAGS = ("nnodes", "nproc_per_node", "max_restarts", "module", "no_python", "name")
+
+
+def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.file and args.script:
+        parser.error(f"give either -f FILE or a script, not both (got script {args.script!r})")
+    if not args.file and not args.script:
+        parser.error("nothing to run: give -f job.yaml, or a script (trainguard run train.py)")
+    try:
+        if args.file:
+            given = [f"--{f.replace('_', '-')}" for f in _TORCHRUN_FLAGS if getattr(args, f)]
+            if given:
+                parser.error(
+                    f"{', '.join(given)} only apply to the torchrun-style form; "
+                    f"set them in {args.file} instead"
+                )
+            source = args.file
+            job = load_job(args.file)
+        else:
+            source = "command line"
+            job = cli_job(
+                args.script,
+                args.script_args,
+                nnodes=args.nnodes or 1,
+                nproc_per_node=args.nproc_per_node or "1",
+                max_restarts=args.max_restarts or 0,
+                name=args.name,
+                module=args.module,
+                no_python=args.no_python,
+            )
+        plan = resolve_plan(job, source)
+    except SpecError as exc:
+        for line in str(exc).splitlines():
+            print(f"trainguard: {line}", file=sys.stderr)
+        return EXIT_USAGE
+    store = Store(state_dir(args.state_dir))
+    try:
+        runner = LocalRunner(plan, store, source)
+        try:
+            result = runner.run()
+        except KeyboardInterrupt:
+            print("[trainguard] interrupted; every worker was stopped", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if runner.interrupted:
+            return EXIT_INTERRUPTED
+        return result.exit_code
+    finally:
+        store.close()

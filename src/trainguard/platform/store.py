@@ -1,0 +1,326 @@
+"""Jobs, attempts, nodes and events in SQLite, under the state directory.
+
+One writer per job (the process running its controller); any number of
+readers (``list``, ``describe``, ``logs``, ``delete``) in other processes. WAL
+mode lets readers see a running job without blocking it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainguard.control.events import Event
+
+STATE_DIR_ENV = "TRAINGUARD_STATE_DIR"
+DEFAULT_STATE_DIR = "~/.trainguard"
+DB_NAME = "trainguard.db"
+# How long a write waits for a competing writer before giving up.
+BUSY_TIMEOUT_SECONDS = 30.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    phase TEXT NOT NULL,
+    reason TEXT,
+    source TEXT,
+    job_dir TEXT NOT NULL,
+    nnodes INTEGER NOT NULL,
+    nproc_per_node INTEGER NOT NULL,
+    restarts INTEGER NOT NULL DEFAULT 0,
+    controller_pid INTEGER,
+    desired TEXT,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    spec_json TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    job_id TEXT NOT NULL,
+    number INTEGER NOT NULL,
+    phase TEXT NOT NULL,
+    reason TEXT,
+    master_addr TEXT,
+    master_port INTEGER,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    PRIMARY KEY (job_id, number)
+);
+CREATE TABLE IF NOT EXISTS nodes (
+    job_id TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    node_rank INTEGER,
+    ranks_json TEXT NOT NULL DEFAULT '[]',
+    state TEXT NOT NULL,
+    attempt INTEGER,
+    agent_pid INTEGER,
+    agent_url TEXT,
+    worker_pids_json TEXT NOT NULL DEFAULT '[]',
+    PRIMARY KEY (job_id, node_id)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    message TEXT NOT NULL,
+    attempt INTEGER,
+    node TEXT,
+    rank INTEGER,
+    data_json TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS events_job ON events (job_id, id);
+"""
+
+
+def state_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The state directory: the flag, else ``$TRAINGUARD_STATE_DIR``, else ``~/.trainguard``."""
+    raw = explicit or os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR
+    return Path(raw).expanduser().resolve()
+
+
+class JobNotFound(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class JobRow:
+    id: str
+    name: str
+    phase: str
+    reason: str | None
+    source: str | None
+    job_dir: str
+    nnodes: int
+    nproc_per_node: int
+    restarts: int
+    controller_pid: int | None
+    desired: str | None
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    spec_json: str
+
+
+class Store:
+    """A handle on the state directory's database. Cheap to open; not shared across threads."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(
+            root / DB_NAME, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None
+        )
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # -- jobs ----------------------------------------------------------------
+
+    def create_job(
+        self,
+        job_id: str,
+        name: str,
+        source: str,
+        job_dir: Path,
+        nnodes: int,
+        nproc_per_node: int,
+        spec: dict[str, Any],
+    ) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO jobs (id, name, phase, source, job_dir, nnodes, nproc_per_node,"
+                " controller_pid, created_at, spec_json) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (
+                    job_id,
+                    name,
+                    "Pending",
+                    source,
+                    str(job_dir),
+                    nnodes,
+                    nproc_per_node,
+                    os.getpid(),
+                    time.time(),
+                    json.dumps(spec),
+                ),
+            )
+
+    def update_job(self, job_id: str, **fields: Any) -> None:
+        allowed = {"phase", "reason", "restarts", "started_at", "finished_at", "controller_pid"}
+        bad = set(fields) - allowed
+        if bad:
+            raise ValueError(f"cannot update job fields {sorted(bad)}")
+        if not fields:
+            return
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        with self._tx() as db:
+            db.execute(f"UPDATE jobs SET {cols} WHERE id = ?", (*fields.values(), job_id))
+
+    def request(self, job_id: str, desired: str) -> None:
+        """Ask the job's controller (in whatever process) to act, e.g. ``desired="delete"``."""
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET desired = ? WHERE id = ?", (desired, job_id))
+
+    def job(self, ref: str) -> JobRow:
+        """A job by id, or by name when the name is unique (the newest is taken)."""
+        row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (ref,)).fetchone()
+        if row is None:
+            row = self._db.execute(
+                "SELECT * FROM jobs WHERE name = ? ORDER BY created_at DESC LIMIT 1", (ref,)
+            ).fetchone()
+        if row is None:
+            raise JobNotFound(f"no job {ref!r} in {self.root}")
+        return JobRow(**dict(row))
+
+    def jobs(self) -> list[JobRow]:
+        rows = self._db.execute("SELECT * FROM jobs ORDER BY created_at").fetchall()
+        return [JobRow(**dict(r)) for r in rows]
+
+    def remove_job(self, job_id: str) -> None:
+        with self._tx() as db:
+            for table, key in (
+                ("jobs", "id"),
+                ("attempts", "job_id"),
+                ("nodes", "job_id"),
+                ("events", "job_id"),
+            ):
+                db.execute(f"DELETE FROM {table} WHERE {key} = ?", (job_id,))
+
+    # -- attempts, nodes, events ---------------------------------------------
+
+    def upsert_attempt(
+        self,
+        job_id: str,
+        number: int,
+        phase: str,
+        started_at: float,
+        master_addr: str,
+        master_port: int,
+        reason: str | None = None,
+        ended_at: float | None = None,
+    ) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO attempts (job_id, number, phase, reason, master_addr, master_port,"
+                " started_at, ended_at) VALUES (?,?,?,?,?,?,?,?)"
+                " ON CONFLICT (job_id, number) DO UPDATE SET phase = excluded.phase,"
+                " reason = excluded.reason, ended_at = excluded.ended_at",
+                (job_id, number, phase, reason, master_addr, master_port, started_at, ended_at),
+            )
+
+    def attempts(self, job_id: str) -> list[dict[str, Any]]:
+        rows = self._db.execute(
+            "SELECT number, phase, reason, master_addr, master_port, started_at, ended_at"
+            " FROM attempts WHERE job_id = ? ORDER BY number",
+            (job_id,),
+        ).fetchall()
+        return [dict(r) for r in rows]
+
+    def upsert_node(
+        self,
+        job_id: str,
+        node_id: str,
+        state: str,
+        *,
+        node_rank: int | None = None,
+        ranks: Sequence[int] | None = None,
+        attempt: int | None = None,
+        agent_pid: int | None = None,
+        agent_url: str | None = None,
+        worker_pids: Sequence[int] | None = None,
+    ) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO nodes (job_id, node_id, state) VALUES (?,?,?)"
+                " ON CONFLICT (job_id, node_id) DO UPDATE SET state = excluded.state",
+                (job_id, node_id, state),
+            )
+            updates: dict[str, Any] = {
+                "node_rank": node_rank,
+                "ranks_json": None if ranks is None else json.dumps(list(ranks)),
+                "attempt": attempt,
+                "agent_pid": agent_pid,
+                "agent_url": agent_url,
+                "worker_pids_json": None if worker_pids is None else json.dumps(list(worker_pids)),
+            }
+            for col, value in updates.items():
+                if value is not None:
+                    db.execute(
+                        f"UPDATE nodes SET {col} = ? WHERE job_id = ? AND node_id = ?",
+                        (value, job_id, node_id),
+                    )
+
+    def nodes(self, job_id: str) -> list[dict[str, Any]]:
+        rows = self._db.execute(
+            "SELECT * FROM nodes WHERE job_id = ? ORDER BY node_rank, node_id", (job_id,)
+        ).fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            d.pop("job_id")
+            d["ranks"] = json.loads(d.pop("ranks_json"))
+            d["worker_pids"] = json.loads(d.pop("worker_pids_json"))
+            out.append(d)
+        return out
+
+    def add_events(self, job_id: str, events: Sequence[Event]) -> None:
+        if not events:
+            return
+        with self._tx() as db:
+            db.executemany(
+                "INSERT INTO events (job_id, time, kind, message, attempt, node, rank, data_json)"
+                " VALUES (?,?,?,?,?,?,?,?)",
+                [
+                    (
+                        job_id,
+                        e.time,
+                        e.kind,
+                        e.message,
+                        e.attempt,
+                        e.node,
+                        e.rank,
+                        json.dumps(e.data),
+                    )
+                    for e in events
+                ],
+            )
+
+    def events(self, job_id: str) -> list[Event]:
+        rows = self._db.execute(
+            "SELECT time, kind, message, attempt, node, rank, data_json FROM events"
+            " WHERE job_id = ? ORDER BY id",
+            (job_id,),
+        ).fetchall()
+        return [
+            Event(
+                r["time"],
+                r["kind"],
+                r["message"],
+                r["attempt"],
+                r["node"],
+                r["rank"],
+                json.loads(r["data_json"]),
+            )
+            for r in rows
+        ]

@@ -1,0 +1,238 @@
+"""``list``, ``describe``, ``logs`` and ``delete``: read (and, for delete, act on) the store.
+
+The JSON of ``describe -o json`` is a stable interface; see the README's
+"describe -o json" section before changing a key.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from trainguard.platform.procs import alive, kill_group
+from trainguard.platform.store import JobRow, Store
+
+TERMINAL_PHASES = ("Succeeded", "Failed", "Stopped")
+# How often `logs -f` and `delete` look again.
+FOLLOW_INTERVAL_SECONDS = 0.25
+
+
+def _stamp(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def effective_phase(job: JobRow) -> str:
+    """The job's phase, or ``Lost`` when its controller died without recording an end."""
+    if job.phase not in TERMINAL_PHASES and not alive(job.controller_pid):
+        return "Lost"
+    return job.phase
+
+
+def job_json(store: Store, job: JobRow) -> dict[str, Any]:
+    duration = None
+    if job.started_at:
+        duration = (job.finished_at or time.time()) - job.started_at
+    return {
+        "id": job.id,
+        "name": job.name,
+        "phase": effective_phase(job),
+        "reason": job.reason,
+        "source": job.source,
+        "created_at": job.created_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+        "duration_seconds": duration,
+        "restarts": job.restarts,
+        "nnodes": job.nnodes,
+        "nproc_per_node": job.nproc_per_node,
+        "world_size": job.nnodes * job.nproc_per_node,
+        "job_dir": job.job_dir,
+        "logs_dir": str(Path(job.job_dir) / "logs"),
+        "nodes": store.nodes(job.id),
+        "attempts": store.attempts(job.id),
+        "events": [e.to_json() for e in store.events(job.id)],
+        "spec": json.loads(job.spec_json),
+    }
+
+
+def list_jobs(store: Store, output: str) -> int:
+    jobs = store.jobs()
+    if output == "json":
+        print(json.dumps([_summary(j) for j in jobs], indent=2))
+        return 0
+    rows = [["JOB", "PHASE", "NODES", "RANKS", "RESTARTS", "CREATED"]]
+    rows += [
+        [
+            j.id,
+            effective_phase(j),
+            str(j.nnodes),
+            str(j.nnodes * j.nproc_per_node),
+            str(j.restarts),
+            _stamp(j.created_at),
+        ]
+        for j in jobs
+    ]
+    _table(rows)
+    return 0
+
+
+def _summary(job: JobRow) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "name": job.name,
+        "phase": effective_phase(job),
+        "reason": job.reason,
+        "nnodes": job.nnodes,
+        "nproc_per_node": job.nproc_per_node,
+        "restarts": job.restarts,
+        "created_at": job.created_at,
+        "finished_at": job.finished_at,
+    }
+
+
+def describe(store: Store, ref: str, output: str) -> int:
+    data = job_json(store, store.job(ref))
+    if output == "json":
+        print(json.dumps(data, indent=2))
+        return 0
+    duration = data["duration_seconds"]
+    for label, value in [
+        ("Job", data["id"]),
+        ("Phase", data["phase"]),
+        ("Reason", data["reason"] or "-"),
+        ("Source", data["source"]),
+        (
+            "Topology",
+            f"{data['nnodes']} nodes x {data['nproc_per_node']} processes "
+            f"(world size {data['world_size']})",
+        ),
+        ("Restarts", data["restarts"]),
+        ("Created", _stamp(data["created_at"])),
+        ("Started", _stamp(data["started_at"])),
+        ("Finished", _stamp(data["finished_at"])),
+        ("Duration", f"{duration:.1f}s" if duration is not None else "-"),
+        ("Logs", data["logs_dir"]),
+    ]:
+        print(f"{label + ':':<10} {value}")
+    print("\nNodes:")
+    _table(
+        [["NODE", "NODE RANK", "RANKS", "STATE", "ATTEMPT", "AGENT"]]
+        + [
+            [
+                n["node_id"],
+                _dash(n["node_rank"]),
+                ",".join(map(str, n["ranks"])) or "-",
+                n["state"],
+                _dash(n["attempt"]),
+                n["agent_url"] or "-",
+            ]
+            for n in data["nodes"]
+        ],
+        indent=2,
+    )
+    print("\nAttempts:")
+    _table(
+        [["#", "PHASE", "STARTED", "ENDED", "RENDEZVOUS", "REASON"]]
+        + [
+            [
+                str(a["number"]),
+                a["phase"],
+                _stamp(a["started_at"]),
+                _stamp(a["ended_at"]),
+                f"{a['master_addr']}:{a['master_port']}",
+                a["reason"] or "-",
+            ]
+            for a in data["attempts"]
+        ],
+        indent=2,
+    )
+    print("\nEvents:")
+    _table(
+        [["TIME", "KIND", "ATTEMPT", "NODE", "RANK", "MESSAGE"]]
+        + [
+            [
+                _stamp(e["time"]),
+                e["kind"],
+                _dash(e["attempt"]),
+                e["node"] or "-",
+                _dash(e["rank"]),
+                e["message"],
+            ]
+            for e in data["events"]
+        ],
+        indent=2,
+    )
+    return 0
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _table(rows: list[list[str]], indent: int = 0) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [c.ljust(w) for c, w in zip(row, widths, strict=True)]
+        print(" " * indent + "  ".join(cells).rstrip())
+
+
+def logs(store: Store, ref: str, rank: int | None, follow: bool) -> int:
+    job = store.job(ref)
+    logs_dir = Path(job.job_dir) / "logs"
+    path = logs_dir / (f"rank-{rank}.log" if rank is not None else "console.log")
+    if rank is not None and rank >= job.nnodes * job.nproc_per_node:
+        print(
+            f"trainguard: job {job.id} has ranks 0..{job.nnodes * job.nproc_per_node - 1}, "
+            f"not {rank}",
+            file=sys.stderr,
+        )
+        return 2
+    offset = 0
+    while True:
+        if path.exists():
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+            sys.stdout.flush()
+        if not follow or effective_phase(store.job(job.id)) in (*TERMINAL_PHASES, "Lost"):
+            if follow and path.exists() and path.stat().st_size > offset:
+                continue  # drain what was written while we looked at the phase
+            return 0
+        time.sleep(FOLLOW_INTERVAL_SECONDS)
+
+
+def delete(store: Store, ref: str, timeout: float) -> int:
+    """Stop the job if it runs, then remove its records and files."""
+    job = store.job(ref)
+    if effective_phase(job) not in (*TERMINAL_PHASES, "Lost"):
+        store.request(job.id, "delete")
+        deadline = time.monotonic() + timeout
+        while effective_phase(store.job(job.id)) not in (*TERMINAL_PHASES, "Lost"):
+            if time.monotonic() > deadline:
+                print(
+                    f"trainguard: job {job.id} did not stop within {timeout:g}s; "
+                    "it was left in place",
+                    file=sys.stderr,
+                )
+                return 1
+            time.sleep(FOLLOW_INTERVAL_SECONDS)
+    if effective_phase(store.job(job.id)) == "Lost":
+        _reap(store, job.id)
+    store.remove_job(job.id)
+    shutil.rmtree(job.job_dir, ignore_errors=True)
+    print(f"job {job.id} deleted")
+    return 0
+
+
+def _reap(store: Store, job_id: str) -> None:
+    """Kill what a dead controller left behind: its agents and their workers."""
+    for node in store.nodes(job_id):
+        for pid in [node["agent_pid"], *node["worker_pids"]]:
+            if pid:
+                kill_group(pid)

@@ -1,0 +1,301 @@
+"""The `TrainingJob` model: one YAML describes a job, locally and on Kubernetes.
+
+Field names follow SageMaker HyperPod's `HyperPodPyTorchJob` (camelCase in YAML/JSON,
+snake_case attributes in Python). trainguard's own settings live in `spec.trainguard`.
+
+The Kubernetes objects inside (metadata, pod template) are in `kube.py`; shared field
+types and checks in `fields.py`.
+
+Conventions: counts are integers, durations are seconds as numbers (fractions allowed,
+so tests can use short timers). Unknown fields are errors everywhere except inside a
+replica's pod `template`, which is a Kubernetes object and is preserved as given.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Final, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from trainguard.spec.fields import (
+    DNS_LABEL_HELP,
+    FIELD_PROBLEM,
+    DnsName,
+    NprocPerNode,
+    Regex,
+    Seconds,
+    SpecModel,
+    field_problem,
+)
+from trainguard.spec.kube import (
+    Container,
+    EnvVar,
+    ObjectMeta,
+    PodSpec,
+    PodTemplateSpec,
+)
+
+__all__ = [
+    "API_VERSION",
+    "FIELD_PROBLEM",
+    "KIND",
+    "Container",
+    "ElasticPolicy",
+    "EnvVar",
+    "LogRule",
+    "ObjectMeta",
+    "PodSpec",
+    "PodTemplateSpec",
+    "ReplicaSpec",
+    "RestartPolicy",
+    "RunPolicy",
+    "TrainguardOptions",
+    "TrainingJob",
+    "TrainingJobSpec",
+]
+
+API_VERSION: Final = "trainguard.dev/v1"
+KIND: Final = "TrainingJob"
+
+# Defaults of trainguard's own settings (spec.trainguard), kept in one place.
+DEFAULT_STOP_GRACE_PERIOD_SECONDS = 10.0
+DEFAULT_POLL_INTERVAL_SECONDS = 0.5
+DEFAULT_NODE_START_TIMEOUT_SECONDS = 60.0
+
+
+class ReplicaSpec(SpecModel):
+    """A group of identical nodes (pods), each running `nprocPerNode` workers."""
+
+    name: DnsName = Field(description="Group name, " + DNS_LABEL_HELP + ".")
+    replicas: int = Field(default=1, ge=1, description="Number of nodes in this group.")
+    max_replicas: int | None = Field(
+        default=None, ge=1, description="Upper bound on nodes when the job scales elastically."
+    )
+    spares: int = Field(
+        default=0, ge=0, description="Spare nodes kept ready to replace a faulty one."
+    )
+    template: PodTemplateSpec = Field(description="Pod template of every node in the group.")
+
+    @model_validator(mode="after")
+    def _max_at_least_replicas(self) -> ReplicaSpec:
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise field_problem("maxReplicas", f"must be >= replicas ({self.replicas})")
+        return self
+
+
+class RestartPolicy(SpecModel):
+    """Limits on restarts within an evaluation window (HyperPod semantics)."""
+
+    eval_period_seconds: Seconds = Field(
+        description="Length of the window in which restarts are counted."
+    )
+    num_restart_before_full_job_restart: int | None = Field(
+        default=None,
+        ge=0,
+        description="Process-level restarts allowed in the window before escalating to a "
+        "full job restart. Unset: the control plane's default.",
+    )
+    max_full_job_restarts: int | None = Field(
+        default=None,
+        ge=0,
+        description="Full job restarts allowed in the window before the job fails. "
+        "Unset: bounded only by jobMaxRetryCount.",
+    )
+    max_num_repeat_offenders_to_avoid: int | None = Field(
+        default=None,
+        ge=0,
+        description="How many repeatedly faulty nodes to avoid when restarting the full job.",
+    )
+    scale_up_snooze_time_in_seconds: float | None = Field(
+        default=None, ge=0, description="Wait before scaling back up after a fault."
+    )
+
+
+Operator = Literal["gt", "lt", "eq", "gteq", "lteq"]
+
+
+class LogRule(SpecModel):
+    """A log monitoring rule: detects a hanging, slow or faulty job from worker output."""
+
+    name: str = Field(min_length=1, description="Rule name; appears in fault reasons.")
+    log_pattern: Regex = Field(
+        description="Python regex matched (re.match, anchored at line start) against every "
+        "output line of every rank; its first group is the metric when metricThreshold is set.",
+    )
+    expected_start_cut_off_in_seconds: Seconds | None = Field(
+        default=None, description="HANGING if nothing matches this long after the start."
+    )
+    expected_recurring_frequency_in_seconds: Seconds | None = Field(
+        default=None, description="HANGING if the gap between two matches exceeds this."
+    )
+    stop_pattern: Regex | None = Field(
+        default=None, description="Python regex; a matching line switches the rule off."
+    )
+    metric_threshold: float | None = Field(
+        default=None, description="Threshold for the metric; requires operator."
+    )
+    operator: Operator | None = Field(
+        default=None,
+        description="The bad condition, metric <operator> metricThreshold "
+        "(e.g. lteq 80 samples/sec); requires metricThreshold.",
+    )
+    metric_evaluation_data_points: int = Field(
+        default=1, ge=1, description="Consecutive bad samples before the rule reports SLOW."
+    )
+    fault_on_match: bool = Field(default=False, description="A match is a fault by itself.")
+
+    @model_validator(mode="after")
+    def _threshold_needs_operator(self) -> LogRule:
+        if self.metric_threshold is not None and self.operator is None:
+            raise field_problem("operator", "required when metricThreshold is set")
+        if self.operator is not None and self.metric_threshold is None:
+            raise field_problem("metricThreshold", "required when operator is set")
+        if self.metric_threshold is not None and re.compile(self.log_pattern).groups < 1:
+            raise field_problem(
+                "logPattern", "needs a capture group for the metric when metricThreshold is set"
+            )
+        return self
+
+
+class RunPolicy(SpecModel):
+    """How the job runs, retries and ends."""
+
+    job_max_retry_count: int | None = Field(
+        default=None,
+        ge=0,
+        description="Restarts allowed before the job fails. Unset: the launcher's "
+        "--max-restarts if the command is a launcher line, else 0.",
+    )
+    restart_policy: RestartPolicy | None = Field(
+        default=None, description="Restart limits per evaluation window."
+    )
+    log_monitoring_configuration: list[LogRule] = Field(
+        default_factory=list, description="Log monitoring rules, applied to every rank."
+    )
+    active_deadline_seconds: Seconds | None = Field(
+        default=None, description="The job fails when it has been active longer than this."
+    )
+    ttl_seconds_after_finished: float | None = Field(
+        default=None, ge=-1, description="Delete a finished job after this long (-1: never)."
+    )
+    clean_pod_policy: Literal["All", "OnlyComplete", "None"] = Field(
+        default="All", description="Which pods (nodes) to remove when the job finishes."
+    )
+    suspend: bool = Field(default=False, description="Suspended jobs do not run.")
+    startup_deadline_seconds: Seconds | None = Field(
+        default=None, description="The job fails if it is not running within this."
+    )
+    fault_deadline_seconds: Seconds | None = Field(
+        default=None, description="The job fails if it stays faulted longer than this."
+    )
+
+    @field_validator("log_monitoring_configuration")
+    @classmethod
+    def _unique_rule_names(cls, rules: list[LogRule]) -> list[LogRule]:
+        seen: set[str] = set()
+        for rule in rules:
+            if rule.name in seen:
+                raise ValueError(f"duplicate rule name {rule.name!r}")
+            seen.add(rule.name)
+        return rules
+
+
+class ElasticPolicy(SpecModel):
+    """Elastic scaling bounds (parsed and validated; not acted on yet)."""
+
+    min_replicas: int | None = Field(default=None, ge=1, description="Fewest nodes.")
+    max_replicas: int | None = Field(default=None, ge=1, description="Most nodes.")
+    replica_increment_step: int | None = Field(
+        default=None, ge=1, description="Scale in steps of this many nodes."
+    )
+    replica_discrete_values: list[Annotated[int, Field(ge=1)]] | None = Field(
+        default=None, min_length=1, description="Allowed node counts."
+    )
+    scaling_timeout_in_seconds: float | None = Field(
+        default=None, ge=0, description="Wait for new nodes this long before scaling."
+    )
+    graceful_shutdown_timeout_in_seconds: float | None = Field(
+        default=None, ge=0, description="Graceful stop time before a scaling event."
+    )
+    faulty_scale_down_timeout_in_seconds: float | None = Field(
+        default=None, ge=0, description="Wait this long for a replacement before scaling down."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ElasticPolicy:
+        lo, hi = self.min_replicas, self.max_replicas
+        if lo is not None and hi is not None and lo > hi:
+            raise field_problem("minReplicas", f"must be <= maxReplicas ({hi})")
+        if self.replica_increment_step is not None and self.replica_discrete_values is not None:
+            raise field_problem(
+                "replicaDiscreteValues", "mutually exclusive with replicaIncrementStep"
+            )
+        for value in self.replica_discrete_values or []:
+            if (lo is not None and value < lo) or (hi is not None and value > hi):
+                raise field_problem(
+                    "replicaDiscreteValues", f"{value} is outside minReplicas..maxReplicas"
+                )
+        return self
+
+
+class TrainguardOptions(SpecModel):
+    """trainguard extensions (not part of HyperPod's schema)."""
+
+    stop_grace_period_seconds: float = Field(
+        default=DEFAULT_STOP_GRACE_PERIOD_SECONDS,
+        ge=0,
+        description="trainguard extension: time workers get after SIGTERM before SIGKILL.",
+    )
+    poll_interval_seconds: Seconds = Field(
+        default=DEFAULT_POLL_INTERVAL_SECONDS,
+        description="trainguard extension: how often the controller polls node agents.",
+    )
+    node_start_timeout_seconds: Seconds = Field(
+        default=DEFAULT_NODE_START_TIMEOUT_SECONDS,
+        description="trainguard extension: a node agent that is not ready within this is faulty.",
+    )
+
+
+class TrainingJobSpec(SpecModel):
+    """What to run, on how many nodes, and how to react to faults."""
+
+    nproc_per_node: NprocPerNode | None = Field(
+        default=None,
+        description="Workers per node: auto | cpu | gpu | a positive integer. Unset: the "
+        "launcher's --nproc-per-node if the command is a launcher line, else 1.",
+    )
+    replica_specs: list[ReplicaSpec] = Field(
+        min_length=1, description="Node groups; together they form the job's nodes."
+    )
+    run_policy: RunPolicy = Field(
+        default_factory=RunPolicy, description="Retries, deadlines and log monitoring."
+    )
+    elastic_policy: ElasticPolicy | None = Field(
+        default=None, description="Elastic scaling bounds (validated, not acted on yet)."
+    )
+    trainguard: TrainguardOptions = Field(
+        default_factory=TrainguardOptions,
+        description="trainguard extensions: settings HyperPod does not have.",
+    )
+
+    @field_validator("replica_specs")
+    @classmethod
+    def _unique_group_names(cls, groups: list[ReplicaSpec]) -> list[ReplicaSpec]:
+        seen: set[str] = set()
+        for group in groups:
+            if group.name in seen:
+                raise ValueError(f"duplicate replica spec name {group.name!r}")
+            seen.add(group.name)
+        return groups
+
+
+class TrainingJob(SpecModel):
+    """A training job (apiVersion trainguard.dev/v1, kind TrainingJob)."""
+
+    api_version: Literal["trainguard.dev/v1"] = Field(
+        default=API_VERSION, description="Always trainguard.dev/v1."
+    )
+    kind: Literal["TrainingJob"] = Field(default=KIND, description="Always TrainingJob.")
+    metadata: ObjectMeta = Field(description="Name, namespace, labels and annotations.")
+    spec: TrainingJobSpec = Field(description="The job.")

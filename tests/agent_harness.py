@@ -1,0 +1,278 @@
+"""Run real node agents in tests: spawn, wait for the port file, drive, clean up.
+
+Reusable by any test that needs an agent subprocess (``from agent_harness import ...``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainguard.agent.client import AgentClient, AgentError
+from trainguard.agent.status import AgentStatus
+from trainguard.control.assignment import NodeAssignment
+
+TOKEN = "test-token-0123456789"
+STARTUP_TIMEOUT = 60.0  # s; the agent imports torch (~2 s, far more on a busy machine)
+STATE_TIMEOUT = 30.0
+
+# A light worker (no torch). Prints its torchrun environment, one stderr line, then
+# does what FAKE_ACTIONS says for its rank ("0=exit3,1=sleep"; "*" for any rank):
+# exitN | sleep | ignore-term (sleep, ignoring SIGTERM) | error (torch-style error file, exit 1).
+FAKE_WORKER = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    rank = os.environ["RANK"]
+    for key in sys.argv[1:]:
+        print(f"env {key}={os.environ.get(key, '<unset>')}")
+    print(f"cwd {os.getcwd()}")
+    print(f"stderr of rank {rank}", file=sys.stderr)
+    items = [i.split("=", 1) for i in os.environ.get("FAKE_ACTIONS", "").split(",") if i]
+    actions = dict(items)
+    action = actions.get(rank, actions.get("*", "exit0"))
+    if action in ("sleep", "ignore-term"):
+        if action == "ignore-term":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("sleeping", flush=True)
+        time.sleep(600)
+    if action == "error":
+        message = {"message": "RuntimeError: boom", "extraInfo": {"timestamp": "0"}}
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": message}, f)
+        sys.exit(1)
+    sys.stdout.write("last line without newline")
+    sys.exit(int(action[4:]))
+    """
+)
+TORCHRUN_KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_NAME",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+    "OMP_NUM_THREADS",
+)
+
+
+def fake_worker_argv(print_env: Sequence[str] = TORCHRUN_KEYS) -> list[str]:
+    return [sys.executable, "-u", "-c", FAKE_WORKER, *print_env]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_assignment(
+    node_id: str = "node-0",
+    *,
+    attempt: int = 0,
+    nproc_per_node: int = 2,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    job_id: str = "job-test",
+    actions: str = "",
+    master_port: int = 29500,
+) -> NodeAssignment:
+    """An assignment whose workers follow ``actions`` (see ``FAKE_WORKER``)."""
+    return NodeAssignment(
+        job_id=job_id,
+        node_id=node_id,
+        attempt=attempt,
+        node_rank=node_rank,
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        master_addr="127.0.0.1",
+        master_port=master_port,
+        restart_count=attempt,
+        max_restarts=3,
+        extra_env={"FAKE_ACTIONS": actions},
+    )
+
+
+def pid_gone(pid: int) -> bool:
+    """True if ``pid`` no longer runs (absent, or a zombie nobody reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def wait_pids_gone(pids: Sequence[int], timeout: float = 15.0) -> list[int]:
+    """Wait until every pid is gone; returns those still running at the deadline."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if not pid_gone(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if not pid_gone(p)]
+    return alive
+
+
+def wait_for_text(path: Path, text: str, timeout: float = STATE_TIMEOUT) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        content = path.read_text(errors="replace") if path.exists() else ""
+        if text in content:
+            return content
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{text!r} not in {path} after {timeout} s:\n{content}")
+        time.sleep(0.05)
+
+
+def wait_for_port_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"agent exited with {proc.returncode} before writing {path}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no port file {path} after {timeout} s")
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+@dataclass
+class AgentProcess:
+    """A running agent subprocess; its console and log go to files under ``workdir``."""
+
+    proc: subprocess.Popen[bytes]
+    node_id: str
+    port: int
+    token: str
+    log_dir: Path
+    console_path: Path
+    stderr_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def client(self) -> AgentClient:
+        return AgentClient(self.url, self.token)
+
+    def console(self) -> str:
+        return self.console_path.read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def wait_state(
+        self, *states: str, attempt: int | None = None, timeout: float = STATE_TIMEOUT
+    ) -> AgentStatus:
+        """Poll ``/status`` until the state is one of ``states`` (for ``attempt``, if given)."""
+        deadline = time.monotonic() + timeout
+        status: AgentStatus | None = None
+        while time.monotonic() < deadline:
+            with contextlib.suppress(AgentError):
+                status = self.client.status()
+                if status.state in states and (attempt is None or status.attempt == attempt):
+                    return status
+            time.sleep(0.05)
+        raise AssertionError(
+            f"agent {self.node_id} not in {states} after {timeout} s; last: {status}\n"
+            f"agent stderr:\n{self.stderr()}"
+        )
+
+    def wait_exit(self, timeout: float = STATE_TIMEOUT) -> int:
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        """End the agent however it is (SIGTERM, then SIGKILL)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def agent_command(
+    node_id: str,
+    token_file: Path,
+    log_dir: Path,
+    port_file: Path,
+    worker_argv: Sequence[str],
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "trainguard.agent",
+        "--node-id",
+        node_id,
+        "--token-file",
+        str(token_file),
+        "--log-dir",
+        str(log_dir),
+        "--port-file",
+        str(port_file),
+        *extra_args,
+        "--",
+        *worker_argv,
+    ]
+
+
+def agent_env() -> dict[str, str]:
+    """The test's environment, minus what would make worker environments vary."""
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+def spawn_agent(
+    workdir: Path,
+    worker_argv: Sequence[str] | None = None,
+    *,
+    node_id: str = "node-0",
+    token: str = TOKEN,
+    log_dir: Path | None = None,
+    extra_args: Sequence[str] = (),
+    startup_timeout: float = STARTUP_TIMEOUT,
+) -> AgentProcess:
+    """Start ``python -m trainguard.agent`` and wait until it serves."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    token_file = workdir / f"{node_id}.token"
+    token_file.write_text(token + "\n")
+    port_file = workdir / f"{node_id}.port"
+    port_file.unlink(missing_ok=True)
+    log_dir = log_dir or workdir / "logs"
+    console_path = workdir / f"{node_id}.console"
+    stderr_path = workdir / f"{node_id}.stderr"
+    command = agent_command(
+        node_id, token_file, log_dir, port_file, worker_argv or fake_worker_argv(), extra_args
+    )
+    with open(console_path, "wb") as out, open(stderr_path, "wb") as err:
+        proc = subprocess.Popen(command, stdout=out, stderr=err, cwd=workdir, env=agent_env())
+    try:
+        port = wait_for_port_file(port_file, proc, startup_timeout)
+    except AssertionError:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"agent did not start:\n{stderr_path.read_text()}") from None
+    return AgentProcess(proc, node_id, port, token, log_dir, console_path, stderr_path)
+
+
+def worker_pids(status: AgentStatus) -> list[int]:
+    return [w.pid for w in status.workers if w.pid is not None]

@@ -1,0 +1,78 @@
+"""Shared test helpers: run the trainguard CLI in a private state directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+FAKE_WORKER = SCRIPTS / "fake_worker.py"
+
+
+class Trainguard:
+    """The ``trainguard`` command bound to one state directory."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.env = {**os.environ, "TRAINGUARD_STATE_DIR": str(state_dir), "PYTHONUNBUFFERED": "1"}
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "trainguard.cli", *args]
+
+    def run(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.argv(*args),
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+        )
+
+    def popen(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            self.argv(*args),
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+
+    def describe(self, job: str) -> dict[str, Any]:
+        done = self.run("describe", job, "-o", "json", timeout=60)
+        assert done.returncode == 0, done.stderr
+        data: dict[str, Any] = json.loads(done.stdout)
+        return data
+
+    def only_job(self) -> dict[str, Any]:
+        done = self.run("list", "-o", "json", timeout=60)
+        assert done.returncode == 0, done.stderr
+        jobs = json.loads(done.stdout)
+        assert len(jobs) == 1, jobs
+        return self.describe(jobs[0]["id"])
+
+
+@pytest.fixture
+def tg(tmp_path: Path) -> Trainguard:
+    return Trainguard(tmp_path / "state")
+
+
+def pid_alive(pid: int) -> bool:
+    """True when ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def worker_pids(out: Path) -> list[int]:
+    return [json.loads(p.read_text())["pid"] for p in out.glob("rank-*.json")]

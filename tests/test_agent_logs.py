@@ -1,0 +1,135 @@
+"""The log layout, the console and the tailer, in process (the test writes the worker files)."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from trainguard.agent.logs import Console, LogLayout, LogTailer
+
+INTERVAL = 0.02
+
+
+class RecordingStream(io.BytesIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self.writes.append(bytes(data))
+        return super().write(data)
+
+
+def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_layout_paths(tmp_path: Path) -> None:
+    layout = LogLayout(tmp_path)
+    assert layout.stdout(2, 5) == tmp_path / "attempt-2" / "rank-5" / "stdout.log"
+    assert layout.stderr(2, 5) == tmp_path / "attempt-2" / "rank-5" / "stderr.log"
+    assert layout.error_file(2, 5) == tmp_path / "attempt-2" / "rank-5" / "error.json"
+    assert layout.combined(5) == tmp_path / "rank-5.log"
+
+
+def test_console_writes_each_prefixed_line_in_one_write() -> None:
+    stream = RecordingStream()
+    Console(stream).write_line(3, b"loss 0.5")
+    assert stream.writes == [b"[rank3]: loss 0.5\n"]
+
+
+def test_console_survives_a_closed_stream() -> None:
+    stream = RecordingStream()
+    stream.close()
+    Console(stream).write_line(0, b"lost")  # no exception
+
+
+def make_tailer(
+    tmp_path: Path, attempt: int, lines: list[tuple[int, str, str]], console: Console | None = None
+) -> tuple[LogLayout, LogTailer]:
+    layout = LogLayout(tmp_path)
+    for rank in (4, 5):
+        layout.rank_dir(attempt, rank).mkdir(parents=True, exist_ok=True)
+    tailer = LogTailer(
+        layout,
+        attempt,
+        {0: 4, 1: 5},
+        interval=INTERVAL,
+        console=console,
+        on_line=lambda rank, stream, line, t: lines.append((rank, stream, line)),
+    )
+    return layout, tailer
+
+
+def test_tailer_holds_partial_lines_until_the_newline_or_the_exit(tmp_path: Path) -> None:
+    lines: list[tuple[int, str, str]] = []
+    stream = RecordingStream()
+    layout, tailer = make_tailer(tmp_path, 0, lines, Console(stream))
+    out = layout.stdout(0, 4).open("wb", buffering=0)
+    tailer.start()
+
+    out.write(b"step 1\nstep 2 lo")
+    eventually(lambda: (4, "stdout", "step 1") in lines)
+    time.sleep(5 * INTERVAL)
+    assert lines == [(4, "stdout", "step 1")]  # the partial line is held
+
+    out.write(b"ss 0.1\nno newline")
+    eventually(lambda: len(lines) == 2)
+    assert lines[1] == (4, "stdout", "step 2 loss 0.1")
+
+    tailer.finish_rank(0)  # the worker exited: its partial line is a line
+    eventually(lambda: len(lines) == 3)
+    assert lines[2] == (4, "stdout", "no newline")
+    assert tailer.stop(timeout=10)
+
+    assert layout.combined(4).read_bytes() == (
+        b"=== trainguard: attempt 0 ===\nstep 1\nstep 2 loss 0.1\nno newline\n"
+    )
+    assert b"".join(stream.writes) == (
+        b"[rank4]: step 1\n[rank4]: step 2 loss 0.1\n[rank4]: no newline\n"
+    )
+
+
+def test_stop_drains_everything_and_the_combined_log_spans_attempts(tmp_path: Path) -> None:
+    lines: list[tuple[int, str, str]] = []
+    layout, first = make_tailer(tmp_path, 0, lines)
+    first.start()
+    layout.stdout(0, 5).write_bytes(b"a\nb")
+    layout.stderr(0, 5).write_bytes(b"oops\n")
+    assert first.stop(timeout=10)  # written just before stop: nothing is lost
+    assert sorted(lines) == [(5, "stderr", "oops"), (5, "stdout", "a"), (5, "stdout", "b")]
+
+    _, second = make_tailer(tmp_path, 1, lines)
+    second.start()
+    layout.stdout(1, 5).write_bytes(b"again\n")
+    assert second.stop(timeout=10)
+    combined = layout.combined(5).read_text().splitlines()
+    assert combined[0] == "=== trainguard: attempt 0 ==="
+    assert combined.index("=== trainguard: attempt 1 ===") == 4
+    assert combined[-1] == "again"
+    assert layout.combined(4).read_text().splitlines() == [
+        "=== trainguard: attempt 0 ===",
+        "=== trainguard: attempt 1 ===",
+    ]
+
+
+def test_a_failing_hook_does_not_stop_the_tailer(tmp_path: Path) -> None:
+    layout = LogLayout(tmp_path)
+    layout.rank_dir(0, 0).mkdir(parents=True)
+    stream = RecordingStream()
+
+    def bad_hook(rank: int, name: str, line: str, t: float) -> None:
+        raise RuntimeError("monitor bug")
+
+    tailer = LogTailer(
+        layout, 0, {0: 0}, interval=INTERVAL, console=Console(stream), on_line=bad_hook
+    )
+    tailer.start()
+    layout.stdout(0, 0).write_bytes(b"one\ntwo\n")
+    assert tailer.stop(timeout=10)
+    assert b"".join(stream.writes) == b"[rank0]: one\n[rank0]: two\n"

@@ -1,0 +1,83 @@
+"""Status wire format and the exec shim (both stdlib-only)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainguard.agent.status import AgentState, AgentStatus, WorkerState, WorkerStatus
+
+
+def sample() -> AgentStatus:
+    return AgentStatus(
+        node_id="node-1",
+        pid=42,
+        state=AgentState.FAULTED,
+        attempt=3,
+        reason="rank 5 exited with signal SIGKILL",
+        updated_at=1700000000.5,
+        workers=(
+            WorkerStatus(0, 4, 100, WorkerState.STOPPED, -15, "SIGTERM"),
+            WorkerStatus(1, 5, 101, WorkerState.FAILED, -9, "SIGKILL"),
+        ),
+    )
+
+
+def test_status_round_trips_through_json() -> None:
+    assert AgentStatus.from_json(sample().to_json()) == sample()
+
+
+def test_describe_exit() -> None:
+    worker = WorkerStatus(1, 5, 101, WorkerState.FAILED, 3, None, "ValueError: x")
+    assert worker.describe_exit() == "rank 5 exited with exit code 3: ValueError: x"
+    assert sample().workers[1].describe_exit() == "rank 5 exited with signal SIGKILL"
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"state": "dancing"}, "status.state"),
+        ({"pid": "42"}, "status.pid"),
+        ({"updated_at": None}, "status.updated_at"),
+        ({"workers": {}}, "status.workers"),
+        ({"workers": [{"local_rank": 0}]}, "status.workers[0].rank"),
+    ],
+)
+def test_bad_status_names_the_field(change: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        AgentStatus.from_json(sample().to_json() | change)
+
+
+def shim(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "trainguard.agent.exec_worker", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=cwd)
+
+
+def test_shim_execs_the_command_in_place(tmp_path: Path) -> None:
+    code = "import os; print(os.getcwd())"
+    result = shim(
+        "--parent-pid", str(os.getpid()), "--cwd", str(tmp_path), "--", sys.executable, "-c", code
+    )
+    assert (result.returncode, result.stdout) == (0, f"{tmp_path}\n")
+
+
+def test_shim_passes_the_exit_code_through() -> None:
+    result = shim(
+        "--parent-pid", str(os.getpid()), "--", sys.executable, "-c", "raise SystemExit(7)"
+    )
+    assert result.returncode == 7
+
+
+def test_shim_refuses_when_the_agent_is_not_its_parent() -> None:
+    result = shim("--parent-pid", "1", "--", "true")
+    assert result.returncode == 1 and "is gone" in result.stderr
+
+
+def test_shim_reports_a_missing_command() -> None:
+    result = shim("--parent-pid", str(os.getpid()), "--", "no-such-command-xyz")
+    assert result.returncode == 127 and "no-such-command-xyz" in result.stderr

@@ -1,0 +1,195 @@
+"""The job controller's state machine, driven by plain reports: no processes, no clock."""
+
+from trainguard.control.assignment import Endpoint
+from trainguard.control.controller import (
+    ControlConfig,
+    Finish,
+    JobController,
+    JobPhase,
+    StartNodes,
+    StopNodes,
+)
+from trainguard.control.reports import NodeReport, NodeState, WorkerFailure
+
+NODES = ("node-0", "node-1")
+
+
+def make(max_restarts: int = 0, **kw: object) -> JobController:
+    config = ControlConfig(
+        "job",
+        NODES,
+        2,
+        max_restarts=max_restarts,
+        stop_grace_seconds=5,
+        stop_slack_seconds=10,
+        **kw,
+    )  # type: ignore[arg-type]
+    return JobController(config, lambda attempt: Endpoint("127.0.0.1", 30000 + attempt))
+
+
+def reports(state: NodeState, attempt: int = 0, **per_node: NodeReport) -> dict[str, NodeReport]:
+    base = {n: NodeReport(n, True, state, attempt) for n in NODES}
+    base.update(per_node)
+    return base
+
+
+def crashed(attempt: int = 0, node: str = "node-1", rank: int = 3) -> NodeReport:
+    return NodeReport(
+        node,
+        True,
+        NodeState.FAULTED,
+        attempt,
+        "boom",
+        (WorkerFailure(rank, rank % 2, -9, "SIGKILL"),),
+    )
+
+
+def test_start_assigns_every_node_a_fresh_endpoint() -> None:
+    c = make()
+    [action] = c.start(0.0)
+    assert isinstance(action, StartNodes)
+    assert action.attempt == 0
+    assert [a.node_id for a in action.assignments] == list(NODES)
+    assert {a.master_port for a in action.assignments} == {30000}
+    assert c.phase is JobPhase.RUNNING
+
+
+def test_all_nodes_completed_is_success() -> None:
+    c = make()
+    c.start(0.0)
+    assert c.observe(1.0, reports(NodeState.RUNNING)) == []
+    [finish] = c.observe(2.0, reports(NodeState.COMPLETED))
+    assert finish == Finish(JobPhase.SUCCEEDED, "all ranks completed")
+    assert c.phase is JobPhase.SUCCEEDED
+    kinds = [e.kind for e in c.drain_events()]
+    assert kinds == ["JobStarted", "AttemptStarted", "AttemptEnded", "JobSucceeded"]
+
+
+def test_one_node_completed_is_not_yet_success() -> None:
+    c = make()
+    c.start(0.0)
+    assert (
+        c.observe(
+            1.0,
+            reports(
+                NodeState.RUNNING, **{"node-0": NodeReport("node-0", True, NodeState.COMPLETED, 0)}
+            ),
+        )
+        == []
+    )
+
+
+def test_reports_about_an_older_attempt_are_ignored() -> None:
+    c = make(max_restarts=1)
+    c.start(0.0)
+    c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
+    c.observe(2.0, reports(NodeState.STOPPED))  # attempt 1 starts
+    # agents still say "faulted"/"completed" about attempt 0: neither a fault nor success
+    assert c.observe(3.0, reports(NodeState.COMPLETED, attempt=0, **{"node-1": crashed()})) == []
+    assert c.phase is JobPhase.RUNNING
+
+
+def test_a_crash_stops_every_node_at_once() -> None:
+    c = make(max_restarts=1)
+    c.start(0.0)
+    [stop] = c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
+    assert isinstance(stop, StopNodes)
+    assert stop.node_ids == NODES
+    assert stop.mode == "process"
+    fault = c.current.faults[0] if c.current else None
+    assert fault is not None and fault.rank == 3 and fault.node == "node-1"
+    assert fault.evidence["signal"] == "SIGKILL"
+
+
+def test_restart_after_all_stopped_with_a_new_attempt_and_endpoint() -> None:
+    c = make(max_restarts=1)
+    c.start(0.0)
+    c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
+    assert c.observe(1.5, reports(NodeState.STOPPING)) == []
+    [start] = c.observe(2.0, reports(NodeState.STOPPED, **{"node-1": crashed()}))
+    assert isinstance(start, StartNodes)
+    assert start.attempt == 1
+    assert {a.restart_count for a in start.assignments} == {1}
+    assert {a.master_port for a in start.assignments} == {30001}
+    assert c.restarts == 1
+    [finish] = c.observe(3.0, reports(NodeState.COMPLETED, attempt=1))
+    assert finish.phase is JobPhase.SUCCEEDED  # type: ignore[union-attr]
+
+
+def test_budget_exhausted_fails_with_the_cause() -> None:
+    c = make(max_restarts=0)
+    c.start(0.0)
+    c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
+    [finish] = c.observe(2.0, reports(NodeState.STOPPED))
+    assert isinstance(finish, Finish)
+    assert finish.phase is JobPhase.FAILED
+    assert "rank 3 exited with signal SIGKILL" in finish.reason
+    assert "jobMaxRetryCount=0" in finish.reason
+
+
+def test_exit_code_failure_is_described() -> None:
+    c = make()
+    c.start(0.0)
+    bad = NodeReport("node-0", True, NodeState.FAULTED, 0, None, (WorkerFailure(1, 1, 3),))
+    c.observe(1.0, reports(NodeState.RUNNING, **{"node-0": bad}))
+    [finish] = c.observe(2.0, reports(NodeState.STOPPED))
+    assert "rank 1 exited with exit code 3" in finish.reason  # type: ignore[union-attr]
+
+
+def test_lost_node_fails_the_job_for_now() -> None:
+    c = make(max_restarts=3)
+    c.start(0.0)
+    [stop] = c.observe(1.0, reports(NodeState.RUNNING, **{"node-0": NodeReport("node-0", False)}))
+    assert isinstance(stop, StopNodes)
+    [finish] = c.observe(2.0, reports(NodeState.STOPPED, **{"node-0": NodeReport("node-0", False)}))
+    assert finish.phase is JobPhase.FAILED  # type: ignore[union-attr]
+    assert "node-0 lost" in finish.reason  # type: ignore[union-attr]
+
+
+def test_stop_timeout_is_a_fault() -> None:
+    c = make(max_restarts=3)
+    c.start(0.0)
+    c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
+    assert c.observe(5.0, reports(NodeState.STOPPING)) == []
+    [finish] = c.observe(12.0, reports(NodeState.STOPPING))  # 1 + 0 grace + 10 slack passed
+    assert finish.phase is JobPhase.FAILED  # type: ignore[union-attr]
+    assert any(f.type == "NodeStopTimeout" for f in c.attempts[0].faults)
+
+
+def test_cancel_stops_gracefully_then_finishes_stopped() -> None:
+    c = make(max_restarts=5)
+    c.start(0.0)
+    [stop] = c.cancel(1.0, "deleted by user")
+    assert isinstance(stop, StopNodes) and stop.mode == "graceful" and stop.timeout == 5
+    assert c.cancel(1.1, "again") == []
+    assert c.phase is JobPhase.STOPPING
+    [finish] = c.observe(2.0, reports(NodeState.STOPPED))
+    assert finish == Finish(JobPhase.STOPPED, "deleted by user")
+
+
+def test_cancel_during_a_fault_stop_does_not_restart() -> None:
+    c = make(max_restarts=5)
+    c.start(0.0)
+    c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
+    assert c.cancel(1.5, "interrupted (Ctrl-C)") == []
+    [finish] = c.observe(2.0, reports(NodeState.STOPPED))
+    assert finish == Finish(JobPhase.STOPPED, "interrupted (Ctrl-C)")
+
+
+def test_active_deadline_fails_the_job() -> None:
+    c = make(active_deadline_seconds=10.0)
+    c.start(0.0)
+    assert c.observe(5.0, reports(NodeState.RUNNING)) == []
+    [stop] = c.observe(11.0, reports(NodeState.RUNNING))
+    assert isinstance(stop, StopNodes)
+    [finish] = c.observe(12.0, reports(NodeState.STOPPED))
+    assert finish.phase is JobPhase.FAILED  # type: ignore[union-attr]
+    assert "DeadlineExceeded" in finish.reason  # type: ignore[union-attr]
+
+
+def test_nothing_happens_after_the_end() -> None:
+    c = make()
+    c.start(0.0)
+    c.observe(1.0, reports(NodeState.COMPLETED))
+    assert c.observe(2.0, reports(NodeState.FAULTED)) == []
+    assert c.cancel(3.0, "late") == []

@@ -1,0 +1,238 @@
+"""The local platform end to end, with light fake workers (no torch): CLI, agents, store."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+from conftest import FAKE_WORKER, Trainguard, pid_alive, worker_pids
+
+TORCHRUN_KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_MAX_RESTARTS",
+)
+
+
+def wait_for(predicate: object, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not reached in time")
+
+
+def test_torchrun_form_runs_every_rank_with_the_torchrun_env(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    done = tg.run(
+        "run", "--nnodes", "2", "--nproc-per-node", "2", str(FAKE_WORKER), "--out", str(out)
+    )
+    assert done.returncode == 0, done.stderr
+    for rank in range(4):
+        assert f"[rank{rank}]: hello from rank {rank} attempt 0" in done.stdout
+    records = {r: json.loads((out / f"rank-{r}-attempt-0.json").read_text()) for r in range(4)}
+    ports = {rec["env"]["MASTER_PORT"] for rec in records.values()}
+    assert len(ports) == 1
+    for rank, rec in records.items():
+        env = rec["env"]
+        assert all(k in env for k in TORCHRUN_KEYS)
+        assert env["RANK"] == str(rank)
+        assert env["LOCAL_RANK"] == str(rank % 2)
+        assert env["GROUP_RANK"] == str(rank // 2)
+        assert env["WORLD_SIZE"] == "4"
+        assert env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["OMP_NUM_THREADS"] == "1"
+    job = tg.only_job()
+    assert job["phase"] == "Succeeded"
+    assert [n["ranks"] for n in job["nodes"]] == [[0, 1], [2, 3]]
+    assert [a["phase"] for a in job["attempts"]] == ["Succeeded"]
+    kinds = [e["kind"] for e in job["events"]]
+    assert kinds[0] == "JobStarted" and kinds[-1] == "JobSucceeded"
+    # Logs: per rank, and the whole console; after the job ended.
+    rank3 = tg.run("logs", job["id"], "--rank", "3")
+    assert "hello from rank 3 attempt 0" in rank3.stdout
+    assert "stderr line from rank 3" in rank3.stdout
+    console = tg.run("logs", job["id"])
+    assert "[rank1]: hello from rank 1" in console.stdout
+    text = tg.run("describe", job["id"])
+    assert "Nodes:" in text.stdout and "node-1" in text.stdout and "Events:" in text.stdout
+    assert not any(pid_alive(p) for p in worker_pids(out))
+
+
+def test_crash_is_restarted_within_budget(tg: Trainguard, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = tg.run(
+        "run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        str(FAKE_WORKER),
+        "--out",
+        str(out),
+        "--fail-rank",
+        "3",
+        "--fail-attempts",
+        "1",
+        "--sleep",
+        "1",
+    )
+    assert done.returncode == 0, done.stderr
+    job = tg.only_job()
+    assert job["phase"] == "Succeeded"
+    assert job["restarts"] == 1
+    assert [a["phase"] for a in job["attempts"]] == ["Failed", "Succeeded"]
+    assert job["attempts"][0]["master_port"] != job["attempts"][1]["master_port"]
+    faults = [e for e in job["events"] if e["kind"] == "Fault"]
+    assert faults[0]["rank"] == 3 and "exit code 3" in faults[0]["message"]
+    env1 = json.loads((out / "rank-0-attempt-1.json").read_text())["env"]
+    assert env1["TORCHELASTIC_RESTART_COUNT"] == "1" and env1["TRAINGUARD_ATTEMPT"] == "1"
+    assert not any(pid_alive(p) for p in worker_pids(out))
+
+
+def test_budget_exhausted_fails_with_reason(tg: Trainguard, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = tg.run(
+        "run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(FAKE_WORKER),
+        "--out",
+        str(out),
+        "--fail-rank",
+        "1",
+        "--fail-attempts",
+        "-1",
+        "--exit-code",
+        "7",
+        "--sleep",
+        "30",
+    )
+    assert done.returncode == 1
+    assert "rank 1 exited with exit code 7" in done.stderr
+    assert "retry budget exhausted" in done.stderr
+    job = tg.only_job()
+    assert job["phase"] == "Failed" and "jobMaxRetryCount=1" in job["reason"]
+    assert not any(pid_alive(p) for p in worker_pids(out))
+
+
+def test_missing_script_is_exit_2_and_starts_nothing(tg: Trainguard, tmp_path: Path) -> None:
+    done = tg.run("run", "--nnodes", "2", str(tmp_path / "nope.py"))
+    assert done.returncode == 2
+    assert "nope.py" in done.stderr
+    assert tg.run("list", "-o", "json").stdout.strip() == "[]"
+
+
+def test_bad_spec_names_the_field(tg: Trainguard, tmp_path: Path) -> None:
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "apiVersion: trainguard.dev/v1\nkind: TrainingJob\nmetadata: {name: bad}\n"
+        "spec:\n  nprocPerNode: '1'\n  replicaSpecs:\n    - name: pods\n      replicas: 0\n"
+        "      template: {spec: {containers: [{name: t, command: [python, x.py]}]}}\n"
+    )
+    done = tg.run("run", "-f", str(spec))
+    assert done.returncode == 2
+    assert "spec.replicaSpecs[0].replicas" in done.stderr
+    assert tg.run("list", "-o", "json").stdout.strip() == "[]"
+
+
+def test_bad_flag_is_exit_2(tg: Trainguard) -> None:
+    done = tg.run("run", "--nnodes", "zero", "x.py")
+    assert done.returncode == 2 and "--nnodes" in done.stderr
+
+
+def test_ctrl_c_stops_every_worker(tg: Trainguard, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = tg.popen(
+        "run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        str(FAKE_WORKER),
+        "--out",
+        str(out),
+        "--sleep",
+        "120",
+    )
+    wait_for(lambda: len(list(out.glob("rank-*.json"))) == 4)
+    pids = worker_pids(out)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=30)
+    assert tg.only_job()["phase"] == "Stopped"
+
+
+def test_delete_stops_a_running_job_and_removes_it(tg: Trainguard, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = tg.popen(
+        "run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        str(FAKE_WORKER),
+        "--out",
+        str(out),
+        "--sleep",
+        "120",
+    )
+    wait_for(lambda: len(list(out.glob("rank-*.json"))) == 2)
+    pids = worker_pids(out)
+    job_id = json.loads(tg.run("list", "-o", "json").stdout)[0]["id"]
+    done = tg.run("delete", job_id)
+    assert done.returncode == 0, done.stderr
+    proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=30)
+    assert tg.run("list", "-o", "json").stdout.strip() == "[]"
+    assert tg.run("describe", job_id).returncode == 2
+
+
+def test_unknown_job_is_exit_2(tg: Trainguard) -> None:
+    done = tg.run("describe", "nope")
+    assert done.returncode == 2 and "nope" in done.stderr
+
+
+def test_killed_controller_leaves_no_orphans(tg: Trainguard, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = tg.popen(
+        "run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        str(FAKE_WORKER),
+        "--out",
+        str(out),
+        "--sleep",
+        "120",
+    )
+    wait_for(lambda: len(list(out.glob("rank-*.json"))) == 2)
+    pids = worker_pids(out)
+    proc.kill()
+    proc.communicate(timeout=30)
+    wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=30)
+    job = tg.only_job()
+    assert job["phase"] == "Lost"

@@ -1,0 +1,288 @@
+"""TrainingJob validation: valid specs, and one exact error line per kind of mistake."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainguard.spec import SpecError, TrainingJob, json_schema, load_job, parse_job
+
+DATA = Path(__file__).parent / "data"
+
+MINIMAL: dict[str, Any] = {
+    "apiVersion": "trainguard.dev/v1",
+    "kind": "TrainingJob",
+    "metadata": {"name": "tiny"},
+    "spec": {
+        "replicaSpecs": [
+            {
+                "name": "worker",
+                "template": {
+                    "spec": {"containers": [{"name": "c", "command": ["python", "t.py"]}]}
+                },
+            }
+        ]
+    },
+}
+
+
+def job_with(**changes: Any) -> dict[str, Any]:
+    """MINIMAL with dotted-path changes, e.g. job_with(**{"spec.nprocPerNode": 2})."""
+    data = copy.deepcopy(MINIMAL)
+    for dotted, value in changes.items():
+        node: Any = data
+        *parents, last = dotted.split(".")
+        for part in parents:
+            node = node[int(part)] if part.isdigit() else node.setdefault(part, {})
+        node[last] = value
+    return data
+
+
+def errors_of(data: object) -> str:
+    with pytest.raises(SpecError) as info:
+        parse_job(data, "job.yaml")
+    return str(info.value)
+
+
+def test_minimal_job_gets_defaults() -> None:
+    job = parse_job(MINIMAL, "job.yaml")
+    assert job.metadata.name == "tiny"
+    assert job.metadata.namespace == "default"
+    assert job.spec.nproc_per_node is None
+    group = job.spec.replica_specs[0]
+    assert (group.replicas, group.spares, group.max_replicas) == (1, 0, None)
+    assert job.spec.run_policy.job_max_retry_count is None
+    assert job.spec.run_policy.clean_pod_policy == "All"
+    assert job.spec.run_policy.log_monitoring_configuration == []
+    assert job.spec.trainguard.stop_grace_period_seconds == 10
+    assert job.spec.trainguard.poll_interval_seconds == 0.5
+    assert job.spec.trainguard.node_start_timeout_seconds == 60
+
+
+def test_example_file_parses_with_log_rules() -> None:
+    job = load_job(DATA / "spec_example.yaml")
+    assert job.spec.nproc_per_node == "2"
+    assert job.spec.replica_specs[0].replicas == 2
+    rules = {rule.name: rule for rule in job.spec.run_policy.log_monitoring_configuration}
+    assert rules["JobStart"].expected_start_cut_off_in_seconds == 120
+    assert rules["JobHangingDetection"].expected_recurring_frequency_in_seconds == 30
+    slow = rules["LowThroughput"]
+    assert (slow.metric_threshold, slow.operator, slow.metric_evaluation_data_points) == (
+        80,
+        "lteq",
+        5,
+    )
+    assert rules["NanLoss"].fault_on_match
+    assert rules["JobStart"].metric_evaluation_data_points == 1
+    restart = job.spec.run_policy.restart_policy
+    assert restart is not None and restart.eval_period_seconds == 600
+    assert job.spec.trainguard.stop_grace_period_seconds == 5
+
+
+def test_minimal_example_file_parses() -> None:
+    job = load_job(DATA / "spec_minimal.yaml")
+    assert job.metadata.name == "minimal"
+    assert job.spec.replica_specs[0].replicas == 2
+
+
+@pytest.mark.parametrize(
+    ("given", "stored"), [(4, "4"), ("8", "8"), ("auto", "auto"), ("cpu", "cpu"), ("gpu", "gpu")]
+)
+def test_nproc_per_node_accepts_int_numeric_string_and_keywords(given: object, stored: str) -> None:
+    job = parse_job(job_with(**{"spec.nprocPerNode": given}), "job.yaml")
+    assert job.spec.nproc_per_node == stored
+
+
+@pytest.mark.parametrize("bad", [0, "0", "xpu", -2, True, "two"])
+def test_nproc_per_node_rejects_other_values(bad: object) -> None:
+    assert errors_of(job_with(**{"spec.nprocPerNode": bad})) == (
+        "job.yaml: spec.nprocPerNode: must be auto, cpu, gpu or a positive integer"
+    )
+
+
+def test_bad_field_gives_exact_error_line() -> None:
+    data = job_with(**{"spec.replicaSpecs.0.replicas": 0})
+    assert errors_of(data) == "job.yaml: spec.replicaSpecs[0].replicas: must be >= 1"
+
+
+def test_several_problems_one_line_each() -> None:
+    data = job_with(**{"spec.replicaSpecs.0.spares": -1, "spec.runPolicy.jobMaxRetryCount": "x"})
+    del data["metadata"]["name"]
+    assert errors_of(data).splitlines() == [
+        "job.yaml: metadata.name: field required",
+        "job.yaml: spec.replicaSpecs[0].spares: must be >= 0",
+        "job.yaml: spec.runPolicy.jobMaxRetryCount: must be an integer",
+    ]
+
+
+def test_bounds_and_types_read_naturally() -> None:
+    data = job_with(**{"spec.trainguard": {"pollIntervalSeconds": 0}, "spec.runPolicy": 3})
+    assert errors_of(data).splitlines() == [
+        "job.yaml: spec.runPolicy: must be a mapping",
+        "job.yaml: spec.trainguard.pollIntervalSeconds: must be > 0",
+    ]
+    data = job_with(**{"spec.replicaSpecs.0.template.spec.containers.0.command": "python t.py"})
+    assert errors_of(data) == (
+        "job.yaml: spec.replicaSpecs[0].template.spec.containers[0].command: must be a list"
+    )
+
+
+def test_unknown_field_is_an_error_naming_it() -> None:
+    data = job_with(**{"spec.runPolicy.jobMaxRetryCuont": 3})
+    assert errors_of(data) == "job.yaml: spec.runPolicy.jobMaxRetryCuont: unknown field"
+    data = job_with(**{"spec.replicaSpecs.0.replica": 3})
+    assert errors_of(data) == "job.yaml: spec.replicaSpecs[0].replica: unknown field"
+    assert errors_of(job_with(**{"metadata.lables": {}})) == (
+        "job.yaml: metadata.lables: unknown field"
+    )
+
+
+def test_pod_template_keeps_unknown_kubernetes_fields() -> None:
+    data = job_with(**{"spec.replicaSpecs.0.template.spec.nodeSelector": {"a": "b"}})
+    data["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]["ports"] = [
+        {"containerPort": 8080}
+    ]
+    job = parse_job(data, "job.yaml")
+    dumped = job.model_dump(by_alias=True, exclude_none=True)
+    pod = dumped["spec"]["replicaSpecs"][0]["template"]["spec"]
+    assert pod["nodeSelector"] == {"a": "b"}
+    assert pod["containers"][0]["ports"] == [{"containerPort": 8080}]
+
+
+def test_kubernetes_metadata_fields_are_accepted() -> None:
+    data = job_with(**{"metadata.uid": "1234", "metadata.resourceVersion": "7"})
+    assert parse_job(data, "job.yaml").metadata.name == "tiny"
+
+
+@pytest.mark.parametrize("name", ["Upper", "has_underscore", "-dash", "a" * 64, ""])
+def test_job_name_must_be_dns_label(name: str) -> None:
+    assert errors_of(job_with(**{"metadata.name": name})).startswith(
+        "job.yaml: metadata.name: must be a lowercase DNS-1123 name"
+    )
+
+
+def test_needs_a_replica_spec_and_a_container() -> None:
+    assert errors_of(job_with(**{"spec.replicaSpecs": []})) == (
+        "job.yaml: spec.replicaSpecs: must have at least 1 item(s)"
+    )
+    data = job_with(**{"spec.replicaSpecs.0.template.spec.containers": []})
+    assert errors_of(data) == (
+        "job.yaml: spec.replicaSpecs[0].template.spec.containers: must have at least 1 item(s)"
+    )
+
+
+def test_env_value_must_be_a_string() -> None:
+    data = job_with(
+        **{"spec.replicaSpecs.0.template.spec.containers.0.env": [{"name": "A", "value": 1}]}
+    )
+    assert errors_of(data) == (
+        "job.yaml: spec.replicaSpecs[0].template.spec.containers[0].env[0].value: "
+        "must be a string (quote it in YAML)"
+    )
+
+
+def test_invalid_regex_names_the_field() -> None:
+    rules = [{"name": "r", "logPattern": ".*Loss: (["}]
+    text = errors_of(job_with(**{"spec.runPolicy.logMonitoringConfiguration": rules}))
+    assert text.startswith(
+        "job.yaml: spec.runPolicy.logMonitoringConfiguration[0].logPattern: "
+        "invalid regular expression:"
+    )
+    rules = [{"name": "r", "logPattern": ".*", "stopPattern": "("}]
+    text = errors_of(job_with(**{"spec.runPolicy.logMonitoringConfiguration": rules}))
+    assert "logMonitoringConfiguration[0].stopPattern: invalid regular expression" in text
+
+
+def test_operator_and_threshold_go_together() -> None:
+    path = "job.yaml: spec.runPolicy.logMonitoringConfiguration[0]"
+    rules: list[dict[str, Any]] = [{"name": "r", "logPattern": ".*x ([0-9]+)", "operator": "gt"}]
+    text = errors_of(job_with(**{"spec.runPolicy.logMonitoringConfiguration": rules}))
+    assert text == f"{path}.metricThreshold: required when operator is set"
+    rules = [{"name": "r", "logPattern": ".*x ([0-9]+)", "metricThreshold": 3}]
+    text = errors_of(job_with(**{"spec.runPolicy.logMonitoringConfiguration": rules}))
+    assert text == f"{path}.operator: required when metricThreshold is set"
+    rules = [{"name": "r", "logPattern": ".*x", "metricThreshold": 3, "operator": "gt"}]
+    text = errors_of(job_with(**{"spec.runPolicy.logMonitoringConfiguration": rules}))
+    assert (
+        text
+        == f"{path}.logPattern: needs a capture group for the metric when metricThreshold is set"
+    )
+
+
+def test_operator_must_be_known() -> None:
+    rules = [{"name": "r", "logPattern": "(.*)", "metricThreshold": 1, "operator": ">="}]
+    text = errors_of(job_with(**{"spec.runPolicy.logMonitoringConfiguration": rules}))
+    assert text == (
+        "job.yaml: spec.runPolicy.logMonitoringConfiguration[0].operator: "
+        "must be one of: gt, lt, eq, gteq, lteq"
+    )
+
+
+def test_duplicate_rule_names_rejected() -> None:
+    rules = [{"name": "r", "logPattern": ".*"}, {"name": "r", "logPattern": ".*"}]
+    text = errors_of(job_with(**{"spec.runPolicy.logMonitoringConfiguration": rules}))
+    assert text == "job.yaml: spec.runPolicy.logMonitoringConfiguration: duplicate rule name 'r'"
+
+
+def test_clean_pod_policy_enum() -> None:
+    text = errors_of(job_with(**{"spec.runPolicy.cleanPodPolicy": "Some"}))
+    assert (
+        text == "job.yaml: spec.runPolicy.cleanPodPolicy: must be one of: All, OnlyComplete, None"
+    )
+
+
+def test_restart_policy_needs_eval_period() -> None:
+    text = errors_of(job_with(**{"spec.runPolicy.restartPolicy": {"maxFullJobRestarts": 1}}))
+    assert text == "job.yaml: spec.runPolicy.restartPolicy.evalPeriodSeconds: field required"
+
+
+def test_elastic_policy_step_and_values_are_exclusive() -> None:
+    elastic: dict[str, Any] = {"minReplicas": 1, "maxReplicas": 4, "replicaIncrementStep": 1}
+    job = parse_job(job_with(**{"spec.elasticPolicy": elastic}), "job.yaml")
+    assert job.spec.elastic_policy is not None
+    assert job.spec.elastic_policy.replica_increment_step == 1
+    elastic["replicaDiscreteValues"] = [2, 4]
+    assert errors_of(job_with(**{"spec.elasticPolicy": elastic})) == (
+        "job.yaml: spec.elasticPolicy.replicaDiscreteValues: "
+        "mutually exclusive with replicaIncrementStep"
+    )
+
+
+def test_elastic_policy_min_not_above_max() -> None:
+    text = errors_of(job_with(**{"spec.elasticPolicy": {"minReplicas": 3, "maxReplicas": 2}}))
+    assert text == "job.yaml: spec.elasticPolicy.minReplicas: must be <= maxReplicas (2)"
+
+
+def test_max_replicas_not_below_replicas() -> None:
+    data = job_with(**{"spec.replicaSpecs.0.replicas": 3, "spec.replicaSpecs.0.maxReplicas": 2})
+    assert errors_of(data) == "job.yaml: spec.replicaSpecs[0].maxReplicas: must be >= replicas (3)"
+
+
+def test_python_names_and_camel_case_both_work() -> None:
+    job = parse_job(job_with(**{"spec.nproc_per_node": 3}), "job.yaml")
+    assert job.spec.nproc_per_node == "3"
+    again = TrainingJob.model_validate(job.model_dump(by_alias=True))
+    assert again == job
+
+
+def test_schema_uses_camel_case_names_and_has_no_nulls() -> None:
+    schema = json_schema()
+    defs = schema["$defs"]
+    assert set(schema["properties"]) == {"apiVersion", "kind", "metadata", "spec"}
+    assert {"nprocPerNode", "replicaSpecs", "runPolicy", "elasticPolicy", "trainguard"} == set(
+        defs["TrainingJobSpec"]["properties"]
+    )
+    assert "jobMaxRetryCount" in defs["RunPolicy"]["properties"]
+    assert "logMonitoringConfiguration" in defs["RunPolicy"]["properties"]
+    assert "expectedStartCutOffInSeconds" in defs["LogRule"]["properties"]
+    assert "stopGracePeriodSeconds" in defs["TrainguardOptions"]["properties"]
+    assert "workingDir" in defs["Container"]["properties"]
+    assert defs["TrainingJobSpec"]["additionalProperties"] is False
+    assert defs["PodSpec"]["additionalProperties"] is True
+    assert '"null"' not in str(schema).replace("'", '"')
+    for name, model in defs.items():
+        for field, prop in model.get("properties", {}).items():
+            assert prop.get("description"), f"{name}.{field} has no description"
