@@ -27,7 +27,8 @@ STATE_TIMEOUT = 30.0
 
 # A light worker (no torch). Prints its torchrun environment, one stderr line, then
 # does what FAKE_ACTIONS says for its rank ("0=exit3,1=sleep"; "*" for any rank):
-# exitN | sleep | ignore-term (sleep, ignoring SIGTERM) | error (torch-style error file, exit 1).
+# exitN | sleep | ignore-term (sleep, ignoring SIGTERM) | handle-term (sleep; on SIGTERM print
+# "got SIGTERM" and exit 0) | error (torch-style error file, exit 1).
 FAKE_WORKER = textwrap.dedent(
     """
     import json, os, signal, sys, time
@@ -39,9 +40,14 @@ FAKE_WORKER = textwrap.dedent(
     items = [i.split("=", 1) for i in os.environ.get("FAKE_ACTIONS", "").split(",") if i]
     actions = dict(items)
     action = actions.get(rank, actions.get("*", "exit0"))
-    if action in ("sleep", "ignore-term"):
+    if action in ("sleep", "ignore-term", "handle-term"):
         if action == "ignore-term":
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if action == "handle-term":
+            def on_term(signum, frame):
+                print("got SIGTERM", flush=True)
+                sys.exit(0)
+            signal.signal(signal.SIGTERM, on_term)
         print("sleeping", flush=True)
         time.sleep(600)
     if action == "error":

@@ -73,7 +73,18 @@ def test_client_with_a_wrong_token_gets_401(agent: AgentProcess) -> None:
 def test_status_has_exactly_the_documented_fields(agent: AgentProcess) -> None:
     code, reply = call(agent, "GET", "/status")
     assert code == 200
-    assert set(reply) == {"node_id", "pid", "state", "attempt", "reason", "updated_at", "workers"}
+    assert set(reply) == {
+        "node_id",
+        "pid",
+        "state",
+        "attempt",
+        "reason",
+        "updated_at",
+        "workers",
+        "monitor",
+        "heartbeats",
+        "stacks",
+    }
     assert reply["node_id"] == "node-0" and reply["pid"] == agent.proc.pid
     assert reply["state"] == "ready" and reply["attempt"] is None and reply["workers"] == []
     assert isinstance(reply["updated_at"], float)

@@ -174,6 +174,20 @@ def test_graceful_stop_escalates_to_sigkill(agent: AgentProcess, attempt: int) -
     assert [w.signal for w in status.workers] == ["SIGKILL", "SIGKILL"]
 
 
+def test_graceful_stop_continues_a_stopped_worker_first(agent: AgentProcess, attempt: int) -> None:
+    agent.client.start(make_assignment(attempt=attempt, actions="*=handle-term"))
+    status = agent.wait_state("running", attempt=attempt)
+    for rank in (0, 1):
+        wait_for_text(layout(agent).stdout(attempt, rank), "sleeping")
+    stopped_pid = worker_pids(status)[1]
+    os.kill(stopped_pid, signal.SIGSTOP)  # a hung worker
+    agent.client.stop(attempt, mode="graceful", timeout=30)
+    status = agent.wait_state("stopped", attempt=attempt)
+    # Its SIGTERM handler ran (it was continued), instead of a SIGKILL after the grace.
+    assert "got SIGTERM" in wait_for_text(layout(agent).stdout(attempt, 1), "got SIGTERM")
+    assert [w.signal for w in status.workers] == [None, None]
+
+
 def test_stop_of_another_attempt_leaves_the_current_one(agent: AgentProcess, attempt: int) -> None:
     agent.client.stop(None)  # nothing runs: fine
     agent.wait_state("stopped")

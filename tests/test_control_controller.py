@@ -9,6 +9,7 @@ from trainguard.control.controller import (
     StartNodes,
     StopNodes,
 )
+from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport, NodeState, WorkerFailure
 
 NODES = ("node-0", "node-1")
@@ -19,7 +20,7 @@ def make(max_restarts: int = 0, **kw: object) -> JobController:
         "job",
         NODES,
         2,
-        max_restarts=max_restarts,
+        policy=PolicyConfig.from_spec(None, max_restarts),
         stop_grace_seconds=5,
         stop_slack_seconds=10,
         **kw,
@@ -136,11 +137,20 @@ def test_exit_code_failure_is_described() -> None:
     assert "rank 1 exited with exit code 3" in finish.reason  # type: ignore[union-attr]
 
 
-def test_lost_node_fails_the_job_for_now() -> None:
+def test_lost_node_gets_a_full_job_restart() -> None:
     c = make(max_restarts=3)
     c.start(0.0)
     [stop] = c.observe(1.0, reports(NodeState.RUNNING, **{"node-0": NodeReport("node-0", False)}))
     assert isinstance(stop, StopNodes)
+    [start] = c.observe(2.0, reports(NodeState.STOPPED, **{"node-0": NodeReport("node-0", False)}))
+    assert isinstance(start, StartNodes) and start.scope == "job"
+    assert c.attempts[0].faults[0].message == "node-0 lost: its agent does not answer"
+
+
+def test_lost_node_without_budget_fails() -> None:
+    c = make(max_restarts=0)
+    c.start(0.0)
+    c.observe(1.0, reports(NodeState.RUNNING, **{"node-0": NodeReport("node-0", False)}))
     [finish] = c.observe(2.0, reports(NodeState.STOPPED, **{"node-0": NodeReport("node-0", False)}))
     assert finish.phase is JobPhase.FAILED  # type: ignore[union-attr]
     assert "node-0 lost" in finish.reason  # type: ignore[union-attr]
@@ -151,8 +161,8 @@ def test_stop_timeout_is_a_fault() -> None:
     c.start(0.0)
     c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
     assert c.observe(5.0, reports(NodeState.STOPPING)) == []
-    [finish] = c.observe(12.0, reports(NodeState.STOPPING))  # 1 + 0 grace + 10 slack passed
-    assert finish.phase is JobPhase.FAILED  # type: ignore[union-attr]
+    [start] = c.observe(12.0, reports(NodeState.STOPPING))  # 1 + 0 grace + 10 slack passed
+    assert isinstance(start, StartNodes) and start.scope == "job"  # its agent is replaced
     assert any(f.type == "NodeStopTimeout" for f in c.attempts[0].faults)
 
 

@@ -236,3 +236,40 @@ def test_killed_controller_leaves_no_orphans(tg: Trainguard, tmp_path: Path) -> 
     wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=30)
     job = tg.only_job()
     assert job["phase"] == "Lost"
+
+
+def test_heartbeat_timeout_is_a_hang_of_that_rank(tg: Trainguard, tmp_path: Path) -> None:
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "apiVersion: trainguard.dev/v1\nkind: TrainingJob\nmetadata: {name: beats}\n"
+        "spec:\n  nprocPerNode: 2\n  replicaSpecs:\n    - name: pods\n      replicas: 1\n"
+        "      template: {spec: {containers: [{name: t, command: [python, "
+        f"{FAKE_WORKER}, --out, {tmp_path / 'out'}, --beats, '40', --freeze-rank, '1']}}]}}}}\n"
+        "  runPolicy: {jobMaxRetryCount: 1}\n"
+        "  trainguard: {heartbeatTimeoutSeconds: 2}\n"
+    )
+    done = tg.run("run", "-f", str(spec))
+    assert done.returncode == 0, done.stderr
+    job = tg.only_job()
+    [fault] = job["faults"]
+    assert fault["type"] == "HeartbeatTimeout" and fault["rank"] == 1
+    assert "rank 1 sent no heartbeat" in fault["message"]
+    assert "1" in fault["evidence"]["stacks"]  # the stuck rank's stack was captured
+    assert job["restarts"] == 1
+
+
+def test_bad_inject_spec_is_exit_2(tg: Trainguard) -> None:
+    done = tg.run("run", "--inject", "kill:rank=x@step=1", str(FAKE_WORKER), "--out", "/tmp/x")
+    assert done.returncode == 2 and "kill:rank=x@step=1" in done.stderr
+    done = tg.run(
+        "run",
+        "--nnodes",
+        "1",
+        "--inject",
+        "kill:rank=5@step=1",
+        str(FAKE_WORKER),
+        "--out",
+        "/tmp/x",
+    )
+    assert done.returncode == 2 and "rank=5" in done.stderr
+    assert tg.run("list", "-o", "json").stdout.strip() == "[]"

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from trainguard.platform import views
+from trainguard.platform.inject import INJECT_HELP
 from trainguard.platform.store import JobNotFound, Store, state_dir
 
 EXIT_USAGE = 2
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--no-python", action="store_true", help="run the script directly instead of through Python"
     )
+    run.add_argument("--inject", action="append", default=[], metavar="SPEC", help=INJECT_HELP)
     run.add_argument("script", nargs="?", help="training script (torchrun-style form)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
 

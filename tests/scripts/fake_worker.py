@@ -21,6 +21,13 @@ parser.add_argument(
 )
 parser.add_argument("--exit-code", type=int, default=3)
 parser.add_argument("--sleep", type=float, default=0.0)
+parser.add_argument("--beats", type=int, default=0, help="call trainguard.heartbeat N times")
+parser.add_argument(
+    "--freeze-rank",
+    type=int,
+    default=-1,
+    help="on attempt 0, this rank stops beating halfway and sleeps",
+)
 args = parser.parse_args()
 
 rank = int(os.environ["RANK"])
@@ -34,5 +41,12 @@ print(f"stderr line from rank {rank}", file=sys.stderr, flush=True)
 if rank == args.fail_rank and (args.fail_attempts < 0 or attempt < args.fail_attempts):
     time.sleep(0.5)
     sys.exit(args.exit_code)
+for step in range(args.beats):
+    if rank == args.freeze_rank and attempt == 0 and step == args.beats // 2:
+        time.sleep(600)
+    import trainguard
+
+    trainguard.heartbeat(step=step)
+    time.sleep(0.1)
 time.sleep(args.sleep)
 print(f"rank {rank} done", flush=True)

@@ -39,13 +39,21 @@ class AgentClient:
         self._request("POST", "/start", {"assignment": assignment.to_json()})
 
     def stop(
-        self, attempt: int | None, mode: str = "graceful", timeout: float = DEFAULT_STOP_TIMEOUT
+        self,
+        attempt: int | None,
+        mode: str = "graceful",
+        timeout: float = DEFAULT_STOP_TIMEOUT,
+        capture_stacks: bool = False,
     ) -> None:
         """Stop ``attempt`` (None: whatever runs); ``mode``: ``graceful`` or ``process``.
 
+        ``capture_stacks``: dump every worker's Python stack first (for a hang).
         Asynchronous: poll :meth:`status` until the state is ``stopped``.
         """
-        self._request("POST", "/stop", {"attempt": attempt, "mode": mode, "timeout": timeout})
+        payload = {"attempt": attempt, "mode": mode, "timeout": timeout}
+        if capture_stacks:
+            payload["capture_stacks"] = True
+        self._request("POST", "/stop", payload)
 
     def status(self) -> AgentStatus:
         data = self._request("GET", "/status", None)

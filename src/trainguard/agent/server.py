@@ -22,6 +22,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from trainguard.agent.monitoring import build_monitor
 from trainguard.agent.status import DEFAULT_STOP_TIMEOUT, STOP_MODES
 from trainguard.agent.supervisor import StartRefused, Supervisor
 from trainguard.control.assignment import NodeAssignment
@@ -67,6 +68,10 @@ def parse_assignment(data: Any, node_id: str) -> NodeAssignment:
     for name, ok, expected in checks:
         if not ok:
             raise BadRequest(f"assignment.{name}: {expected}, got {data[name]!r}")
+    try:
+        build_monitor(assignment.monitor)
+    except ValueError as exc:
+        raise BadRequest(f"assignment.monitor: {exc}") from None
     return assignment
 
 
@@ -82,11 +87,14 @@ def _check_type(where: str, type_name: str, value: Any) -> None:
         raise BadRequest(f"{where}: expected an object of strings, got {value!r}")
 
 
-def parse_stop(data: Any) -> tuple[int | None, str, float]:
-    """Validate a ``/stop`` body: ``(attempt, mode, timeout)``; raises :class:`BadRequest`."""
+def parse_stop(data: Any) -> tuple[int | None, str, float, bool]:
+    """Validate a ``/stop`` body: ``(attempt, mode, timeout, capture_stacks)``.
+
+    Raises :class:`BadRequest`.
+    """
     if not isinstance(data, dict):
         raise BadRequest("stop: expected a JSON object")
-    unknown = sorted(set(data) - {"attempt", "mode", "timeout"})
+    unknown = sorted(set(data) - {"attempt", "mode", "timeout", "capture_stacks"})
     if unknown:
         raise BadRequest(f"stop: unknown fields {unknown}")
     attempt = data.get("attempt")
@@ -105,7 +113,10 @@ def parse_stop(data: Any) -> tuple[int | None, str, float]:
         or timeout < 0
     ):
         raise BadRequest(f"stop.timeout: expected seconds >= 0, got {timeout!r}")
-    return attempt, str(mode), float(timeout)
+    capture = data.get("capture_stacks", False)
+    if not isinstance(capture, bool):
+        raise BadRequest(f"stop.capture_stacks: expected true or false, got {capture!r}")
+    return attempt, str(mode), float(timeout), capture
 
 
 class AgentHTTPServer(ThreadingHTTPServer):
@@ -197,8 +208,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(202, {"accepted": True, "attempt": assignment.attempt})
 
     def _stop(self, body: bytes) -> None:
-        attempt, mode, timeout = parse_stop(_json_object(body, required=False))
-        self.server.supervisor.request_stop(attempt, mode, timeout)
+        attempt, mode, timeout, capture = parse_stop(_json_object(body, required=False))
+        self.server.supervisor.request_stop(attempt, mode, timeout, capture_stacks=capture)
         self._reply(202, {"accepted": True})
 
     def _shutdown(self, body: bytes) -> None:

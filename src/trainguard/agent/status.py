@@ -115,6 +115,11 @@ class AgentStatus:
     reason: str | None
     updated_at: float
     workers: tuple[WorkerStatus, ...] = field(default_factory=tuple)
+    # About ``attempt``: what the log monitor saw (``NodeLogMonitor.snapshot()``: rules,
+    # progress, detections), each rank's last heartbeat, and stacks captured on a stop.
+    monitor: dict[str, Any] = field(default_factory=dict)
+    heartbeats: dict[str, Any] = field(default_factory=dict)
+    stacks: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -125,6 +130,9 @@ class AgentStatus:
             "reason": self.reason,
             "updated_at": self.updated_at,
             "workers": [w.to_json() for w in self.workers],
+            "monitor": self.monitor,
+            "heartbeats": self.heartbeats,
+            "stacks": self.stacks,
         }
 
     @classmethod
@@ -147,7 +155,17 @@ class AgentStatus:
             workers=tuple(
                 WorkerStatus.from_json(w, f"status.workers[{i}]") for i, w in enumerate(workers)
             ),
+            monitor=_optional_object(obj, "monitor"),
+            heartbeats=_optional_object(obj, "heartbeats"),
+            stacks=_optional_object(obj, "stacks"),
         )
+
+
+def _optional_object(obj: dict[str, Any], key: str) -> dict[str, Any]:
+    value = obj.get(key)
+    if value is None:
+        return {}
+    return _expect_object(value, f"status.{key}")
 
 
 def _expect_object(data: Any, where: str) -> dict[str, Any]:

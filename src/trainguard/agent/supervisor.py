@@ -21,6 +21,7 @@ from enum import Enum
 from pathlib import Path
 
 from trainguard.agent.logs import Console, LineHook, LogLayout, LogTailer
+from trainguard.agent.monitoring import build_monitor
 from trainguard.agent.status import (
     STOP_MODES,
     AgentState,
@@ -31,6 +32,9 @@ from trainguard.agent.status import (
 )
 from trainguard.agent.workers import WorkerGroup
 from trainguard.control.assignment import NodeAssignment
+from trainguard.monitor.heartbeat import HEARTBEAT_DIR_ENV, read_heartbeats
+from trainguard.monitor.rules import NodeLogMonitor
+from trainguard.monitor.stacks import capture_stacks
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +49,7 @@ class AgentTimings:
     reap_timeout: float = 5.0  # wait for a process to vanish after SIGKILL
     drain_timeout: float = 30.0  # wait for the tailer to drain the logs of an attempt
     shutdown_timeout: float = 20.0  # after a signal, exit even if the supervisor is stuck
+    stack_timeout: float = 10.0  # py-spy's time to dump the workers' stacks before a stop
 
 
 class StartRefused(Exception):
@@ -61,6 +66,7 @@ class _Stop:
     attempt: int | None
     mode: str
     timeout: float
+    capture_stacks: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,10 @@ class Supervisor:
         self._shutdown_requested = False
         self._group: WorkerGroup | None = None
         self._tailer: LogTailer | None = None
+        # Detection state of the current (or last) attempt, reported in the status.
+        self._monitor: NodeLogMonitor | None = None
+        self._heartbeat_dir: Path | None = None
+        self._stacks: dict[int, str] = {}
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainguard-supervisor", daemon=True)
 
@@ -123,7 +133,8 @@ class Supervisor:
 
     def snapshot(self) -> AgentStatus:
         with self._lock:
-            return AgentStatus(
+            monitor, beats_dir = self._monitor, self._heartbeat_dir
+            status = AgentStatus(
                 node_id=self.node_id,
                 pid=os.getpid(),
                 state=self._state,
@@ -131,7 +142,15 @@ class Supervisor:
                 reason=self._reason,
                 updated_at=self._updated_at,
                 workers=tuple(self._workers[k] for k in sorted(self._workers)),
+                stacks={str(rank): text for rank, text in sorted(self._stacks.items())},
             )
+        # Outside the lock: the monitor has its own, and heartbeats are files.
+        beats = read_heartbeats(beats_dir) if beats_dir is not None else {}
+        return replace(
+            status,
+            monitor=monitor.snapshot() if monitor is not None else {},
+            heartbeats={str(rank): beat.to_json() for rank, beat in sorted(beats.items())},
+        )
 
     def request_start(self, assignment: NodeAssignment) -> None:
         """Accept an attempt, or raise :class:`StartRefused` if workers may be alive."""
@@ -146,14 +165,19 @@ class Supervisor:
             self._set(AgentState.STARTING, attempt=assignment.attempt, reason=None, workers={})
             self._commands.put(_Start(assignment))
 
-    def request_stop(self, attempt: int | None, mode: str, timeout: float) -> None:
-        """Stop ``attempt`` (None: whatever runs). Idempotent; another attempt is left alone."""
+    def request_stop(
+        self, attempt: int | None, mode: str, timeout: float, capture_stacks: bool = False
+    ) -> None:
+        """Stop ``attempt`` (None: whatever runs). Idempotent; another attempt is left alone.
+
+        ``capture_stacks``: dump every worker's Python stack before stopping it.
+        """
         if mode not in STOP_MODES:
             raise ValueError(f"mode: expected one of {', '.join(STOP_MODES)}, got {mode!r}")
         with self._lock:
             if self._state.is_active and self._matches(attempt):
                 self._set(AgentState.STOPPING, reason=f"stop requested ({mode})")
-            self._commands.put(_Stop(attempt, mode, timeout))
+            self._commands.put(_Stop(attempt, mode, timeout, capture_stacks))
 
     def request_shutdown(self, reason: str) -> None:
         """Kill the workers and end the supervisor (then the agent exits)."""
@@ -191,11 +215,16 @@ class Supervisor:
     def _start(self, assignment: NodeAssignment) -> None:
         if self._shutdown_requested:
             return
+        monitor = build_monitor(assignment.monitor)  # validated when the request came in
+        beats_dir = self._layout.attempt_dir(assignment.attempt) / "heartbeats"
+        beats_dir.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self._monitor, self._heartbeat_dir, self._stacks = monitor, beats_dir, {}
         group = WorkerGroup(
             assignment,
             self._worker_argv,
             self._layout,
-            agent_env=self._agent_env,
+            agent_env={**self._agent_env, HEARTBEAT_DIR_ENV: str(beats_dir)},
             cwd=self._cwd,
             reap_timeout=self._timings.reap_timeout,
         )
@@ -214,7 +243,7 @@ class Supervisor:
             group.ranks,
             interval=self._timings.tail_interval,
             console=self._console,
-            on_line=self._on_line,
+            on_line=_both(monitor.on_line, self._on_line),
         )
         self._tailer.start()
         workers = {
@@ -255,6 +284,12 @@ class Supervisor:
             if self._state is not AgentState.STOPPING:
                 self._set(AgentState.STOPPING, reason=f"stop requested ({command.mode})")
         logger.info("stopping attempt %s (%s)", self._attempt, command.mode)
+        if command.capture_stacks and self._group is not None:
+            group = self._group
+            pids = {group.ranks[local]: pid for local, pid in group.pids().items()}
+            stacks = capture_stacks(pids, self._timings.stack_timeout)
+            with self._lock:
+                self._stacks = stacks
         if command.mode == "process" or command.timeout <= 0:
             self._end_attempt(signal.SIGKILL, self._timings.reap_timeout)
         else:
@@ -332,3 +367,15 @@ class Supervisor:
         if workers is not None:
             self._workers = workers
         self._updated_at = time.time()
+
+
+def _both(first: LineHook, second: LineHook | None) -> LineHook:
+    """One line hook calling two (the monitor, then the agent's own hook if any)."""
+    if second is None:
+        return first
+
+    def hook(rank: int, stream: str, line: str, t: float) -> None:
+        first(rank, stream, line, t)
+        second(rank, stream, line, t)
+
+    return hook

@@ -197,6 +197,13 @@ class WorkerGroup:
         """
         if self._pcontext is None:
             return {}
+        if first_signal is not signal.SIGKILL:
+            # A stopped worker (SIGSTOP: a hang, a debugger) cannot act on SIGTERM until it
+            # is continued; without this a graceful stop would always wait out the grace.
+            for handler in self._pcontext.subprocess_handlers.values():
+                if handler.proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(handler.proc.pid, signal.SIGCONT)
         try:
             self._pcontext.close(death_sig=first_signal, timeout=grace)
         except OSError:  # killpg failed: a worker left the process group torch gave it

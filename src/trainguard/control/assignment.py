@@ -45,6 +45,8 @@ class NodeAssignment:
     max_restarts: int
     role: str = "default"
     extra_env: dict[str, str] = field(default_factory=dict)
+    # What the agent matches in every rank's output: log rules and the progress pattern.
+    monitor: dict[str, Any] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -111,6 +113,7 @@ def assign_ranks(
     restart_count: int,
     max_restarts: int,
     extra_env: dict[str, str] | None = None,
+    monitor: dict[str, Any] | None = None,
 ) -> list[NodeAssignment]:
     """Give each node, in the order given, its group rank for ``attempt``.
 
@@ -138,6 +141,7 @@ def assign_ranks(
             restart_count=restart_count,
             max_restarts=max_restarts,
             extra_env=dict(extra_env or {}),
+            monitor=dict(monitor or {}),
         )
         for node_rank, node_id in enumerate(node_ids)
     ]

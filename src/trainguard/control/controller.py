@@ -13,78 +13,43 @@ Assumptions the decisions rely on:
 - any fault on any rank stops every rank of the attempt at once, so no survivor
   waits out a collective timeout;
 - an attempt counts as stopped once every node is quiescent, or once the stop
-  deadline passes (the nodes that did not stop are then reported lost).
+  deadline passes (the nodes that did not stop are then faulted as such);
+- which restart follows is :func:`trainguard.control.policy.decide_restart`'s call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
+from typing import Any
 
+from trainguard.control.actions import (
+    Action,
+    AttemptPhase,
+    ControlConfig,
+    Finish,
+    JobPhase,
+    StartNodes,
+    StopNodes,
+)
 from trainguard.control.assignment import Endpoint, NodeAssignment, assign_ranks
+from trainguard.control.detect import AttemptWatch
 from trainguard.control.events import Event, Fault, FaultType
+from trainguard.control.policy import GiveUp, RestartRecord, RestartScope, decide_restart
 from trainguard.control.reports import NodeReport, NodeState
+from trainguard.control.timeline import Timeline, with_evidence
 
-
-class JobPhase(StrEnum):
-    PENDING = "Pending"
-    RUNNING = "Running"
-    RESTARTING = "Restarting"
-    STOPPING = "Stopping"
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
-    STOPPED = "Stopped"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED)
-
-
-class AttemptPhase(StrEnum):
-    RUNNING = "Running"
-    STOPPING = "Stopping"
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
-    STOPPED = "Stopped"
-
-
-@dataclass(frozen=True)
-class ControlConfig:
-    """What the controller needs to know about a job; built by the platform from the plan."""
-
-    job_id: str
-    node_ids: tuple[str, ...]
-    nproc_per_node: int
-    max_restarts: int = 0
-    stop_grace_seconds: float = 10.0
-    # Extra time, beyond the grace period, that nodes get to report a stop.
-    stop_slack_seconds: float = 15.0
-    active_deadline_seconds: float | None = None
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class StartNodes:
-    attempt: int
-    assignments: tuple[NodeAssignment, ...]
-
-
-@dataclass(frozen=True)
-class StopNodes:
-    attempt: int
-    node_ids: tuple[str, ...]
-    mode: str  # "process" (kill now) or "graceful" (SIGTERM, then SIGKILL)
-    timeout: float
-
-
-@dataclass(frozen=True)
-class Finish:
-    phase: JobPhase
-    reason: str
-
-
-Action = StartNodes | StopNodes | Finish
+__all__ = [
+    "Action",
+    "AttemptPhase",
+    "ControlConfig",
+    "Finish",
+    "JobController",
+    "JobPhase",
+    "StartNodes",
+    "StopNodes",
+]
 
 
 @dataclass
@@ -93,11 +58,14 @@ class Attempt:
     started_at: float
     endpoint: Endpoint
     assignments: tuple[NodeAssignment, ...]
+    watch: AttemptWatch
+    scope: str = RestartScope.PROCESS.value
     phase: AttemptPhase = AttemptPhase.RUNNING
     ended_at: float | None = None
     reason: str | None = None
     faults: list[Fault] = field(default_factory=list)
     stop_deadline: float | None = None
+    recovered: bool = False
 
 
 class JobController:
@@ -112,7 +80,13 @@ class JobController:
         self.reason: str | None = None
         self.attempts: list[Attempt] = []
         self.started_at: float | None = None
+        self.nodes: tuple[str, ...] = config.node_ids
+        self.spares: tuple[str, ...] = config.spare_node_ids
+        self.history: list[RestartRecord] = []
+        self.timeline = Timeline()
+        self._node_fault_times: dict[str, list[float]] = {}
         self._pending_events: list[Event] = []
+        self._injections: list[str] = []
         # Set when a stop was asked for from outside (delete, Ctrl-C, deadline).
         self._cancel: tuple[JobPhase, str] | None = None
 
@@ -124,7 +98,11 @@ class JobController:
 
     @property
     def restarts(self) -> int:
-        return max(0, len(self.attempts) - 1)
+        return len(self.history)
+
+    @property
+    def full_restarts(self) -> int:
+        return sum(1 for r in self.history if r.scope is RestartScope.JOB)
 
     def drain_events(self) -> list[Event]:
         """Events recorded since the last call, oldest first."""
@@ -138,7 +116,7 @@ class JobController:
             raise RuntimeError(f"job already started (phase {self.phase})")
         self.started_at = now
         self._event(now, "JobStarted", f"job {self.config.job_id} started")
-        return [self._start_attempt(now)]
+        return [self._start_attempt(now, RestartScope.PROCESS.value)]
 
     def cancel(self, now: float, reason: str, phase: JobPhase = JobPhase.STOPPED) -> list[Action]:
         """Stop the job from outside (user delete, Ctrl-C, deadline). Idempotent."""
@@ -147,12 +125,24 @@ class JobController:
         self._cancel = (phase, reason)
         self._event(now, "StopRequested", reason)
         attempt = self.current
-        if attempt is None or attempt.phase is not AttemptPhase.RUNNING:
-            if attempt is None:
-                return self._finish(now, phase, reason)
+        if attempt is None:
+            return self._finish(now, phase, reason)
+        if attempt.phase is not AttemptPhase.RUNNING:
             return []
         self.phase = JobPhase.STOPPING
         return [self._stop(now, attempt, "graceful", reason)]
+
+    def note_injection(self, now: float, spec: str, rank: int | None, node: str | None) -> None:
+        """A fault was injected on purpose; the next fault detected is marked as injected."""
+        self._injections.append(spec)
+        self._event(
+            now,
+            "FaultInjected",
+            f"injected {spec}",
+            node=node,
+            rank=rank,
+            data={"spec": spec, "injected": True},
+        )
 
     def observe(self, now: float, reports: Mapping[str, NodeReport]) -> list[Action]:
         """Feed one poll's reports (one per node); returns what to do now."""
@@ -182,20 +172,20 @@ class JobController:
     def _observe_running(
         self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
     ) -> list[Action]:
-        faults = self._faults(now, attempt, reports)
+        faults = attempt.watch.faults(now, attempt.assignments, reports)
+        self._note_progress(now, attempt)
         if faults:
-            attempt.faults.extend(faults)
             for fault in faults:
-                self._event(
-                    now,
-                    "Fault",
-                    fault.message,
-                    node=fault.node,
-                    rank=fault.rank,
-                    data=fault.to_json(),
-                )
-            return [self._stop(now, attempt, "process", faults[0].message)]
-        current = self._reports_for(attempt, reports)
+                self._record_fault(now, attempt, fault)
+            capture = any(f.type.is_hang for f in faults)
+            return [self._stop(now, attempt, "process", faults[0].message, capture)]
+        current = [
+            r
+            for a in attempt.assignments
+            if (r := reports.get(a.node_id)) is not None
+            and r.reachable
+            and r.attempt == attempt.number
+        ]
         if len(current) == len(attempt.assignments) and all(
             r.state is NodeState.COMPLETED for r in current
         ):
@@ -209,16 +199,19 @@ class JobController:
         waiting = [a.node_id for a in attempt.assignments if not _stopped(reports.get(a.node_id))]
         if waiting and attempt.stop_deadline is not None and now < attempt.stop_deadline:
             return []
+        self._attach_stacks(attempt, reports)
         for node_id in waiting:
-            fault = Fault(
-                FaultType.NODE_STOP_TIMEOUT,
+            self._record_fault(
                 now,
-                attempt.number,
-                node=node_id,
-                message=f"{node_id} did not stop within the stop timeout",
+                attempt,
+                Fault(
+                    FaultType.NODE_STOP_TIMEOUT,
+                    now,
+                    attempt.number,
+                    node=node_id,
+                    message=f"{node_id} did not stop within the stop timeout",
+                ),
             )
-            attempt.faults.append(fault)
-            self._event(now, "Fault", fault.message, node=node_id, data=fault.to_json())
         outcome = AttemptPhase.FAILED if attempt.faults else AttemptPhase.STOPPED
         self._end_attempt(now, attempt, outcome, attempt.reason or "stopped")
         if self._cancel is not None:
@@ -227,62 +220,73 @@ class JobController:
         return self._after_failure(now, attempt)
 
     def _after_failure(self, now: float, attempt: Attempt) -> list[Action]:
-        cause = attempt.reason or "attempt failed"
-        lost = [
-            f
-            for f in attempt.faults
-            if f.type in (FaultType.NODE_LOST, FaultType.NODE_STOP_TIMEOUT)
-        ]
-        if lost:
-            # Replacing nodes is the next rung of the recovery ladder, not built yet.
-            return self._finish(now, JobPhase.FAILED, f"{cause}; lost nodes cannot be replaced yet")
-        if self.restarts >= self.config.max_restarts:
-            return self._finish(
-                now,
-                JobPhase.FAILED,
-                f"{cause}; retry budget exhausted "
-                f"(jobMaxRetryCount={self.config.max_restarts}, restarts={self.restarts})",
-            )
+        decision = decide_restart(
+            now,
+            attempt.faults,
+            self.history,
+            self._node_fault_times,
+            self.nodes,
+            self.spares,
+            self.config.policy,
+        )
+        if isinstance(decision, GiveUp):
+            return self._finish(now, JobPhase.FAILED, decision.reason)
+        self.history.append(RestartRecord(now, decision.scope))
+        self.timeline.set_scope(attempt.number, decision.scope.value)
+        used = set(decision.nodes)
+        self.spares = tuple(s for s in self.spares if s not in used)
+        self.nodes = decision.nodes
         self.phase = JobPhase.RESTARTING
         self._event(
             now,
             "RestartScheduled",
-            f"process-level restart {self.restarts + 1} of {self.config.max_restarts}",
+            f"{decision.scope.value}-level restart "
+            f"{self.restarts} of {self.config.max_restarts}: {decision.reason}",
             attempt=attempt.number + 1,
-            data={"scope": "process"},
+            data={"scope": decision.scope.value, "replaced": dict(decision.replaced)},
         )
-        return [self._start_attempt(now)]
+        return [self._start_attempt(now, decision.scope.value)]
 
-    def _start_attempt(self, now: float) -> StartNodes:
+    def _start_attempt(self, now: float, scope: str) -> StartNodes:
         number = len(self.attempts)
         endpoint = self._endpoint_for(number)
         assignments = tuple(
             assign_ranks(
                 self.config.job_id,
-                self.config.node_ids,
+                self.nodes,
                 self.config.nproc_per_node,
                 attempt=number,
                 endpoint=endpoint,
                 restart_count=number,
                 max_restarts=self.config.max_restarts,
                 extra_env=self.config.extra_env,
+                monitor=self.config.monitor_json(),
             )
         )
-        self.attempts.append(Attempt(number, now, endpoint, assignments))
+        watch = AttemptWatch(number, now, self.config.log_rules, self.config.heartbeat_timeout)
+        self.attempts.append(Attempt(number, now, endpoint, assignments, watch, scope))
         self.phase = JobPhase.RUNNING
         self._event(
             now,
             "AttemptStarted",
-            f"attempt {number}: {len(assignments)} nodes x {self.config.nproc_per_node} "
-            f"ranks, rendezvous {endpoint.addr}:{endpoint.port}",
+            f"attempt {number}: {len(assignments)} nodes x {self.config.nproc_per_node} ranks "
+            f"({scope} scope), rendezvous {endpoint.addr}:{endpoint.port}",
             attempt=number,
-            data={"master_addr": endpoint.addr, "master_port": endpoint.port},
+            data={
+                "master_addr": endpoint.addr,
+                "master_port": endpoint.port,
+                "scope": scope,
+                "nodes": list(self.nodes),
+            },
         )
-        return StartNodes(number, assignments)
+        return StartNodes(number, assignments, scope)
 
-    def _stop(self, now: float, attempt: Attempt, mode: str, reason: str) -> StopNodes:
+    def _stop(
+        self, now: float, attempt: Attempt, mode: str, reason: str, capture: bool = False
+    ) -> StopNodes:
         attempt.phase = AttemptPhase.STOPPING
         attempt.reason = attempt.reason or reason
+        attempt.watch.pause(now)
         grace = self.config.stop_grace_seconds if mode == "graceful" else 0.0
         attempt.stop_deadline = now + grace + self.config.stop_slack_seconds
         self._event(
@@ -290,9 +294,57 @@ class JobController:
             "StoppingAll",
             f"stopping all ranks of attempt {attempt.number} ({mode}): {attempt.reason}",
             attempt=attempt.number,
-            data={"mode": mode},
+            data={"mode": mode, "capture_stacks": capture},
         )
-        return StopNodes(attempt.number, tuple(a.node_id for a in attempt.assignments), mode, grace)
+        return StopNodes(
+            attempt.number, tuple(a.node_id for a in attempt.assignments), mode, grace, capture
+        )
+
+    def _record_fault(self, now: float, attempt: Attempt, fault: Fault) -> None:
+        if self._injections:
+            fault = with_evidence(fault, injected=self._injections.pop(0))
+        attempt.faults.append(fault)
+        if fault.node is not None:
+            self._node_fault_times.setdefault(fault.node, []).append(fault.time)
+        progress = attempt.watch.progress
+        self.timeline.add(fault, progress.step if progress else None)
+        self._event(
+            now, "Fault", fault.message, node=fault.node, rank=fault.rank, data=fault.to_json()
+        )
+
+    def _attach_stacks(self, attempt: Attempt, reports: Mapping[str, NodeReport]) -> None:
+        stacks = {
+            str(rank): text
+            for a in attempt.assignments
+            if (r := reports.get(a.node_id)) is not None and r.attempt == attempt.number
+            for rank, text in r.stacks.items()
+        }
+        if not stacks:
+            return
+        stopped = sorted(int(rank) for rank, text in stacks.items() if _STOPPED.search(text))
+        for i, fault in enumerate(attempt.faults):
+            if fault.type.is_hang and "stacks" not in fault.evidence:
+                updated = with_evidence(fault, stacks=stacks, stopped_ranks=stopped)
+                attempt.faults[i] = updated
+                self.timeline.update_fault(fault, updated)
+
+    def _note_progress(self, now: float, attempt: Attempt) -> None:
+        progress = attempt.watch.progress
+        if progress is None or attempt.recovered:
+            return
+        attempt.recovered = True
+        for record in self.timeline.progress(
+            attempt.number, progress.first_step, progress.first_time
+        ):
+            self._event(
+                now,
+                "Recovered",
+                f"{record.fault.type} of attempt {record.fault.attempt} recovered in "
+                f"{record.recovery_seconds:.1f}s ({record.scope} restart); resumed from step "
+                f"{record.resumed_step}, {record.lost_steps} steps lost",
+                attempt=attempt.number,
+                data=record.to_json(),
+            )
 
     def _end_attempt(self, now: float, attempt: Attempt, phase: AttemptPhase, reason: str) -> None:
         attempt.phase = phase
@@ -312,62 +364,6 @@ class JobController:
         self._event(now, f"Job{phase.value}", reason)
         return [Finish(phase, reason)]
 
-    def _faults(
-        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-    ) -> list[Fault]:
-        faults: list[Fault] = []
-        for assignment in attempt.assignments:
-            report = reports.get(assignment.node_id)
-            if report is None or not report.reachable:
-                faults.append(
-                    Fault(
-                        FaultType.NODE_LOST,
-                        now,
-                        attempt.number,
-                        node=assignment.node_id,
-                        message=f"{assignment.node_id} lost: its agent does not answer",
-                    )
-                )
-            elif report.attempt == attempt.number and report.state is NodeState.FAULTED:
-                faults.extend(
-                    Fault(
-                        FaultType.WORKER_CRASH,
-                        now,
-                        attempt.number,
-                        node=assignment.node_id,
-                        rank=failure.rank,
-                        message=failure.describe(),
-                        evidence={
-                            "exitcode": failure.exitcode,
-                            "signal": failure.signal,
-                            "error": failure.error,
-                        },
-                    )
-                    for failure in report.failures
-                )
-                if not report.failures:
-                    faults.append(
-                        Fault(
-                            FaultType.WORKER_CRASH,
-                            now,
-                            attempt.number,
-                            node=assignment.node_id,
-                            message=report.reason or f"{assignment.node_id} faulted",
-                        )
-                    )
-        return faults
-
-    def _reports_for(
-        self, attempt: Attempt, reports: Mapping[str, NodeReport]
-    ) -> Sequence[NodeReport]:
-        return [
-            r
-            for a in attempt.assignments
-            if (r := reports.get(a.node_id)) is not None
-            and r.reachable
-            and r.attempt == attempt.number
-        ]
-
     def _event(
         self,
         now: float,
@@ -376,13 +372,17 @@ class JobController:
         attempt: int | None = None,
         node: str | None = None,
         rank: int | None = None,
-        data: dict[str, object] | None = None,
+        data: dict[str, Any] | None = None,
     ) -> None:
         if attempt is None and self.attempts:
             attempt = self.attempts[-1].number
         self._pending_events.append(
             Event(now, kind, message, attempt, node, rank, dict(data or {}))
         )
+
+
+# How a captured stack names a process that is stopped (SIGSTOP, or a debugger).
+_STOPPED = re.compile(r"^pid \d+ \(.*\): state [Tt]\b", re.MULTILINE)
 
 
 def _stopped(report: NodeReport | None) -> bool:

@@ -11,9 +11,24 @@ class FaultType(StrEnum):
     """What went wrong. Names follow HyperPod's agent where one exists."""
 
     WORKER_CRASH = "WorkerCrash"
+    LOG_HANG = "LogHang"
+    LOG_SLOW = "LogSlow"
+    LOG_FAULT = "LogFault"
+    NAN_METRIC = "NaNMetric"
+    HEARTBEAT_TIMEOUT = "HeartbeatTimeout"
     NODE_LOST = "NodeLost"
     NODE_STOP_TIMEOUT = "NodeStopTimeout"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
+
+    @property
+    def is_hang(self) -> bool:
+        """Faults where the workers are alive but stuck: their stacks are worth capturing."""
+        return self in (FaultType.LOG_HANG, FaultType.HEARTBEAT_TIMEOUT)
+
+    @property
+    def loses_node(self) -> bool:
+        """Faults after which the node's agent cannot be trusted to run the next attempt."""
+        return self in (FaultType.NODE_LOST, FaultType.NODE_STOP_TIMEOUT)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from trainguard.monitor.rules import Detection
+
 
 class NodeState(StrEnum):
     """The agent's state, as the agent API reports it."""
@@ -54,6 +56,24 @@ class WorkerFailure:
 
 
 @dataclass(frozen=True)
+class RankProgress:
+    """Training progress of one rank in the current attempt (from logs or heartbeats)."""
+
+    first_step: int
+    first_time: float
+    step: int
+    time: float
+
+
+@dataclass(frozen=True)
+class RuleActivity:
+    """What one node saw of one log rule in the current attempt."""
+
+    last_match_at: float | None
+    stopped: bool = False
+
+
+@dataclass(frozen=True)
 class NodeReport:
     """One node as seen by the platform at one instant.
 
@@ -68,3 +88,10 @@ class NodeReport:
     reason: str | None = None
     failures: tuple[WorkerFailure, ...] = field(default_factory=tuple)
     pids: tuple[int, ...] = field(default_factory=tuple)
+    # Detection (all about ``attempt``):
+    rank_pids: dict[int, int] = field(default_factory=dict)
+    rules: dict[str, RuleActivity] = field(default_factory=dict)
+    progress: dict[int, RankProgress] = field(default_factory=dict)
+    detections: tuple[Detection, ...] = field(default_factory=tuple)
+    heartbeats: dict[int, float] = field(default_factory=dict)
+    stacks: dict[int, str] = field(default_factory=dict)

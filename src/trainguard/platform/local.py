@@ -7,23 +7,20 @@ SQLite store so other ``trainguard`` commands can see it.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 from trainguard.agent.client import AgentClient, AgentError
-from trainguard.agent.status import AgentStatus
 from trainguard.control.assignment import Endpoint
 from trainguard.control.controller import (
     Action,
@@ -35,15 +32,14 @@ from trainguard.control.controller import (
     StopNodes,
 )
 from trainguard.control.events import Event
-from trainguard.control.reports import NodeReport, NodeState, WorkerFailure
-from trainguard.platform.procs import kill_group
+from trainguard.control.policy import PolicyConfig
+from trainguard.control.reports import NodeReport
+from trainguard.monitor.rules import LogRuleSpec
+from trainguard.platform.inject import Injection, Injector, Targets
+from trainguard.platform.node import LocalNode
 from trainguard.platform.store import Store
 from trainguard.spec.plan import JobPlan, NodeGroupPlan
 
-# Consecutive failed status polls before a live agent process counts as unreachable.
-UNREACHABLE_AFTER_POLLS = 3
-# Time an agent gets to exit after /shutdown before it is killed.
-AGENT_SHUTDOWN_SECONDS = 15.0
 EXIT_INTERRUPTED = 130
 
 SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
@@ -71,127 +67,6 @@ def new_job_id(name: str) -> str:
     return f"{name}-{secrets.token_hex(3)}"
 
 
-class LocalNode:
-    """One simulated node: an agent subprocess and a client for its API."""
-
-    def __init__(
-        self, node_id: str, group: NodeGroupPlan, job_dir: Path, token: str, env: dict[str, str]
-    ) -> None:
-        self.node_id = node_id
-        self.group = group
-        self.job_dir = job_dir
-        self.token = token
-        self.env = env
-        self.port_file = job_dir / "agents" / f"{node_id}.port"
-        self.process: subprocess.Popen[bytes] | None = None
-        self.client: AgentClient | None = None
-        self.failed_polls = 0
-        self.broken = False
-        self.last_pids: tuple[int, ...] = ()
-
-    def spawn(self, token_file: Path, logs_dir: Path) -> None:
-        agents_dir = self.job_dir / "agents"
-        agents_dir.mkdir(parents=True, exist_ok=True)
-        argv = [
-            sys.executable,
-            "-m",
-            "trainguard.agent",
-            "--node-id",
-            self.node_id,
-            "--token-file",
-            str(token_file),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--port-file",
-            str(self.port_file),
-            "--log-dir",
-            str(logs_dir),
-            "--parent-pid",
-            str(os.getpid()),
-            "--cwd",
-            self.group.working_dir or os.getcwd(),
-        ]
-        for key, value in {**self.group.env, **self.env}.items():
-            argv += ["--env", f"{key}={value}"]
-        argv += ["--", *self.group.command]
-        with open(agents_dir / f"{self.node_id}.log", "ab") as agent_log:
-            self.process = subprocess.Popen(
-                argv,
-                stdout=subprocess.PIPE,
-                stderr=agent_log,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # Ctrl-C reaches the controller, which stops the agents
-            )
-
-    def wait_ready(self, deadline: float) -> None:
-        assert self.process is not None
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"agent of {self.node_id} exited with code {self.process.returncode}; "
-                    f"see {self.job_dir / 'agents' / (self.node_id + '.log')}"
-                )
-            if self.port_file.exists():
-                port = int(self.port_file.read_text().strip())
-                self.client = AgentClient(f"http://127.0.0.1:{port}", self.token)
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"agent of {self.node_id} did not come up in time")
-
-    @property
-    def url(self) -> str:
-        return self.client.base_url if self.client else ""
-
-    def report(self) -> NodeReport:
-        if self.broken or self.client is None or self.process is None:
-            return NodeReport(self.node_id, reachable=False)
-        if self.process.poll() is not None:
-            return NodeReport(self.node_id, reachable=False, reason="agent process exited")
-        try:
-            status = self.client.status()
-        except AgentError as err:
-            self.failed_polls += 1
-            if self.failed_polls >= UNREACHABLE_AFTER_POLLS:
-                return NodeReport(self.node_id, reachable=False, reason=str(err))
-            return NodeReport(self.node_id, reachable=True, state=NodeState.STARTING)
-        self.failed_polls = 0
-        return _report_from_status(status)
-
-    def shutdown(self) -> None:
-        """Ask the agent to exit; kill it and its workers if it does not."""
-        if self.process is None:
-            return
-        if self.process.poll() is None and self.client is not None:
-            try:
-                self.client.shutdown()
-                self.process.wait(AGENT_SHUTDOWN_SECONDS)
-            except (AgentError, subprocess.TimeoutExpired):
-                pass
-        if self.process.poll() is None:
-            kill_group(self.process.pid)
-            self.process.wait()
-        # Workers die with their agent (PDEATHSIG); this covers an agent that was SIGKILLed
-        # before it could arm that for a worker.
-        for pid in self.last_pids:
-            kill_group(pid)
-
-
-def _report_from_status(status: AgentStatus) -> NodeReport:
-    try:
-        state = NodeState(status.state)
-    except ValueError:
-        state = NodeState.STARTING
-    failures = tuple(
-        WorkerFailure(w.rank, w.local_rank, w.exitcode, w.signal, w.error)
-        for w in status.workers
-        if w.state == "failed"
-    )
-    pids = tuple(w.pid for w in status.workers if w.pid is not None)
-    return NodeReport(status.node_id, True, state, status.attempt, status.reason, failures, pids)
-
-
 class LocalRunner:
     """Runs one job on this machine until it ends; see the module docstring."""
 
@@ -200,6 +75,7 @@ class LocalRunner:
         plan: JobPlan,
         store: Store,
         source: str,
+        injections: Sequence[Injection] = (),
         out: TextIO | None = None,
         err: TextIO | None = None,
     ) -> None:
@@ -211,10 +87,16 @@ class LocalRunner:
         self.job_id = new_job_id(plan.name)
         self.job_dir = store.root / "jobs" / self.job_id
         self.logs_dir = self.job_dir / "logs"
+        self.token_file = self.job_dir / "token"
+        # Raises ValueError naming the SPEC when a target is out of range.
+        self.injector = Injector(injections, plan.world_size, plan.nnodes)
         self._interrupts = 0
         self._out_lock = threading.Lock()
         self._console_log: TextIO | None = None
-        self.nodes: list[LocalNode] = []
+        self._token = ""
+        self._groups: dict[str, NodeGroupPlan] = {}
+        self.nodes: dict[str, LocalNode] = {}  # the live node of each node id
+        self._first_step_at: float | None = None
 
     # -- public --------------------------------------------------------------
 
@@ -225,10 +107,9 @@ class LocalRunner:
 
     def run(self) -> JobResult:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        token = secrets.token_urlsafe(32)
-        token_file = self.job_dir / "token"
-        token_file.touch(mode=0o600)
-        token_file.write_text(token)
+        self._token = secrets.token_urlsafe(32)
+        self.token_file.touch(mode=0o600)
+        self.token_file.write_text(self._token)
         self.store.create_job(
             self.job_id,
             self.plan.name,
@@ -238,15 +119,15 @@ class LocalRunner:
             self.plan.nproc_per_node,
             self.plan.job.model_dump(mode="json", by_alias=True),
         )
-        self.nodes = self._make_nodes(token)
         controller = JobController(self._control_config(), self._endpoint)
         previous = self._install_signal_handlers()
         with open(self.logs_dir / "console.log", "a", encoding="utf-8") as console_log:
             self._console_log = console_log
             try:
-                return self._run(controller, token_file)
+                return self._run(controller)
             finally:
-                for node in self.nodes:
+                self.injector.close()  # resume stopped workers so they can be shut down
+                for node in self.nodes.values():
                     node.shutdown()
                 with self._out_lock:
                     self._console_log = None
@@ -255,20 +136,31 @@ class LocalRunner:
 
     # -- internals -----------------------------------------------------------
 
-    def _make_nodes(self, token: str) -> list[LocalNode]:
-        env = {"TRAINGUARD_JOB_DIR": str(self.job_dir)}
-        nodes: list[LocalNode] = []
+    def _control_config(self) -> ControlConfig:
+        """Node ids: ``node-0..N-1`` run the job; each group's spares follow them."""
+        active: list[str] = []
+        spares: list[str] = []
         for group in self.plan.groups:
             for _ in range(group.replicas):
-                nodes.append(LocalNode(f"node-{len(nodes)}", group, self.job_dir, token, env))
-        return nodes
-
-    def _control_config(self) -> ControlConfig:
+                active.append(f"node-{len(active)}")
+                self._groups[active[-1]] = group
+        for group in self.plan.groups:
+            for _ in range(group.spares):
+                spares.append(f"node-{len(active) + len(spares)}")
+                self._groups[spares[-1]] = group
+        spec = self.plan.job.spec
+        run_policy = spec.run_policy
         return ControlConfig(
             job_id=self.job_id,
-            node_ids=tuple(n.node_id for n in self.nodes),
+            node_ids=tuple(active),
             nproc_per_node=self.plan.nproc_per_node,
-            max_restarts=self.plan.max_restarts,
+            policy=PolicyConfig.from_spec(run_policy, self.plan.max_restarts),
+            spare_node_ids=tuple(spares),
+            log_rules=tuple(
+                LogRuleSpec.from_model(r) for r in run_policy.log_monitoring_configuration
+            ),
+            progress_pattern=spec.trainguard.progress_pattern,
+            heartbeat_timeout=spec.trainguard.heartbeat_timeout_seconds,
             stop_grace_seconds=self.plan.stop_grace_seconds,
             active_deadline_seconds=self.plan.active_deadline_seconds,
         )
@@ -278,19 +170,19 @@ class LocalRunner:
         # A fresh port per attempt: rank 0 hosts a fresh store, so no stale peer addresses.
         return Endpoint("127.0.0.1", free_port())
 
-    def _run(self, controller: JobController, token_file: Path) -> JobResult:
+    def _run(self, controller: JobController) -> JobResult:
         self._say(
             f"job {self.job_id}: {self.plan.nnodes} nodes x {self.plan.nproc_per_node} "
             f"processes; state in {self.job_dir}"
         )
         try:
-            self._start_agents(token_file)
+            self._bring_up(controller.nodes)
         except RuntimeError as exc:
             controller.cancel(time.time(), f"could not start node agents: {exc}", JobPhase.FAILED)
             self._persist(controller)
             return self._result(controller)
         self.store.update_job(self.job_id, phase="Running", started_at=time.time())
-        self._act(controller.start(time.time()))
+        self._act(controller, controller.start(time.time()))
         self._persist(controller)
         while not controller.phase.terminal:
             time.sleep(self.plan.poll_interval_seconds)
@@ -300,26 +192,39 @@ class LocalRunner:
                 actions += controller.cancel(now, "interrupted (Ctrl-C)")
             if self.store.job(self.job_id).desired == "delete":
                 actions += controller.cancel(now, "deleted by user")
-            reports = {node.node_id: node.report() for node in self.nodes}
-            for node in self.nodes:
-                node.last_pids = reports[node.node_id].pids or node.last_pids
+            reports = {node_id: node.report() for node_id, node in self.nodes.items()}
             actions += controller.observe(now, reports)
-            self._act(actions)
+            self._inject(controller, now, reports)
+            self._act(controller, actions)
             self._persist(controller, reports)
         return self._result(controller)
 
-    def _start_agents(self, token_file: Path) -> None:
-        for node in self.nodes:
-            node.spawn(token_file, self.logs_dir)
+    def _bring_up(self, node_ids: Sequence[str]) -> None:
+        """Start a fresh agent for each node id (replacing a live one) and wait until all answer."""
+        fresh = []
+        for node_id in node_ids:
+            old = self.nodes.pop(node_id, None)
+            if old is not None:
+                old.shutdown()
+            node = LocalNode(
+                node_id,
+                self._groups[node_id],
+                self.job_dir,
+                self._token,
+                {"TRAINGUARD_JOB_DIR": str(self.job_dir)},
+            )
+            node.spawn(self.token_file, self.logs_dir)
             assert node.process is not None and node.process.stdout is not None
             threading.Thread(
                 target=self._pump,
                 args=(node.process.stdout,),
                 daemon=True,
-                name=f"console-{node.node_id}",
+                name=f"console-{node_id}",
             ).start()
+            self.nodes[node_id] = node
+            fresh.append(node)
         deadline = time.monotonic() + self.plan.node_start_timeout_seconds
-        for node in self.nodes:
+        for node in fresh:
             node.wait_ready(deadline)
             self.store.upsert_node(
                 self.job_id,
@@ -329,36 +234,87 @@ class LocalRunner:
                 agent_url=node.url,
             )
 
-    def _act(self, actions: Sequence[Action]) -> None:
-        by_id = {node.node_id: node for node in self.nodes}
+    def _act(self, controller: JobController, actions: Sequence[Action]) -> None:
         for action in actions:
             if isinstance(action, StartNodes):
-                for assignment in action.assignments:
-                    node = by_id[assignment.node_id]
-                    with self._calling(node) as client:
-                        client.start(assignment)
-                    self.store.upsert_node(
-                        self.job_id,
-                        node.node_id,
-                        "starting",
-                        node_rank=assignment.node_rank,
-                        ranks=assignment.global_ranks,
-                        attempt=assignment.attempt,
-                    )
+                self._start(action)
             elif isinstance(action, StopNodes):
+                stop = partial(
+                    AgentClient.stop,
+                    attempt=action.attempt,
+                    mode=action.mode,
+                    timeout=action.timeout,
+                    capture_stacks=action.capture_stacks,
+                )
                 for node_id in action.node_ids:
-                    with self._calling(by_id[node_id]) as client:
-                        client.stop(action.attempt, mode=action.mode, timeout=action.timeout)
+                    self._call(self.nodes.get(node_id), stop)
             elif isinstance(action, Finish):
                 pass  # the loop ends on the controller's terminal phase
 
-    @contextlib.contextmanager
-    def _calling(self, node: LocalNode) -> Iterator[AgentClient]:
+    def _start(self, action: StartNodes) -> None:
+        wanted = [a.node_id for a in action.assignments]
+        for node_id in [n for n in self.nodes if n not in wanted]:
+            self.nodes.pop(node_id).shutdown()  # replaced: a spare took its place
+        if action.scope == "job" or any(n not in self.nodes for n in wanted):
+            stale = wanted if action.scope == "job" else [n for n in wanted if n not in self.nodes]
+            try:
+                self._bring_up(stale)
+            except RuntimeError as exc:
+                # The next poll reports the node unreachable; the controller decides.
+                self._say(f"could not bring up nodes {stale}: {exc}")
+        for assignment in action.assignments:
+            self._call(
+                self.nodes.get(assignment.node_id),
+                partial(AgentClient.start, assignment=assignment),
+            )
+            self.store.upsert_node(
+                self.job_id,
+                assignment.node_id,
+                "starting",
+                node_rank=assignment.node_rank,
+                ranks=assignment.global_ranks,
+                attempt=assignment.attempt,
+            )
+
+    def _inject(
+        self, controller: JobController, now: float, reports: dict[str, NodeReport]
+    ) -> None:
+        attempt = controller.current
+        if not self.injector.pending or attempt is None:
+            return
+        progress = attempt.watch.progress
+        if progress is not None and self._first_step_at is None:
+            self._first_step_at = progress.first_time
+        node_ranks = {a.node_id: a.node_rank for a in attempt.assignments}
+        rank_pids: dict[int, int] = {}
+        node_pids: dict[int, tuple[int, tuple[int, ...]]] = {}
+        for node_id, report in reports.items():
+            node = self.nodes[node_id]
+            if report.attempt != attempt.number or node_id not in node_ranks:
+                continue
+            rank_pids.update(report.rank_pids)
+            if node.process is not None:
+                node_pids[node_ranks[node_id]] = (node.process.pid, report.pids)
+        fired = self.injector.poll(
+            now,
+            progress.step if progress else None,
+            self._first_step_at,
+            Targets(rank_pids, node_pids),
+        )
+        by_rank = {v: k for k, v in node_ranks.items()}
+        for f in fired:
+            controller.note_injection(
+                now, f.injection.text, f.rank, None if f.node is None else by_rank.get(f.node)
+            )
+
+    def _call(self, node: LocalNode | None, call: Callable[[AgentClient], None]) -> None:
         """Call a node's agent; a refusal or no answer marks the node broken (lost)."""
-        if node.client is None:
-            raise RuntimeError(f"{node.node_id} has no agent to call")
+        if node is None or node.client is None:
+            if node is not None:
+                node.broken = True
+            return
         try:
-            yield node.client
+            call(node.client)
         except AgentError as err:
             self._say(f"{node.node_id}: agent refused or unreachable: {err}")
             node.broken = True
@@ -388,6 +344,7 @@ class LocalRunner:
             "phase": controller.phase.value,
             "reason": controller.reason,
             "restarts": controller.restarts,
+            "faults": controller.timeline.to_json(),
         }
         if controller.phase.terminal:
             fields["finished_at"] = time.time()
@@ -400,9 +357,9 @@ class LocalRunner:
         self._say(f"state: {self.store.root}  (trainguard describe {self.job_id})")
         return JobResult(self.job_id, controller.phase, reason, self.job_dir)
 
-    def _pump(self, stream: object) -> None:
+    def _pump(self, stream: IO[bytes]) -> None:
         """Copy an agent's console (every rank's lines, prefixed) to ours and to console.log."""
-        for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
+        for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace")
             with self._out_lock:
                 self.out.write(line)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trainguard.platform.inject import parse_injection
 from trainguard.platform.local import EXIT_INTERRUPTED, LocalRunner
 from trainguard.platform.store import Store, state_dir
 from trainguard.spec import SpecError, cli_job, load_job, resolve_plan
@@ -41,13 +42,21 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 no_python=args.no_python,
             )
         plan = resolve_plan(job, source)
+        injections = [parse_injection(text) for text in args.inject]
+    except ValueError as exc:  # a bad --inject SPEC
+        print(f"trainguard: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except SpecError as exc:
         for line in str(exc).splitlines():
             print(f"trainguard: {line}", file=sys.stderr)
         return EXIT_USAGE
     store = Store(state_dir(args.state_dir))
     try:
-        runner = LocalRunner(plan, store, source)
+        try:
+            runner = LocalRunner(plan, store, source, injections)
+        except ValueError as exc:  # an --inject target outside the job
+            print(f"trainguard: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         try:
             result = runner.run()
         except KeyboardInterrupt:

@@ -41,7 +41,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     created_at REAL NOT NULL,
     started_at REAL,
     finished_at REAL,
-    spec_json TEXT NOT NULL
+    spec_json TEXT NOT NULL,
+    faults_json TEXT NOT NULL DEFAULT '[]'
 );
 CREATE TABLE IF NOT EXISTS attempts (
     job_id TEXT NOT NULL,
@@ -108,6 +109,7 @@ class JobRow:
     started_at: float | None
     finished_at: float | None
     spec_json: str
+    faults_json: str = "[]"
 
 
 class Store:
@@ -167,12 +169,22 @@ class Store:
             )
 
     def update_job(self, job_id: str, **fields: Any) -> None:
-        allowed = {"phase", "reason", "restarts", "started_at", "finished_at", "controller_pid"}
+        allowed = {
+            "phase",
+            "reason",
+            "restarts",
+            "started_at",
+            "finished_at",
+            "controller_pid",
+            "faults",
+        }
         bad = set(fields) - allowed
         if bad:
             raise ValueError(f"cannot update job fields {sorted(bad)}")
         if not fields:
             return
+        if "faults" in fields:
+            fields["faults_json"] = json.dumps(fields.pop("faults"))
         cols = ", ".join(f"{k} = ?" for k in fields)
         with self._tx() as db:
             db.execute(f"UPDATE jobs SET {cols} WHERE id = ?", (*fields.values(), job_id))

@@ -54,6 +54,7 @@ def job_json(store: Store, job: JobRow) -> dict[str, Any]:
         "logs_dir": str(Path(job.job_dir) / "logs"),
         "nodes": store.nodes(job.id),
         "attempts": store.attempts(job.id),
+        "faults": json.loads(job.faults_json),
         "events": [e.to_json() for e in store.events(job.id)],
         "spec": json.loads(job.spec_json),
     }
@@ -150,6 +151,40 @@ def describe(store: Store, ref: str, output: str) -> int:
         ],
         indent=2,
     )
+    if data["faults"]:
+        print("\nFaults:")
+        _table(
+            [
+                [
+                    "DETECTED",
+                    "TYPE",
+                    "ATTEMPT",
+                    "NODE",
+                    "RANK",
+                    "STEP",
+                    "SCOPE",
+                    "RECOVERY",
+                    "LOST STEPS",
+                    "MESSAGE",
+                ]
+            ]
+            + [
+                [
+                    _stamp(f["detected_at"]),
+                    f["type"] + (" (injected)" if f["evidence"].get("injected") else ""),
+                    str(f["attempt"]),
+                    f["node"] or "-",
+                    _dash(f["rank"]),
+                    _dash(f["fault_step"]),
+                    f["scope"] or "-",
+                    "-" if f["recovery_seconds"] is None else f"{f['recovery_seconds']:.1f}s",
+                    _dash(f["lost_steps"]),
+                    f["message"][:120],
+                ]
+                for f in data["faults"]
+            ],
+            indent=2,
+        )
     print("\nEvents:")
     _table(
         [["TIME", "KIND", "ATTEMPT", "NODE", "RANK", "MESSAGE"]]

@@ -255,6 +255,17 @@ class TrainguardOptions(SpecModel):
         default=DEFAULT_NODE_START_TIMEOUT_SECONDS,
         description="trainguard extension: a node agent that is not ready within this is faulty.",
     )
+    heartbeat_timeout_seconds: Seconds | None = Field(
+        default=None,
+        description="trainguard extension: a rank that called trainguard.heartbeat() and then "
+        "sent none for this long is hanging. Unset: heartbeats are not checked.",
+    )
+    progress_pattern: Regex | None = Field(
+        default=None,
+        description="trainguard extension: Python regex (re.match) whose first group is the "
+        "completed training step in a worker's output line. Unset: lines such as "
+        "'Batch 41 ...', 'Step 41 ...' or 'Iteration 41 ...'.",
+    )
 
 
 class TrainingJobSpec(SpecModel):

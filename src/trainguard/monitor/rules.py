@@ -1,0 +1,389 @@
+"""Log rules (HyperPod's `logMonitoringConfiguration`) and the per-node line checks.
+
+Split of work: which rank logs is up to the training script (the example logs from
+global rank 0 only), so a HANG is judged job-wide by the controller (`hang.py`) from
+every node's last match time. What one line tells by itself is judged here, in the
+agent, per rank: SLOW (the metric is bad for `metricEvaluationDataPoints`
+consecutive matches of that rank), FAULT (`faultOnMatch`) and a NaN/infinite metric.
+
+Line semantics, per rule and line (stdout and stderr of every rank):
+
+1. a line matching `stopPattern` switches the rule off for the rest of the attempt
+   (on this node; the controller switches it off job-wide), and counts as nothing else;
+2. a line matching `logPattern` (``re.match``, anchored at the line start) is a match:
+   it updates the rule's last match time and count;
+3. `faultOnMatch`: the match is a fault (reported once per rule and rank);
+4. if the pattern's first group parses as a number, a NaN or infinite value is a
+   `NaNMetric` fault (once per rule and rank), whether or not a threshold is set;
+5. with `metricThreshold`/`operator`, a finite value for which ``value <operator>
+   threshold`` holds is bad (the operator states the bad condition); N consecutive bad
+   values of one rank report SLOW once; a good value ends the run (a later run of N bad
+   values reports again). A group that is not a number is ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator as op
+import re
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, Literal, cast, get_args
+
+from trainguard.monitor.progress import ProgressMatcher
+
+if TYPE_CHECKING:
+    from trainguard.spec.model import LogRule
+
+__all__ = [
+    "MAX_DETECTIONS",
+    "MAX_LINE_CHARS",
+    "Detection",
+    "DetectionKind",
+    "LogRuleSpec",
+    "NodeLogMonitor",
+    "Operator",
+]
+
+Operator = Literal["gt", "lt", "eq", "gteq", "lteq"]
+DetectionKind = Literal["LogSlow", "LogFault", "NaNMetric"]
+
+MAX_LINE_CHARS: Final = 500
+"""Evidence lines are cut to this many characters."""
+MAX_DETECTIONS: Final = 100
+"""A node monitor keeps its first this-many detections."""
+
+_COMPARE: Final[Mapping[str, Callable[[float, float], bool]]] = {
+    "gt": op.gt,
+    "lt": op.lt,
+    "eq": op.eq,
+    "gteq": op.ge,
+    "lteq": op.le,
+}
+_NUMBER = re.compile(
+    r"\s*([-+]?(?:(?:nan|inf(?:inity)?)(?![\w.])|(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?))", re.I
+)
+
+# camelCase wire key -> snake_case attribute
+_KEYS: Final = {
+    "name": "name",
+    "logPattern": "log_pattern",
+    "expectedStartCutOffInSeconds": "expected_start_cut_off_in_seconds",
+    "expectedRecurringFrequencyInSeconds": "expected_recurring_frequency_in_seconds",
+    "stopPattern": "stop_pattern",
+    "metricThreshold": "metric_threshold",
+    "operator": "operator",
+    "metricEvaluationDataPoints": "metric_evaluation_data_points",
+    "faultOnMatch": "fault_on_match",
+}
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern)
+
+
+def _problem(rule: str, key: str, message: str) -> ValueError:
+    return ValueError(f"log rule {rule!r}: {key}: {message}")
+
+
+@dataclass(frozen=True)
+class LogRuleSpec:
+    """One log rule as the controller sends it to agents (camelCase keys on the wire)."""
+
+    name: str
+    log_pattern: str
+    expected_start_cut_off_in_seconds: float | None = None
+    expected_recurring_frequency_in_seconds: float | None = None
+    stop_pattern: str | None = None
+    metric_threshold: float | None = None
+    operator: Operator | None = None
+    metric_evaluation_data_points: int = 1
+    fault_on_match: bool = False
+
+    def __post_init__(self) -> None:
+        name = self.name
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"log rule {name!r}: name: must be a non-empty string")
+        for key in ("log_pattern", "stop_pattern"):
+            pattern = getattr(self, key)
+            if pattern is None and key == "stop_pattern":
+                continue
+            if not isinstance(pattern, str):
+                raise _problem(name, _camel(key), "must be a string")
+            try:
+                _compiled(pattern)
+            except re.error as err:
+                raise _problem(name, _camel(key), f"invalid regular expression: {err}") from None
+        for key in ("expected_start_cut_off_in_seconds", "expected_recurring_frequency_in_seconds"):
+            seconds = getattr(self, key)
+            if seconds is not None and (not _is_number(seconds) or not seconds > 0):
+                raise _problem(name, _camel(key), "must be a number > 0")
+        if self.metric_threshold is not None and not _is_number(self.metric_threshold):
+            raise _problem(name, "metricThreshold", "must be a number")
+        if self.operator is not None and self.operator not in _COMPARE:
+            raise _problem(name, "operator", f"must be one of {', '.join(get_args(Operator))}")
+        if (self.metric_threshold is None) != (self.operator is None):
+            missing = "operator" if self.operator is None else "metricThreshold"
+            raise _problem(name, missing, "metricThreshold and operator go together")
+        if self.metric_threshold is not None and self.pattern.groups < 1:
+            raise _problem(name, "logPattern", "needs a capture group for the metric")
+        points = self.metric_evaluation_data_points
+        if isinstance(points, bool) or not isinstance(points, int) or points < 1:
+            raise _problem(name, "metricEvaluationDataPoints", "must be an integer >= 1")
+        if not isinstance(self.fault_on_match, bool):
+            raise _problem(name, "faultOnMatch", "must be true or false")
+
+    @property
+    def pattern(self) -> re.Pattern[str]:
+        """The compiled `logPattern`."""
+        return _compiled(self.log_pattern)
+
+    @property
+    def stop(self) -> re.Pattern[str] | None:
+        """The compiled `stopPattern`, if any."""
+        return None if self.stop_pattern is None else _compiled(self.stop_pattern)
+
+    @property
+    def has_timer(self) -> bool:
+        """Whether the rule can HANG (has a start cut-off or a recurring frequency)."""
+        return (
+            self.expected_start_cut_off_in_seconds is not None
+            or self.expected_recurring_frequency_in_seconds is not None
+        )
+
+    def is_bad(self, value: float) -> bool:
+        """``value <operator> metricThreshold`` (False without a threshold)."""
+        if self.operator is None or self.metric_threshold is None:
+            return False
+        return _COMPARE[self.operator](value, self.metric_threshold)
+
+    def to_json(self) -> dict[str, Any]:
+        """camelCase keys; unset optional fields are left out."""
+        out: dict[str, Any] = {}
+        for key, attr in _KEYS.items():
+            value = getattr(self, attr)
+            if value is not None:
+                out[key] = value
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LogRuleSpec:
+        """Parse camelCase keys; unknown keys and bad values are errors naming the field."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"log rule: must be an object, got {type(data).__name__}")
+        name = data.get("name")
+        unknown = sorted(set(data) - set(_KEYS))
+        if unknown:
+            raise _problem(str(name), unknown[0], "unknown field")
+        for key in ("name", "logPattern"):
+            if key not in data:
+                raise _problem(str(name), key, "required")
+        kwargs = {attr: data[key] for key, attr in _KEYS.items() if data.get(key) is not None}
+        return cls(**kwargs)
+
+    @classmethod
+    def from_model(cls, rule: LogRule) -> LogRuleSpec:
+        """From the validated spec model (`trainguard.spec.LogRule`)."""
+        return cls(
+            name=rule.name,
+            log_pattern=rule.log_pattern,
+            expected_start_cut_off_in_seconds=rule.expected_start_cut_off_in_seconds,
+            expected_recurring_frequency_in_seconds=rule.expected_recurring_frequency_in_seconds,
+            stop_pattern=rule.stop_pattern,
+            metric_threshold=rule.metric_threshold,
+            operator=rule.operator,
+            metric_evaluation_data_points=rule.metric_evaluation_data_points,
+            fault_on_match=rule.fault_on_match,
+        )
+
+
+def _camel(attr: str) -> str:
+    return next(key for key, value in _KEYS.items() if value == attr)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_metric(text: str | None) -> float | None:
+    """The number at the start of a captured group (``nan``/``inf`` included), or None."""
+    if text is None:
+        return None
+    found = _NUMBER.match(text)
+    return None if found is None else float(found.group(1))
+
+
+@dataclass(frozen=True)
+class Detection:
+    """A fault seen in one rank's output line."""
+
+    kind: DetectionKind
+    rule: str
+    rank: int
+    time: float
+    line: str
+    value: float | None = None
+
+    @property
+    def reason(self) -> str:
+        """HyperPod-style reason: ``LogSlow_<rule>``, ``LogFault_<rule>``, ``NaNMetric_<rule>``."""
+        return f"{self.kind}_{self.rule}"
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe: a non-finite value is written as the string ``nan``, ``inf`` or ``-inf``."""
+        value: float | str | None = self.value
+        if self.value is not None and not math.isfinite(self.value):
+            value = str(self.value)
+        return {
+            "kind": self.kind,
+            "rule": self.rule,
+            "rank": self.rank,
+            "time": self.time,
+            "line": self.line,
+            "value": value,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Detection:
+        try:
+            kind = data["kind"]
+            if kind not in get_args(DetectionKind):
+                raise ValueError(f"detection: kind: unknown {kind!r}")
+            value = data.get("value")
+            return cls(
+                kind=cast(DetectionKind, kind),
+                rule=str(data["rule"]),
+                rank=int(data["rank"]),
+                time=float(data["time"]),
+                line=str(data["line"]),
+                value=None if value is None else float(value),
+            )
+        except KeyError as err:
+            raise ValueError(f"detection: {err.args[0]}: required") from None
+
+
+@dataclass
+class _RuleState:
+    last_match_at: float | None = None
+    matches: int = 0
+    stopped: bool = False
+    bad_run: dict[int, int] = field(default_factory=dict)  # rank -> consecutive bad values
+    slow_reported: set[int] = field(default_factory=set)  # ranks in a reported bad run
+    faulted: set[int] = field(default_factory=set)  # ranks reported for faultOnMatch
+    nan_reported: set[int] = field(default_factory=set)  # ranks reported for NaN/inf
+
+
+class NodeLogMonitor:
+    """Applies the log rules to every line of this node's ranks, for one attempt.
+
+    `on_line` is called by the log tailer thread; `snapshot` by whoever reports status.
+    """
+
+    def __init__(
+        self, rules: Sequence[LogRuleSpec], progress: ProgressMatcher | None = None
+    ) -> None:
+        names = [rule.name for rule in rules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"log rules: duplicate rule names in {names}")
+        self._rules = list(rules)
+        self._progress = progress
+        self._state = {rule.name: _RuleState() for rule in rules}
+        self._steps: dict[int, tuple[int, float]] = {}
+        self._first_steps: dict[int, tuple[int, float]] = {}
+        self._detections: list[Detection] = []
+        self._lock = threading.Lock()
+
+    def on_line(self, rank: int, stream: str, line: str, t: float) -> None:
+        """One output line of ``rank`` (without its newline), read at unix time ``t``."""
+        del stream  # both streams are read alike
+        step = self._progress.match(line) if self._progress is not None else None
+        with self._lock:
+            if step is not None:
+                self._steps[rank] = (step, t)
+                self._first_steps.setdefault(rank, (step, t))
+            for rule in self._rules:
+                state = self._state[rule.name]
+                if not state.stopped:
+                    self._apply(rule, state, rank, line, t)
+
+    def _apply(self, rule: LogRuleSpec, state: _RuleState, rank: int, line: str, t: float) -> None:
+        stop = rule.stop
+        if stop is not None and stop.match(line):
+            state.stopped = True
+            return
+        found = rule.pattern.match(line)
+        if found is None:
+            return
+        state.matches += 1
+        if state.last_match_at is None or t > state.last_match_at:
+            state.last_match_at = t
+        if rule.fault_on_match and rank not in state.faulted:
+            state.faulted.add(rank)
+            self._detect("LogFault", rule, rank, t, line, None)
+        if found.re.groups < 1:
+            return
+        value = parse_metric(found.group(1))
+        if value is None:
+            return
+        if not math.isfinite(value):
+            if rank not in state.nan_reported:
+                state.nan_reported.add(rank)
+                self._detect("NaNMetric", rule, rank, t, line, value)
+            return
+        if rule.metric_threshold is None:
+            return
+        if not rule.is_bad(value):
+            state.bad_run[rank] = 0
+            state.slow_reported.discard(rank)
+            return
+        run = state.bad_run.get(rank, 0) + 1
+        state.bad_run[rank] = run
+        if run >= rule.metric_evaluation_data_points and rank not in state.slow_reported:
+            state.slow_reported.add(rank)
+            self._detect("LogSlow", rule, rank, t, line, value)
+
+    def _detect(
+        self,
+        kind: DetectionKind,
+        rule: LogRuleSpec,
+        rank: int,
+        t: float,
+        line: str,
+        value: float | None,
+    ) -> None:
+        if len(self._detections) < MAX_DETECTIONS:
+            self._detections.append(
+                Detection(kind, rule.name, rank, t, line[:MAX_LINE_CHARS], value)
+            )
+
+    def detections(self) -> list[Detection]:
+        """Detections so far, oldest first (the first `MAX_DETECTIONS`)."""
+        with self._lock:
+            return list(self._detections)
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able view: per rule last match/count/stopped, per rank progress, detections."""
+        with self._lock:
+            return {
+                "rules": {
+                    name: {
+                        "last_match_at": state.last_match_at,
+                        "matches": state.matches,
+                        "stopped": state.stopped,
+                    }
+                    for name, state in self._state.items()
+                },
+                "progress": {
+                    str(rank): {
+                        "first_step": self._first_steps[rank][0],
+                        "first_time": self._first_steps[rank][1],
+                        "step": step,
+                        "time": t,
+                    }
+                    for rank, (step, t) in sorted(self._steps.items())
+                },
+                "detections": [d.to_json() for d in self._detections],
+            }

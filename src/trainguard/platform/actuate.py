@@ -1,0 +1,160 @@
+"""The signals behind fault injection: kill, stop, kill a node, throttle.
+
+Every target is pinned to one process by its start time (from ``/proc``), so
+a throttle or a final SIGCONT never reaches a later process reusing the pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Sequence
+
+from trainguard.platform.procs import alive, kill_group
+
+# Throttle duty cycle of a ``slow`` injection: seconds running, then seconds stopped.
+DEFAULT_SLOW_RUN_SECONDS = 0.1
+DEFAULT_SLOW_STOP_SECONDS = 0.4
+# Time close() waits for each throttle thread to resume its process and end.
+THROTTLE_JOIN_SECONDS = 2.0
+
+
+class _Process:
+    """A pid pinned to one process: its start time tells it from a later one reusing the pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        stat = _proc_stat(pid)
+        self.start = stat[1] if stat else None
+
+    def alive(self) -> bool:
+        """True while this very process exists and is not a zombie."""
+        stat = _proc_stat(self.pid)
+        if stat is None:
+            return not os.path.isdir("/proc") and alive(self.pid)
+        state, start = stat
+        return state not in "ZXx" and (self.start is None or start == self.start)
+
+    def send(self, sig: signal.Signals) -> bool:
+        """Send ``sig`` if the process still lives; False when it is gone."""
+        if not self.alive():
+            return False
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) from /proc/<pid>/stat, None if absent."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2 :].split()  # the name in parentheses may hold spaces
+    return fields[0], int(fields[19])
+
+
+class _Throttle:
+    """A daemon thread alternating SIGSTOP/SIGCONT until halted or the process is gone."""
+
+    def __init__(self, process: _Process, run_seconds: float, stop_seconds: float) -> None:
+        self.process = process
+        self._run_seconds = run_seconds
+        self._stop_seconds = stop_seconds
+        self._halt = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, daemon=True, name=f"inject-slow-{process.pid}"
+        )
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _loop(self) -> None:
+        try:
+            while not self._halt.is_set():
+                if not self.process.send(signal.SIGSTOP):
+                    return
+                self._halt.wait(self._stop_seconds)
+                if not self.process.send(signal.SIGCONT):
+                    return
+                self._halt.wait(self._run_seconds)
+        finally:
+            self.process.send(signal.SIGCONT)
+
+    def halt(self, timeout: float) -> None:
+        self._halt.set()
+        self._thread.join(timeout)
+        self.process.send(signal.SIGCONT)  # even if the thread did not end in time
+
+
+class SignalActuator:
+    """The real actuator: signals to real processes, one thread per throttled worker."""
+
+    def __init__(
+        self,
+        slow_run_seconds: float = DEFAULT_SLOW_RUN_SECONDS,
+        slow_stop_seconds: float = DEFAULT_SLOW_STOP_SECONDS,
+        join_seconds: float = THROTTLE_JOIN_SECONDS,
+    ) -> None:
+        if slow_run_seconds <= 0 or slow_stop_seconds <= 0:
+            raise ValueError(
+                f"slow duty cycle must be positive, got run {slow_run_seconds} s, "
+                f"stop {slow_stop_seconds} s"
+            )
+        self._run_seconds = slow_run_seconds
+        self._stop_seconds = slow_stop_seconds
+        self._join_seconds = join_seconds
+        self._lock = threading.Lock()
+        self._stopped: list[_Process] = []
+        self._throttles: list[_Throttle] = []
+
+    @property
+    def throttled_pids(self) -> list[int]:
+        """Pids whose throttle thread is still running."""
+        with self._lock:
+            return [t.process.pid for t in self._throttles if t.running]
+
+    def kill(self, pid: int) -> bool:
+        return _Process(pid).send(signal.SIGKILL)
+
+    def stop(self, pid: int) -> bool:
+        process = _Process(pid)
+        if not process.send(signal.SIGSTOP):
+            return False
+        with self._lock:
+            self._stopped.append(process)
+        return True
+
+    def kill_node(self, agent_pid: int, worker_pids: Sequence[int]) -> bool:
+        agent = _Process(agent_pid)
+        if not agent.alive():
+            return False
+        for pid in (agent_pid, *worker_pids):
+            kill_group(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # in case it does not lead its group
+        return True
+
+    def throttle(self, pid: int) -> bool:
+        process = _Process(pid)
+        if not process.alive():
+            return False
+        with self._lock:
+            self._throttles.append(_Throttle(process, self._run_seconds, self._stop_seconds))
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            throttles, self._throttles = self._throttles, []
+            stopped, self._stopped = self._stopped, []
+        for throttle in throttles:
+            throttle.halt(self._join_seconds)
+        for process in stopped:
+            process.send(signal.SIGCONT)

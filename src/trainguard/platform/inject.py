@@ -1,0 +1,297 @@
+"""Fault injection for rehearsals and tests: ``trainguard run ... --inject SPEC``.
+
+A SPEC names a fault, its target and its trigger::
+
+    kill:rank=R@step=S       SIGKILL global rank R's worker
+    hang:rank=R@step=S       SIGSTOP it (it stays stopped until the injector closes)
+    node-kill:node=N@step=S  SIGKILL node rank N's agent and every worker's process group
+    slow:rank=R@step=S       throttle the worker: SIGSTOP/SIGCONT in a duty cycle
+    ...@Ts                   T seconds (float) after the job's first completed step
+
+The :class:`Injector` decides (which injection is due, at which pid) and an
+:class:`Actuator` acts (signals, the throttle thread), so decisions can be
+tested without signals. Each injection fires at most once per job: once it
+has hit a live process it is never fired again, even when a restart passes
+the same step; until then (target not known yet, or already gone) it waits.
+
+Assumptions: the pids in :class:`Targets` are current (the runner saw them on
+its last status poll); agents and workers each lead their own process group;
+Linux ``/proc`` is used to tell a process from a later one reusing its pid.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol
+
+from trainguard.platform.actuate import SignalActuator
+
+KINDS = ("kill", "hang", "node-kill", "slow")
+_TARGET_KEY = {"kill": "rank", "hang": "rank", "slow": "rank", "node-kill": "node"}
+_ACTION = {
+    "kill": "SIGKILL",
+    "hang": "SIGSTOP",
+    "slow": "SIGSTOP/SIGCONT throttle",
+    "node-kill": "SIGKILL agent and workers",
+}
+
+INJECT_HELP = (
+    "inject a fault (repeatable): kill:rank=R@step=S (SIGKILL), hang:rank=R@step=S (SIGSTOP), "
+    "node-kill:node=N@step=S (the node's agent and workers), slow:rank=R@step=S (throttled); "
+    "@Ts (seconds after the first completed step) in place of @step=S"
+)
+
+_INT = re.compile(r"\d+")
+_SECONDS = re.compile(r"(\d+(?:\.\d*)?|\.\d+)s")
+
+
+@dataclass(frozen=True)
+class Injection:
+    """One parsed ``--inject`` SPEC; exactly one of rank/node and one of at_step/at_seconds."""
+
+    kind: str  # "kill" | "hang" | "node-kill" | "slow"
+    rank: int | None
+    node: int | None
+    at_step: int | None
+    at_seconds: float | None
+    text: str  # the SPEC as given
+
+    @property
+    def target(self) -> str:
+        return f"node {self.node}" if self.kind == "node-kill" else f"rank {self.rank}"
+
+    @property
+    def trigger(self) -> str:
+        if self.at_step is not None:
+            return f"step {self.at_step}"
+        return f"{self.at_seconds:g} s after the first step"
+
+
+def parse_injection(text: str) -> Injection:
+    """Parse ``KIND:KEY=N@step=S`` or ``KIND:KEY=N@Ts``; ValueError naming the SPEC."""
+
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"--inject {text!r}: {problem}")
+
+    spec = text.strip()
+    kind, colon, rest = spec.partition(":")
+    if not colon:
+        raise bad("expected KIND:TARGET@TRIGGER, e.g. kill:rank=1@step=10")
+    if kind not in KINDS:
+        raise bad(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+    key = _TARGET_KEY[kind]
+    if rest.count("@") != 1:
+        raise bad(f"expected one '@' between target and trigger, e.g. {kind}:{key}=1@step=10")
+    target, trigger = rest.split("@")
+    name, equals, value = target.partition("=")
+    if not equals or name != key:
+        raise bad(f"{kind} takes a target {key}=N, got {target!r}")
+    if not _INT.fullmatch(value):
+        raise bad(f"{key} must be a non-negative integer, got {value!r}")
+    number = int(value)
+
+    at_step: int | None = None
+    at_seconds: float | None = None
+    if trigger.startswith("step="):
+        step = trigger.removeprefix("step=")
+        if not _INT.fullmatch(step):
+            raise bad(f"step must be a non-negative integer, got {step!r}")
+        at_step = int(step)
+    elif _SECONDS.fullmatch(trigger):
+        at_seconds = float(trigger[:-1])
+        if not math.isfinite(at_seconds):
+            raise bad(f"seconds must be finite, got {trigger!r}")
+    else:
+        raise bad(
+            f"trigger must be step=S or Ts (seconds after the first step, e.g. 2.5s), "
+            f"got {trigger!r}"
+        )
+    return Injection(
+        kind=kind,
+        rank=number if key == "rank" else None,
+        node=number if key == "node" else None,
+        at_step=at_step,
+        at_seconds=at_seconds,
+        text=text,
+    )
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Where things are right now, as the runner last saw them."""
+
+    rank_pids: Mapping[int, int]  # global rank -> worker pid (current attempt)
+    node_pids: Mapping[int, tuple[int, tuple[int, ...]]]  # node rank -> (agent pid, worker pids)
+
+    def node_of(self, pid: int) -> int | None:
+        """The node rank whose workers include ``pid``, if known."""
+        for node, (_, workers) in self.node_pids.items():
+            if pid in workers:
+                return node
+        return None
+
+
+@dataclass(frozen=True)
+class Fired:
+    """An injection that hit: when, at which step, whom, and the pids signalled."""
+
+    injection: Injection
+    time: float
+    step: int | None
+    rank: int | None
+    node: int | None
+    pids: tuple[int, ...]
+
+    @property
+    def message(self) -> str:
+        """One line for the job's events, marked as injected."""
+        who = self.injection.target
+        if self.rank is not None and self.node is not None:
+            who += f" on node {self.node}"
+        at = f"step {self.step}" if self.step is not None else "no step yet"
+        pids = ", ".join(str(p) for p in self.pids)
+        action = _ACTION[self.injection.kind]
+        return (
+            f"injected {self.injection.kind} of {who} ({action}; pid {pids}) at {at} "
+            f"[--inject {self.injection.text}]"
+        )
+
+
+class Actuator(Protocol):
+    """Turns an injection into signals. Each method returns False when the target is gone."""
+
+    def kill(self, pid: int) -> bool:
+        """SIGKILL the process."""
+        ...
+
+    def stop(self, pid: int) -> bool:
+        """SIGSTOP the process and remember it, so close() can resume it."""
+        ...
+
+    def kill_node(self, agent_pid: int, worker_pids: Sequence[int]) -> bool:
+        """SIGKILL the agent's and every worker's process group; False when the agent is gone."""
+        ...
+
+    def throttle(self, pid: int) -> bool:
+        """Start alternating SIGSTOP/SIGCONT on the process in the background."""
+        ...
+
+    def close(self) -> None:
+        """End every throttle and SIGCONT every process stopped here that still lives."""
+        ...
+
+
+class Injector:
+    """Fires each due injection once at the process the runner last saw; see the module doc."""
+
+    def __init__(
+        self,
+        injections: Sequence[Injection],
+        world_size: int,
+        nnodes: int,
+        actuator: Actuator | None = None,
+    ) -> None:
+        if world_size < 1 or nnodes < 1:
+            raise ValueError(f"world size and nnodes must be >= 1, got {world_size}, {nnodes}")
+        for injection in injections:
+            if injection.rank is not None and not 0 <= injection.rank < world_size:
+                raise ValueError(
+                    f"--inject {injection.text!r}: rank {injection.rank} is out of range; "
+                    f"the world size is {world_size} (ranks 0..{world_size - 1})"
+                )
+            if injection.node is not None and not 0 <= injection.node < nnodes:
+                raise ValueError(
+                    f"--inject {injection.text!r}: node {injection.node} is out of range; "
+                    f"the job has {nnodes} nodes (nodes 0..{nnodes - 1})"
+                )
+        self._pending = list(injections)
+        self._fired: list[Fired] = []
+        self._actuator: Actuator = actuator if actuator is not None else SignalActuator()
+        self._closed = False
+
+    @property
+    def pending(self) -> list[Injection]:
+        """Injections that have not fired yet, in the order given."""
+        return list(self._pending)
+
+    @property
+    def fired(self) -> list[Fired]:
+        """Every injection fired so far, in firing order."""
+        return list(self._fired)
+
+    def poll(
+        self, now: float, step: int | None, first_step_at: float | None, targets: Targets
+    ) -> list[Fired]:
+        """Fire every due injection whose target is known and alive; return what fired.
+
+        ``now`` and ``first_step_at`` are on the same clock; ``step`` is the job's
+        latest completed step (None before the first). Nothing fires after close().
+        """
+        if self._closed:
+            return []
+        fired: list[Fired] = []
+        waiting: list[Injection] = []
+        for injection in self._pending:
+            hit = None
+            if _due(injection, now, step, first_step_at):
+                hit = self._fire(injection, now, step, targets)
+            if hit is None:
+                waiting.append(injection)
+            else:
+                fired.append(hit)
+        self._pending = waiting
+        self._fired += fired
+        return fired
+
+    def close(self) -> None:
+        """Stop every throttle and SIGCONT what was stopped; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._actuator.close()
+
+    def __enter__(self) -> Injector:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _fire(
+        self, injection: Injection, now: float, step: int | None, targets: Targets
+    ) -> Fired | None:
+        if injection.kind == "node-kill":
+            assert injection.node is not None
+            entry = targets.node_pids.get(injection.node)
+            if entry is None:
+                return None
+            agent_pid, worker_pids = entry
+            if not self._actuator.kill_node(agent_pid, worker_pids):
+                return None
+            return Fired(injection, now, step, None, injection.node, (agent_pid, *worker_pids))
+        assert injection.rank is not None
+        pid = targets.rank_pids.get(injection.rank)
+        if pid is None:
+            return None
+        act = {
+            "kill": self._actuator.kill,
+            "hang": self._actuator.stop,
+            "slow": self._actuator.throttle,
+        }[injection.kind]
+        if not act(pid):
+            return None
+        return Fired(injection, now, step, injection.rank, targets.node_of(pid), (pid,))
+
+
+def _due(injection: Injection, now: float, step: int | None, first_step_at: float | None) -> bool:
+    if injection.at_step is not None:
+        return step is not None and step >= injection.at_step
+    assert injection.at_seconds is not None
+    return first_step_at is not None and now - first_step_at >= injection.at_seconds
