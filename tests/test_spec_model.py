@@ -272,9 +272,14 @@ def test_schema_uses_camel_case_names_and_has_no_nulls() -> None:
     schema = json_schema()
     defs = schema["$defs"]
     assert set(schema["properties"]) == {"apiVersion", "kind", "metadata", "spec"}
-    assert {"nprocPerNode", "replicaSpecs", "runPolicy", "elasticPolicy", "trainguard"} == set(
-        defs["TrainingJobSpec"]["properties"]
-    )
+    assert {
+        "nprocPerNode",
+        "replicaSpecs",
+        "runPolicy",
+        "elasticPolicy",
+        "trainguard",
+        "checkpointing",
+    } == set(defs["TrainingJobSpec"]["properties"])
     assert "jobMaxRetryCount" in defs["RunPolicy"]["properties"]
     assert "logMonitoringConfiguration" in defs["RunPolicy"]["properties"]
     assert "expectedStartCutOffInSeconds" in defs["LogRule"]["properties"]

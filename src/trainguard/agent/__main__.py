@@ -128,8 +128,9 @@ def _serve(
 ) -> int:
     # Heavy imports (torch) only once the command line is known to be good.
     from trainguard.agent.logs import Console, LogLayout
+    from trainguard.agent.replicas import ReplicaStore
     from trainguard.agent.server import AgentHTTPServer
-    from trainguard.agent.supervisor import AgentTimings, Supervisor
+    from trainguard.agent.supervisor import MEMORY_DIR_ENV, AgentTimings, Supervisor
     from trainguard.agent.workers import reserved_env_keys
 
     clashes = sorted(set(agent_env) & reserved_env_keys())
@@ -145,9 +146,13 @@ def _serve(
         cwd=args.cwd.resolve() if args.cwd is not None else None,
         console=Console(sys.stdout.buffer),
         timings=timings,
+        token=token,
     )
+    memory_dir = agent_env.get(MEMORY_DIR_ENV)
+    # Replicas of other nodes' memory tiers live beside this node's own (also in RAM).
+    replicas = ReplicaStore(Path(memory_dir).parent / "replicas") if memory_dir else None
     try:
-        server = AgentHTTPServer(args.host, args.port, supervisor, token)
+        server = AgentHTTPServer(args.host, args.port, supervisor, token, replicas)
     except OSError as exc:
         parser.error(f"--host/--port: cannot bind {args.host}:{args.port}: {exc.strerror}")
     received: list[int] = []

@@ -18,11 +18,14 @@ import hmac
 import json
 import logging
 import math
+import shutil
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from trainguard.agent.monitoring import build_monitor
+from trainguard.agent.replicas import REPLICA_PATH, ReplicaError, ReplicaStore
 from trainguard.agent.status import DEFAULT_STOP_TIMEOUT, STOP_MODES
 from trainguard.agent.supervisor import StartRefused, Supervisor
 from trainguard.control.assignment import NodeAssignment
@@ -124,10 +127,18 @@ class AgentHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, host: str, port: int, supervisor: Supervisor, token: str) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        supervisor: Supervisor,
+        token: str,
+        replicas: ReplicaStore | None = None,
+    ) -> None:
         if not token:
             raise ValueError("token must not be empty")
         self.supervisor = supervisor
+        self.replicas = replicas
         self.token = token.encode()
         self._thread: threading.Thread | None = None
         super().__init__((host, port), _Handler)
@@ -159,10 +170,16 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._dispatch("POST")
 
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
 
     def _dispatch(self, method: str) -> None:
+        if self.path.startswith(REPLICA_PATH):
+            self._replica(method)
+            return
         try:
             body = self._read_body()
         except BadRequest as exc:
@@ -192,6 +209,39 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(400, {"error": str(exc)})
         except StartRefused as exc:
             self._reply(409, {"error": str(exc)})
+
+    def _replica(self, method: str) -> None:
+        """``PUT /replica/<node>/<file>`` (streamed), ``GET /replica/<node>[/<file>]``."""
+        if not self._authorized():
+            self._reply(401, {"error": "missing or wrong bearer token"})
+            return
+        store = self.server.replicas
+        if store is None:
+            self._reply(404, {"error": "this agent keeps no replicas (no memory tier)"})
+            return
+        rest = urllib.parse.unquote(self.path.split("?", 1)[0][len(REPLICA_PATH) :])
+        source, _, relpath = rest.partition("/")
+        try:
+            if method == "PUT" and relpath:
+                length = int(self.headers.get("Content-Length") or 0)
+                store.receive(source, relpath, self.rfile, length)
+                self._reply(201, {"stored": relpath})
+            elif method == "GET" and not relpath:
+                self._reply(200, {"files": store.listing(source)})
+            elif method == "GET":
+                path = store.path(source, relpath)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(path.stat().st_size))
+                self.end_headers()
+                with open(path, "rb") as f:
+                    shutil.copyfileobj(f, self.wfile, 4 * 1024 * 1024)
+            else:
+                self._reply(405, {"error": f"{method} {REPLICA_PATH}... is not supported"})
+        except (ReplicaError, ValueError) as exc:
+            self._reply(400, {"error": str(exc)})
+        except FileNotFoundError as exc:
+            self._reply(404, {"error": str(exc)})
 
     def _status(self, body: bytes) -> None:
         self._reply(200, self.server.supervisor.snapshot().to_json())

@@ -9,6 +9,7 @@ when the forking *thread* exits.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from trainguard.agent.logs import Console, LineHook, LogLayout, LogTailer
 from trainguard.agent.monitoring import build_monitor
+from trainguard.agent.replicas import ReplicaPusher, replica_peers, restore_from_peers
 from trainguard.agent.status import (
     STOP_MODES,
     AgentState,
@@ -37,6 +39,9 @@ from trainguard.monitor.rules import NodeLogMonitor
 from trainguard.monitor.stacks import capture_stacks
 
 logger = logging.getLogger(__name__)
+
+MEMORY_DIR_ENV = "TRAINGUARD_CHECKPOINT_MEMORY_DIR"
+CONFIG_ENV = "TRAINGUARD_CHECKPOINT_CONFIG"
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ class Supervisor:
         console: Console | None = None,
         on_line: LineHook | None = None,
         timings: AgentTimings = AgentTimings(),
+        token: str = "",
     ) -> None:
         self.node_id = node_id
         self._worker_argv = list(worker_argv)
@@ -120,6 +126,9 @@ class Supervisor:
         self._monitor: NodeLogMonitor | None = None
         self._heartbeat_dir: Path | None = None
         self._stacks: dict[int, str] = {}
+        self._token = token  # the job's: this agent calls its peers for memory-tier replicas
+        self._pusher: ReplicaPusher | None = None
+        self.restored_from: str | None = None
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainguard-supervisor", daemon=True)
 
@@ -216,6 +225,7 @@ class Supervisor:
         if self._shutdown_requested:
             return
         monitor = build_monitor(assignment.monitor)  # validated when the request came in
+        self._replicate(assignment)
         beats_dir = self._layout.attempt_dir(assignment.attempt) / "heartbeats"
         beats_dir.mkdir(parents=True, exist_ok=True)
         with self._lock:
@@ -254,6 +264,30 @@ class Supervisor:
             # A stop may have been accepted meanwhile: then stay "stopping".
             state = AgentState.RUNNING if self._state is AgentState.STARTING else self._state
             self._set(state, workers=workers)
+
+    def _replicate(self, assignment: NodeAssignment) -> None:
+        """Before the workers start: refill an empty memory tier from a peer, then keep
+        pushing this node's memory tier to its replica peers."""
+        if self._pusher is not None:
+            self._pusher.stop()
+            self._pusher = None
+        memory_dir = self._agent_env.get(MEMORY_DIR_ENV)
+        if not memory_dir or not assignment.peers or not self._token:
+            return
+        try:
+            config = json.loads(self._agent_env.get(CONFIG_ENV) or "{}")
+            replicas = int(config.get("replicas", 0))
+        except (ValueError, TypeError, AttributeError):
+            replicas = 0
+        if replicas <= 0:
+            return
+        restored = restore_from_peers(self.node_id, Path(memory_dir), assignment.peers, self._token)
+        if restored is not None:
+            self.restored_from = restored
+            logger.info("memory tier of %s restored from %s's replica", self.node_id, restored)
+        peers = replica_peers(self.node_id, assignment.peers, replicas)
+        self._pusher = ReplicaPusher(self.node_id, Path(memory_dir), peers, self._token)
+        self._pusher.start()
 
     def _check_workers(self) -> None:
         group = self._group
@@ -299,6 +333,8 @@ class Supervisor:
 
     def _shutdown(self, reason: str) -> None:
         logger.info("shutting down: %s", reason)
+        if self._pusher is not None:
+            self._pusher.stop()
         with self._lock:
             if self._state.is_active:
                 self._set(AgentState.STOPPING, reason=reason)

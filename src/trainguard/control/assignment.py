@@ -47,6 +47,9 @@ class NodeAssignment:
     extra_env: dict[str, str] = field(default_factory=dict)
     # What the agent matches in every rank's output: log rules and the progress pattern.
     monitor: dict[str, Any] = field(default_factory=dict)
+    # Agent API URL of every node of the attempt, in node-rank order (filled by the
+    # platform, which knows the addresses): where memory-tier replicas go and come from.
+    peers: dict[str, str] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:

@@ -8,13 +8,14 @@ SQLite store so other ``trainguard`` commands can see it.
 from __future__ import annotations
 
 import secrets
+import shutil
 import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from types import FrameType
@@ -41,6 +42,8 @@ from trainguard.platform.store import Store
 from trainguard.spec.plan import JobPlan, NodeGroupPlan
 
 EXIT_INTERRUPTED = 130
+# Where the local platform keeps each node's memory checkpoint tier.
+MEMORY_ROOT = Path("/dev/shm/trainguard")
 
 SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
@@ -88,6 +91,8 @@ class LocalRunner:
         self.job_dir = store.root / "jobs" / self.job_id
         self.logs_dir = self.job_dir / "logs"
         self.token_file = self.job_dir / "token"
+        # Each node's memory tier: RAM that outlives its workers; removed when the job ends.
+        self.memory_root = MEMORY_ROOT / self.job_id
         # Raises ValueError naming the SPEC when a target is out of range.
         self.injector = Injector(injections, plan.world_size, plan.nnodes)
         self._interrupts = 0
@@ -129,6 +134,7 @@ class LocalRunner:
                 self.injector.close()  # resume stopped workers so they can be shut down
                 for node in self.nodes.values():
                     node.shutdown()
+                shutil.rmtree(self.memory_root, ignore_errors=True)
                 with self._out_lock:
                     self._console_log = None
                 for sig, handler in previous.items():
@@ -262,10 +268,11 @@ class LocalRunner:
             except RuntimeError as exc:
                 # The next poll reports the node unreachable; the controller decides.
                 self._say(f"could not bring up nodes {stale}: {exc}")
+        peers = {n: self.nodes[n].url for n in wanted if n in self.nodes}
         for assignment in action.assignments:
             self._call(
                 self.nodes.get(assignment.node_id),
-                partial(AgentClient.start, assignment=assignment),
+                partial(AgentClient.start, assignment=replace(assignment, peers=peers)),
             )
             self.store.upsert_node(
                 self.job_id,
@@ -303,6 +310,9 @@ class LocalRunner:
         )
         by_rank = {v: k for k, v in node_ranks.items()}
         for f in fired:
+            if f.injection.kind == "node-kill" and f.node is not None:
+                # A lost node loses its RAM: its memory tier goes with it.
+                shutil.rmtree(self.memory_root / by_rank[f.node], ignore_errors=True)
             controller.note_injection(
                 now, f.injection.text, f.rank, None if f.node is None else by_rank.get(f.node)
             )

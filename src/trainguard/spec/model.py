@@ -18,6 +18,7 @@ from typing import Annotated, Final, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from trainguard.spec.checkpointing import Checkpointing
 from trainguard.spec.fields import (
     DNS_LABEL_HELP,
     FIELD_PROBLEM,
@@ -288,6 +289,10 @@ class TrainingJobSpec(SpecModel):
     trainguard: TrainguardOptions = Field(
         default_factory=TrainguardOptions,
         description="trainguard extensions: settings HyperPod does not have.",
+    )
+    checkpointing: Checkpointing = Field(
+        default_factory=Checkpointing,
+        description="trainguard extension: checkpoint tiers for trainguard.checkpoint.",
     )
 
     @field_validator("replica_specs")

@@ -1,0 +1,226 @@
+"""Peer replicas of the memory checkpoint tier: copies of a node's snapshots in other nodes' RAM.
+
+Each agent pushes the files of its node's memory tier to the next ``replicas``
+nodes (ring order of the attempt's node ranks) over the agent API, and keeps
+the copies it receives under its own replica directory (also RAM). When a node
+is replaced, its new agent finds its memory tier empty and pulls its files
+back from whichever peer holds them, before its workers start; the workers'
+Checkpointer then finds them as if they had never been lost.
+
+Consistency: files are copied while workers may be writing them, so a copy
+can be torn. That is safe because nothing trusts a copy blindly: every shard
+carries a checksum that is verified before it is loaded, and a torn copy is
+replaced by the next push. Each received file appears under its final name
+atomically (tmp + rename), so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+REPLICA_PATH = "/replica/"
+PUSH_INTERVAL_SECONDS = 0.5
+TRANSFER_TIMEOUT_SECONDS = 60.0
+CHUNK_BYTES = 4 * 1024 * 1024
+
+
+class Readable(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+class ReplicaError(ValueError):
+    """A replica request that names an unsafe or unknown path."""
+
+
+def _safe_relpath(relpath: str) -> Path:
+    path = Path(relpath)
+    if not relpath or path.is_absolute() or ".." in path.parts:
+        raise ReplicaError(f"replica path {relpath!r} is not a plain relative path")
+    return path
+
+
+def _safe_name(name: str) -> str:
+    if not name or "/" in name or name in (".", ".."):
+        raise ReplicaError(f"node id {name!r} is not a plain name")
+    return name
+
+
+def list_files(root: Path) -> list[dict[str, Any]]:
+    """Every regular file under ``root``: relative path, size and mtime (ns)."""
+    files = []
+    if root.is_dir():
+        for path in sorted(root.rglob("*")):
+            if path.is_file() and not path.name.startswith(".tmp-"):
+                st = path.stat()
+                files.append(
+                    {
+                        "path": str(path.relative_to(root)),
+                        "size": st.st_size,
+                        "mtime_ns": st.st_mtime_ns,
+                    }
+                )
+    return files
+
+
+class ReplicaStore:
+    """The copies this node holds of other nodes' memory tiers: ``<root>/<source node>/...``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def receive(self, source: str, relpath: str, stream: Readable, length: int) -> None:
+        target = self.root / _safe_name(source) / _safe_relpath(relpath)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".tmp-{target.name}-{threading.get_ident()}"
+        remaining = length
+        with open(tmp, "wb") as out:
+            while remaining > 0:
+                chunk = stream.read(min(CHUNK_BYTES, remaining))
+                if not chunk:
+                    tmp.unlink(missing_ok=True)
+                    raise ReplicaError(f"replica {relpath}: body ended {remaining} bytes early")
+                out.write(chunk)
+                remaining -= len(chunk)
+        os.replace(tmp, target)
+
+    def listing(self, source: str) -> list[dict[str, Any]]:
+        return list_files(self.root / _safe_name(source))
+
+    def path(self, source: str, relpath: str) -> Path:
+        path = self.root / _safe_name(source) / _safe_relpath(relpath)
+        if not path.is_file():
+            raise FileNotFoundError(f"no replica {source}/{relpath}")
+        return path
+
+
+def _request(
+    url: str, token: str, method: str = "GET", body: IO[bytes] | None = None, length: int = 0
+) -> Any:
+    request = urllib.request.Request(url, data=body, method=method)
+    request.add_header("Authorization", f"Bearer {token}")
+    if body is not None:
+        request.add_header("Content-Length", str(length))
+        request.add_header("Content-Type", "application/octet-stream")
+    return urllib.request.urlopen(request, timeout=TRANSFER_TIMEOUT_SECONDS)
+
+
+def replica_url(base: str, source: str, relpath: str = "") -> str:
+    tail = urllib.parse.quote(f"{source}/{relpath}" if relpath else source)
+    return f"{base}{REPLICA_PATH}{tail}"
+
+
+class ReplicaPusher:
+    """Pushes changed files of this node's memory tier to its replica peers, in the background."""
+
+    def __init__(
+        self,
+        node_id: str,
+        memory_dir: Path,
+        peer_urls: list[str],
+        token: str,
+        interval: float = PUSH_INTERVAL_SECONDS,
+    ) -> None:
+        self.node_id = node_id
+        self.memory_dir = memory_dir
+        self.peer_urls = peer_urls
+        self.token = token
+        self.interval = interval
+        self._pushed: dict[tuple[str, str], tuple[int, int]] = {}  # (peer, path) -> (size, mtime)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainguard-replicas", daemon=True)
+
+    def start(self) -> None:
+        if self.peer_urls:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(TRANSFER_TIMEOUT_SECONDS)
+
+    def push_once(self) -> int:
+        """Push every file that changed since its last push; returns files pushed."""
+        pushed = 0
+        for entry in list_files(self.memory_dir):
+            version = (entry["size"], entry["mtime_ns"])
+            for peer in self.peer_urls:
+                key = (peer, entry["path"])
+                if self._pushed.get(key) == version or self._stop.is_set():
+                    continue
+                try:
+                    with open(self.memory_dir / entry["path"], "rb") as f:
+                        _request(
+                            replica_url(peer, self.node_id, entry["path"]),
+                            self.token,
+                            "PUT",
+                            f,
+                            entry["size"],
+                        ).close()
+                except (OSError, urllib.error.URLError) as exc:
+                    logger.warning("replica push of %s to %s failed: %s", entry["path"], peer, exc)
+                    continue
+                self._pushed[key] = version
+                pushed += 1
+        return pushed
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.push_once()
+
+
+def restore_from_peers(
+    node_id: str, memory_dir: Path, peers: Mapping[str, str], token: str
+) -> str | None:
+    """Fill an empty memory tier from the first peer holding this node's replica.
+
+    Returns the peer's node id, or None when nothing was restored.
+    """
+    if list_files(memory_dir):
+        return None
+    for peer_id, base in peers.items():
+        if peer_id == node_id:
+            continue
+        try:
+            with _request(replica_url(base, node_id), token) as response:
+                files = json.loads(response.read())["files"]
+        except (OSError, urllib.error.URLError, ValueError, KeyError) as exc:
+            logger.info("no replica of %s on %s: %s", node_id, peer_id, exc)
+            continue
+        if not files:
+            continue
+        memory_dir.mkdir(parents=True, exist_ok=True)
+        for entry in files:
+            target = memory_dir / _safe_relpath(entry["path"])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.parent / f".tmp-{target.name}"
+            with (
+                _request(replica_url(base, node_id, entry["path"]), token) as response,
+                open(tmp, "wb") as out,
+            ):
+                shutil.copyfileobj(response, out, CHUNK_BYTES)
+            os.replace(tmp, target)
+        logger.info("restored %d memory-tier files of %s from %s", len(files), node_id, peer_id)
+        return peer_id
+    return None
+
+
+def replica_peers(node_id: str, peers: Mapping[str, str], replicas: int) -> list[str]:
+    """The URLs of the next ``replicas`` nodes after ``node_id`` in ring order."""
+    order = list(peers)
+    if node_id not in order or replicas <= 0:
+        return []
+    i = order.index(node_id)
+    ring = order[i + 1 :] + order[:i]
+    return [peers[n] for n in ring[: min(replicas, len(ring))]]
