@@ -7,6 +7,7 @@ SQLite store so other ``trainguard`` commands can see it.
 
 from __future__ import annotations
 
+import json
 import secrets
 import shutil
 import signal
@@ -212,13 +213,18 @@ class LocalRunner:
             old = self.nodes.pop(node_id, None)
             if old is not None:
                 old.shutdown()
-            node = LocalNode(
-                node_id,
-                self._groups[node_id],
-                self.job_dir,
-                self._token,
-                {"TRAINGUARD_JOB_DIR": str(self.job_dir)},
-            )
+            # <node>/memory: the node's own tier; <node>/replicas: its copies of its peers'.
+            memory_dir = self.memory_root / node_id / "memory"
+            memory_dir.mkdir(parents=True, exist_ok=True)
+            checkpointing = self.plan.job.spec.checkpointing
+            env = {
+                "TRAINGUARD_JOB_DIR": str(self.job_dir),
+                "TRAINGUARD_CHECKPOINT_MEMORY_DIR": str(memory_dir),
+                "TRAINGUARD_CHECKPOINT_CONFIG": json.dumps(
+                    checkpointing.env_json(str(self.job_dir / "durable"))
+                ),
+            }
+            node = LocalNode(node_id, self._groups[node_id], self.job_dir, self._token, env)
             node.spawn(self.token_file, self.logs_dir)
             assert node.process is not None and node.process.stdout is not None
             threading.Thread(
