@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test unit e2e lint format clean
+.PHONY: install demo test unit e2e lint format bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,14 +28,18 @@ unit: install
 e2e: install
 	$(VENV)/bin/pytest -q -m e2e $(PYTEST_ARGS)
 
+# Benchmarks: each measured against its baseline in the same run (see README).
+bench: install
+	$(PY) -m bench.checkpoint --sizes 256,1024 --repeats 5 --out bench/out/checkpoint.json
+
 lint: install
-	$(VENV)/bin/ruff check src tests examples
-	$(VENV)/bin/ruff format --check src tests examples
+	$(VENV)/bin/ruff check src tests examples bench
+	$(VENV)/bin/ruff format --check src tests examples bench
 	$(VENV)/bin/mypy
 
 format: install
-	$(VENV)/bin/ruff format src tests examples
-	$(VENV)/bin/ruff check --fix src tests examples
+	$(VENV)/bin/ruff format src tests examples bench
+	$(VENV)/bin/ruff check --fix src tests examples bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from dataclasses import replace
@@ -12,10 +13,11 @@ import pytest
 
 from agent_harness import AgentProcess, make_assignment, spawn_agent
 from trainguard.agent.replicas import ReplicaStore, replica_peers
+from trainguard.checkpoint.memory import MemoryTier
 
 WRITER = (
-    "import os, pathlib; d = pathlib.Path(os.environ['TRAINGUARD_CHECKPOINT_MEMORY_DIR']);"
-    "(d / f\"rank-{os.environ['RANK']}.bin\").write_bytes(os.urandom(3_000_000))"
+    "import torch; from trainguard.checkpoint import Checkpointer;"
+    "c = Checkpointer(); c.save(7, {'w': torch.arange(300_000.0)}); c.wait(); c.close()"
 )
 
 
@@ -45,27 +47,64 @@ def wait_until(predicate: object, timeout: float = 30.0) -> None:
     raise AssertionError("not reached in time")
 
 
-def test_memory_tier_is_replicated_and_restored_after_node_loss(tmp_path: Path) -> None:
+def replicate(tmp_path: Path) -> tuple[AgentProcess, AgentProcess, Path, Path]:
+    """node-0 saves a checkpoint; wait until node-1 holds its replica."""
     a, b = agent_for(tmp_path, "node-0"), agent_for(tmp_path, "node-1")
+    peers = {"node-0": a.url, "node-1": b.url}
+    for rank, agent in enumerate((a, b)):
+        assignment = make_assignment(agent.node_id, nproc_per_node=1, nnodes=2, node_rank=rank)
+        agent.client.start(replace(assignment, peers=peers))
+    memory = tmp_path / "shm" / "node-0" / "memory"
+    replica = tmp_path / "shm" / "node-1" / "replicas" / "node-0"
+
+    def replicated() -> bool:
+        metas = sorted(p.name for p in memory.glob("rank-0-*.meta"))
+        return bool(metas) and all(
+            (replica / m).exists() and (replica / m).read_bytes() == (memory / m).read_bytes()
+            for m in metas
+        )
+
+    wait_until(replicated)
+    return a, b, memory, replica
+
+
+def restart_node_0(tmp_path: Path, b: AgentProcess, memory: Path) -> None:
+    """node-0 is lost with its RAM; a fresh agent for it pulls its memory tier back."""
+    shutil.rmtree(memory)
+    memory.mkdir()
+    a2 = agent_for(tmp_path, "node-0", worker="pass")
     try:
-        peers = {"node-0": a.url, "node-1": b.url}
-        for rank, agent in enumerate((a, b)):
-            assignment = make_assignment(agent.node_id, nproc_per_node=1, nnodes=2, node_rank=rank)
-            agent.client.start(replace(assignment, peers=peers))
-        original = tmp_path / "shm" / "node-0" / "memory" / "rank-0.bin"
-        replica = tmp_path / "shm" / "node-1" / "replicas" / "node-0" / "rank-0.bin"
-        wait_until(lambda: replica.exists() and replica.read_bytes() == original.read_bytes())
-        # node-0 is lost with its RAM; a fresh agent for it pulls its memory tier back.
+        assignment = make_assignment("node-0", attempt=1, nproc_per_node=1, nnodes=2)
+        a2.client.start(replace(assignment, peers={"node-0": a2.url, "node-1": b.url}))
+        a2.wait_state("completed", attempt=1)
+    finally:
+        a2.close()
+
+
+def test_memory_tier_is_replicated_and_restored_after_node_loss(tmp_path: Path) -> None:
+    a, b, memory, replica = replicate(tmp_path)
+    try:
         a.close()
-        (tmp_path / "shm" / "node-0" / "memory" / "rank-0.bin").unlink()
-        a2 = agent_for(tmp_path, "node-0", worker="pass")
-        try:
-            assignment = make_assignment("node-0", attempt=1, nproc_per_node=1, nnodes=2)
-            a2.client.start(replace(assignment, peers={"node-0": a2.url, "node-1": b.url}))
-            a2.wait_state("completed", attempt=1)
-            assert original.read_bytes() == replica.read_bytes()
-        finally:
-            a2.close()
+        saved = {p.name: p.read_bytes() for p in replica.iterdir()}
+        restart_node_0(tmp_path, b, memory)
+        assert {p.name: p.read_bytes() for p in memory.iterdir()} == saved
+        tier = MemoryTier(str(memory), rank=0, world_size=2, job_id="job-test", keep=2)
+        assert sorted(tier.shards()) == [7]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_torn_replica_is_dropped_not_restored(tmp_path: Path) -> None:
+    a, b, memory, replica = replicate(tmp_path)
+    try:
+        a.close()
+        for data in replica.glob("*.data"):
+            raw = bytearray(data.read_bytes())
+            raw[100] ^= 0xFF
+            data.write_bytes(bytes(raw))
+        restart_node_0(tmp_path, b, memory)
+        assert list(memory.glob("*.meta")) == []
     finally:
         a.close()
         b.close()

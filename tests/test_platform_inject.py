@@ -319,15 +319,16 @@ def test_throttle_alternates_and_resumes_on_close(
     assert actuator.throttle(child.pid)
     seen: set[str | None] = set()
     deadline = time.monotonic() + WAIT_SECONDS
-    while seen != {"S", "T"} and time.monotonic() < deadline:
+    running = {"R", "S"}  # a continued `sleep` is briefly R (waking) before it sleeps again
+    while not (seen & running and "T" in seen) and time.monotonic() < deadline:
         seen.add(proc_state(child.pid))
         time.sleep(0.005)
-    assert seen == {"S", "T"}
+    assert seen & running and "T" in seen and seen <= running | {"T"}, seen
     assert actuator.throttled_pids == [child.pid]
     actuator.close()
     assert actuator.throttled_pids == []
     time.sleep(0.3)  # longer than a whole duty cycle: it stays running
-    assert proc_state(child.pid) == "S"
+    assert proc_state(child.pid) in running
 
 
 def test_throttle_ends_by_itself_when_the_process_dies(

@@ -7,9 +7,11 @@ is replaced, its new agent finds its memory tier empty and pulls its files
 back from whichever peer holds them, before its workers start; the workers'
 Checkpointer then finds them as if they had never been lost.
 
-Consistency: files are copied while workers may be writing them, so a copy
-can be torn. That is safe because nothing trusts a copy blindly: every shard
-carries a checksum that is verified before it is loaded, and a torn copy is
+Consistency: only shards whose meta carries a checksum are pushed (data, then
+meta), and files are read while the worker may be rewriting them, so a copy
+can be torn. That is safe because a replica is never trusted blindly: when a
+node pulls its shards back, every shard whose data does not match its meta's
+checksum is deleted before the workers start, and a torn copy on a peer is
 replaced by the next push. Each received file appears under its final name
 atomically (tmp + rename), so a reader never sees half a file.
 """
@@ -27,6 +29,8 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
+
+from trainguard.checkpoint.shard import checksum
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,40 @@ def _safe_name(name: str) -> str:
     if not name or "/" in name or name in (".", ".."):
         raise ReplicaError(f"node id {name!r} is not a plain name")
     return name
+
+
+def checksummed_shards(root: Path) -> list[tuple[str, str, tuple[int, int]]]:
+    """``(meta, data, version)`` of every shard in a memory tier whose meta has a checksum."""
+    shards = []
+    for meta_path in sorted(root.glob("*.meta")) if root.is_dir() else []:
+        data_path = meta_path.with_suffix(".data")
+        try:
+            st = meta_path.stat()
+            meta = json.loads(meta_path.read_bytes())
+        except (OSError, ValueError):
+            continue  # being rewritten; the next pass sees it
+        if isinstance(meta, dict) and meta.get("checksum") and data_path.exists():
+            shards.append((meta_path.name, data_path.name, (st.st_mtime_ns, st.st_size)))
+    return shards
+
+
+def drop_unverified(root: Path) -> list[str]:
+    """Delete every shard under ``root`` whose data does not match its meta's checksum."""
+    dropped = []
+    for meta_path in sorted(root.glob("*.meta")):
+        data_path = meta_path.with_suffix(".data")
+        try:
+            meta = json.loads(meta_path.read_bytes())
+            nbytes = int(meta["nbytes"])
+            with open(data_path, "rb") as f:
+                ok = checksum(f.read(nbytes)) == meta["checksum"]
+        except (OSError, ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            meta_path.unlink(missing_ok=True)
+            data_path.unlink(missing_ok=True)
+            dropped.append(meta_path.name)
+    return dropped
 
 
 def list_files(root: Path) -> list[dict[str, Any]]:
@@ -151,25 +189,27 @@ class ReplicaPusher:
             self._thread.join(TRANSFER_TIMEOUT_SECONDS)
 
     def push_once(self) -> int:
-        """Push every file that changed since its last push; returns files pushed."""
+        """Push every checksummed shard that changed since its last push; returns shards pushed.
+
+        Only shards whose meta carries a checksum leave the node (a copy-complete meta
+        without one is trusted on its own node only); data goes first, then the meta.
+        """
         pushed = 0
-        for entry in list_files(self.memory_dir):
-            version = (entry["size"], entry["mtime_ns"])
+        for meta_rel, data_rel, version in checksummed_shards(self.memory_dir):
             for peer in self.peer_urls:
-                key = (peer, entry["path"])
+                key = (peer, meta_rel)
                 if self._pushed.get(key) == version or self._stop.is_set():
                     continue
                 try:
-                    with open(self.memory_dir / entry["path"], "rb") as f:
-                        _request(
-                            replica_url(peer, self.node_id, entry["path"]),
-                            self.token,
-                            "PUT",
-                            f,
-                            entry["size"],
-                        ).close()
+                    for rel in (data_rel, meta_rel):
+                        path = self.memory_dir / rel
+                        with open(path, "rb") as f:
+                            size = os.fstat(f.fileno()).st_size
+                            _request(
+                                replica_url(peer, self.node_id, rel), self.token, "PUT", f, size
+                            ).close()
                 except (OSError, urllib.error.URLError) as exc:
-                    logger.warning("replica push of %s to %s failed: %s", entry["path"], peer, exc)
+                    logger.warning("replica push of %s to %s failed: %s", meta_rel, peer, exc)
                     continue
                 self._pushed[key] = version
                 pushed += 1
@@ -211,6 +251,9 @@ def restore_from_peers(
             ):
                 shutil.copyfileobj(response, out, CHUNK_BYTES)
             os.replace(tmp, target)
+        dropped = drop_unverified(memory_dir)
+        if dropped:
+            logger.warning("replica shards from %s failed their checksum: %s", peer_id, dropped)
         logger.info("restored %d memory-tier files of %s from %s", len(files), node_id, peer_id)
         return peer_id
     return None

@@ -1,0 +1,82 @@
+"""Tiered checkpoints: node memory that survives a crashed worker, durable storage behind it.
+
+::
+
+    from trainguard.checkpoint import Checkpointer
+
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(),
+             "rng": torch.get_rng_state(), "step": 0, "data": {"epoch": 0, "offset": 0}}
+    ckpt = Checkpointer()              # from the job's env under trainguard; kwargs override
+    step = ckpt.load_latest(state)     # restores in place; None if there is no checkpoint
+    if step is not None:
+        optimizer.load_state_dict(state["optim"])   # see "Restore" below
+        torch.set_rng_state(state["rng"])
+    for step in range(...):
+        ...
+        ckpt.save(step, state)         # returns after the copy into memory (a memcpy)
+    ckpt.close()                       # waits for the background work, then stops it
+
+``Checkpointer(...)`` keyword arguments (all optional; None: from the environment, see
+:mod:`trainguard.checkpoint.config`): ``memory_every_steps`` (1), ``memory_keep`` (2),
+``memory_dir``, ``durable_url`` (None: no durable tier; ``""`` turns an inherited one
+off), ``durable_every_steps``, ``durable_every_seconds``, ``durable_keep`` (3),
+``storage_options``, ``job_id``, ``rank``, ``world_size``, ``commit_timeout`` (60 s).
+
+- ``save(step, state, force=False) -> bool``: snapshots when ``step`` is a multiple of
+  ``memory_every_steps`` (or ``force``); also persists to the durable tier when
+  ``durable_every_steps`` divides ``step``, when a ``durable_every_seconds`` wall-clock
+  period began since the last durable write, or on ``force``. With a durable URL and
+  neither cadence, every snapshot is persisted. Returns whether it saved.
+- ``wait(timeout=None)``: blocks until the checksums, durable writes and (rank 0)
+  durable commits of saved steps are done; ``TimeoutError`` after ``timeout``.
+- Background failures are logged and raised as ``CheckpointError`` from the next
+  ``save()`` or ``wait()``.
+- ``load_latest(state) -> int | None``; ``last_restore`` then holds
+  ``Restore(step, tier, seconds)``. Rank 0 prints ``Restored step N from memory in S s``.
+- ``close(timeout=None)``; also a context manager.
+
+**State.** Nested dicts (``str``/``int`` keys), lists and tuples of dense tensors and
+plain values (``int``, ``float``, ``str``, ``bool``, ``None``); anything else raises
+``TypeError`` naming the key path. Tuples stay tuples. Tensors are stored as raw bytes
+with dtype and shape, plain values as JSON: nothing is ever unpickled.
+
+**Restore** is in place: each tensor is ``copy_``-ed into the state's tensor (so the
+model's parameters and the optimizer's state tensors are updated through their
+references), plain values and tuples are put into their containers, and entries the
+state lacks (e.g. a fresh optimizer's empty ``state``) are added as new tensors. Every
+mismatch (shape, dtype, structure) is detected before anything changes and raised as
+``StateMismatch`` naming the key. An optimizer's ``state_dict()`` returns new dicts for
+its hyper-parameters, so call ``optimizer.load_state_dict(state["optim"])`` after a
+restore (cheap; it also covers an optimizer that never stepped).
+
+**Tiers.** The memory tier (:mod:`trainguard.checkpoint.memory`) keeps ``memory_keep``
+pre-faulted slots per rank in ``/dev/shm`` (the agent's directory under trainguard);
+``save()`` costs one copy into them. The durable tier
+(:mod:`trainguard.checkpoint.durable`) is written from those slots in the background.
+
+**Consistency.** A step is restored only if every rank can load its shard of it (the
+ranks agree on the newest such step, :mod:`trainguard.checkpoint.agreement`), and each
+shard is checked (format, job id, world size, rank, step, size, checksum) before
+anything is restored; a corrupt, foreign or missing shard is logged, skipped, and an
+older step is used. Durable shards always carry an xxh3-128 checksum and count only in
+a step with a commit marker. A memory shard may be restored before its background
+checksum was written (a worker killed right after ``save()`` returned): its meta is
+only written after the copy finished, and removed before its slot is overwritten, so
+it always names complete data; see :mod:`trainguard.checkpoint.memory`.
+
+Not implemented yet: peer replicas (``replicas`` is accepted and ignored).
+"""
+
+from trainguard.checkpoint.checkpointer import Checkpointer, CheckpointError, Restore
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.shard import ShardInvalid
+from trainguard.checkpoint.state import StateMismatch
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointError",
+    "Checkpointer",
+    "Restore",
+    "ShardInvalid",
+    "StateMismatch",
+]

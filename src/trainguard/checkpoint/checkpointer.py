@@ -1,0 +1,408 @@
+"""The :class:`Checkpointer`: snapshots into the memory tier, persistence in the background.
+
+One background thread per Checkpointer takes each snapshot's checksum, commits its
+memory meta, and (when due) writes the shard to the durable tier; rank 0 then commits
+the step there once every rank's shard is present, and prunes old steps. ``save()`` is
+called from one thread (the training loop).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainguard.checkpoint.agreement import agree_on_step, all_ranks_succeeded
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.memory import MemoryShard, MemoryTier
+from trainguard.checkpoint.shard import ShardInvalid, checksum, make_meta, verify
+from trainguard.checkpoint.state import Layout, flatten, restore
+
+if TYPE_CHECKING:
+    from trainguard.checkpoint.durable import DurableTier
+
+__all__ = ["CheckpointError", "Checkpointer", "Restore"]
+
+log = logging.getLogger(__name__)
+
+MAX_CANDIDATES = 32
+"""Newest steps each rank offers when the ranks agree on the step to restore."""
+COMMIT_POLL_INTERVAL = 0.5
+"""Seconds between rank 0's checks for the other ranks' durable shards."""
+SLOW_SLOT_WAIT = 0.1
+"""A save() that waits longer than this for its slot logs a warning."""
+
+
+class CheckpointError(RuntimeError):
+    """Background checkpoint work failed (raised from the next ``save()`` or ``wait()``)."""
+
+
+@dataclass(frozen=True)
+class Restore:
+    """What :meth:`Checkpointer.load_latest` restored on this rank."""
+
+    step: int
+    tier: str  # "memory" or "durable"
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Task:
+    step: int
+    slot: int
+    meta: dict[str, Any]
+    durable: bool
+
+
+class Checkpointer:
+    """Tiered checkpoints of a nested training state (see the package docstring)."""
+
+    def __init__(
+        self,
+        *,
+        memory_every_steps: int | None = None,
+        memory_keep: int | None = None,
+        memory_dir: str | None = None,
+        durable_url: str | None = None,
+        durable_every_steps: int | None = None,
+        durable_every_seconds: float | None = None,
+        durable_keep: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        replicas: int | None = None,
+        job_id: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        commit_timeout: float | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = CheckpointConfig.from_env(
+            environ,
+            memory_every_steps=memory_every_steps,
+            memory_keep=memory_keep,
+            memory_dir=memory_dir,
+            durable_url=durable_url,
+            durable_every_steps=durable_every_steps,
+            durable_every_seconds=durable_every_seconds,
+            durable_keep=durable_keep,
+            storage_options=storage_options,
+            replicas=replicas,
+            job_id=job_id,
+            rank=rank,
+            world_size=world_size,
+            commit_timeout=commit_timeout,
+        )
+        cfg = self.config
+        if cfg.replicas:
+            log.debug("checkpoint replicas (%d) are not implemented yet; ignored", cfg.replicas)
+        self.memory = MemoryTier(
+            cfg.memory_dir,
+            rank=cfg.rank,
+            world_size=cfg.world_size,
+            job_id=cfg.job_id,
+            keep=cfg.memory_keep,
+        )
+        self.last_restore: Restore | None = None
+        self._durable: DurableTier | None = None
+        self._queue: queue.Queue[_Task | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._busy: dict[int, int] = {}  # slot -> background tasks still reading it
+        self._pending = 0  # tasks queued or running
+        self._commits: dict[int, float] = {}  # rank 0: step -> deadline of its durable commit
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        seconds = cfg.durable_every_seconds
+        self._durable_bucket = int(time.time() // seconds) if seconds else 0
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, force: bool = False) -> bool:
+        """Snapshot ``state`` into the memory tier if ``step`` is due (or ``force``).
+
+        Returns once the copy is done and committed as *copy-complete* (so a crash from
+        here on still restores this step on this node); the checksum and the durable
+        write (if due, or ``force``) go on in the background. Returns whether it saved.
+        """
+        if self._closed:
+            raise RuntimeError("Checkpointer.save() after close()")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"Checkpointer.save: step must be an int >= 0, got {step!r}")
+        self._raise_background_error()
+        if not force and step % self.config.memory_every_steps:
+            return False
+        layout, tensors = flatten(state)
+        slot = self.memory.choose_slot(step)
+        self._wait_for_slot(slot, step)
+        buffer = self.memory.begin(slot, layout.nbytes)
+        with torch.no_grad():
+            for entry, tensor in zip(layout.entries, tensors, strict=True):
+                if entry.nbytes:
+                    entry.view(buffer).copy_(tensor)
+        cfg = self.config
+        meta = make_meta(
+            layout, job_id=cfg.job_id, step=step, rank=cfg.rank, world_size=cfg.world_size,
+            digest=None,
+        )  # fmt: skip
+        self.memory.commit(slot, meta)
+        task = _Task(step, slot, meta, durable=self._durable_due(step, force))
+        with self._cond:
+            self._busy[slot] = self._busy.get(slot, 0) + 1
+            self._pending += 1
+        self._ensure_thread()
+        self._queue.put(task)
+        return True
+
+    def _durable_due(self, step: int, force: bool) -> bool:
+        cfg = self.config
+        if not cfg.durable:
+            return False
+        due = force or (cfg.durable_every_steps is None and cfg.durable_every_seconds is None)
+        if cfg.durable_every_steps and step % cfg.durable_every_steps == 0:
+            due = True
+        if cfg.durable_every_seconds:
+            # Wall-clock buckets, not "since my last write": every rank reaches the same
+            # decision without talking (except when a bucket ends between two ranks' calls;
+            # that step is then never committed and is pruned later).
+            bucket = int(time.time() // cfg.durable_every_seconds)
+            if bucket != self._durable_bucket:
+                due = True
+            if due:
+                self._durable_bucket = bucket
+        return due
+
+    def _wait_for_slot(self, slot: int, step: int) -> None:
+        start = time.monotonic()
+        with self._cond:
+            while self._busy.get(slot, 0) and self._error is None:
+                self._cond.wait()
+        waited = time.monotonic() - start
+        if waited > SLOW_SLOT_WAIT:
+            log.warning(
+                "Checkpointer.save(%d) waited %.2f s for background work on its memory slot; "
+                "checkpoint less often or keep more memory snapshots", step, waited,
+            )  # fmt: skip
+        self._raise_background_error()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until background work for every saved step is done (``TimeoutError``
+        after ``timeout`` seconds); re-raises a background failure as CheckpointError."""
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: self._pending == 0 and not self._commits, timeout=timeout
+            )
+        self._raise_background_error()
+        if not done:
+            raise TimeoutError(f"Checkpointer.wait: background work not done after {timeout} s")
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish background work (see :meth:`wait`), stop the thread, unmap the slots."""
+        if self._closed:
+            return
+        try:
+            self.wait(timeout)
+        finally:
+            self._closed = True
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join(timeout)
+            self.memory.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _raise_background_error(self) -> None:
+        with self._cond:
+            error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(f"checkpoint background work failed: {error}") from error
+
+    # -- restoring -----------------------------------------------------------------------
+
+    def load_latest(self, state: Any) -> int | None:
+        """Restore ``state`` in place from the newest step every rank can load; None if none.
+
+        Each rank reads its shard from the fastest tier that has the step (memory, then
+        durable) and verifies it before anything is changed; a corrupt, foreign or
+        missing shard is logged and skipped, and the ranks fall back to an older step.
+        Also pre-faults the memory slots for ``state``, so the first save() is fast.
+        """
+        if self._thread is not None:
+            self.wait()
+        started = time.perf_counter()
+        cfg = self.config
+        memory = self.memory.shards()
+        durable: list[int] = []
+        if cfg.durable:
+            try:
+                durable = self._durable_tier().committed_steps()
+            except Exception as exc:  # unreachable storage: fall back to memory alone
+                log.warning("durable tier %s unusable for restore: %s", cfg.durable_url, exc)
+        offer = set(memory) | set(durable)
+        loaded: tuple[str, Layout, torch.Tensor] | None = None
+        while True:
+            step = agree_on_step(sorted(offer), cfg.world_size, MAX_CANDIDATES)
+            if step is None:
+                break
+            loaded = self._fetch(step, memory.get(step), step in durable)
+            if all_ranks_succeeded(loaded is not None, cfg.world_size):
+                break
+            offer.discard(step)
+            loaded = None
+        if step is None or loaded is None:
+            log.info("no checkpoint to restore (rank %d offered %s)", cfg.rank, sorted(offer))
+            self.memory.prepare(flatten(state)[0].nbytes)
+            return None
+        tier, layout, buffer = loaded
+        restore(state, layout, buffer)
+        seconds = time.perf_counter() - started
+        self.last_restore = Restore(step, tier, seconds)
+        del buffer, loaded
+        self.memory.drop_newer_than(step)
+        self.memory.prepare(layout.nbytes)
+        log.info("rank %d restored step %d from %s in %.3f s", cfg.rank, step, tier, seconds)
+        if cfg.rank == 0:
+            print(f"Restored step {step} from {tier} in {seconds:.3f} s", flush=True)
+        return step
+
+    def _fetch(
+        self, step: int, memory: MemoryShard | None, durable: bool
+    ) -> tuple[str, Layout, torch.Tensor] | None:
+        """This rank's verified shard of ``step`` from the fastest tier; None if none."""
+        cfg = self.config
+        check = functools.partial(
+            verify, job_id=cfg.job_id, world_size=cfg.world_size, rank=cfg.rank, step=step
+        )
+        if memory is not None:
+            try:
+                nbytes = int(memory.meta["nbytes"])
+                with self.memory.data(memory.slot, nbytes) as data:
+                    layout = check(data, memory.meta, require_checksum=False)
+                return "memory", layout, self.memory.buffer(memory.slot)[:nbytes]
+            except (ShardInvalid, OSError, ValueError) as exc:
+                log.warning(
+                    "memory tier: skipping %s (step %d, rank %d): %s",
+                    self.memory.meta_path(memory.slot), step, cfg.rank, exc,
+                )  # fmt: skip
+                self.memory.drop(memory.slot)
+        if durable:
+            try:
+                data_bytes, meta = self._durable_tier().read_shard(step, cfg.rank)
+                layout = check(data_bytes, meta)
+                return "durable", layout, _as_tensor(data_bytes)
+            except Exception as exc:
+                log.warning(
+                    "durable tier: skipping step %d of rank %d at %s: %s",
+                    step, cfg.rank, cfg.durable_url, exc,
+                )  # fmt: skip
+        return None
+
+    # -- the background thread ------------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._work, name=f"trainguard-checkpoint-rank{self.config.rank}", daemon=True
+            )
+            self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                task = self._queue.get(timeout=COMMIT_POLL_INTERVAL if self._commits else None)
+            except queue.Empty:
+                self._guarded(self._retry_commits)
+                continue
+            if task is None:
+                return
+            try:
+                self._guarded(functools.partial(self._persist, task))
+            finally:
+                with self._cond:
+                    self._busy[task.slot] -= 1
+                    self._pending -= 1
+                    self._cond.notify_all()
+            self._guarded(self._retry_commits)
+
+    def _guarded(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception as exc:
+            log.error("checkpoint background work failed: %s", exc, exc_info=True)
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def _persist(self, task: _Task) -> None:
+        with self.memory.data(task.slot, task.meta["nbytes"]) as data:
+            meta = {**task.meta, "checksum": checksum(data)}
+            self.memory.commit(task.slot, meta)
+            if not task.durable:
+                return
+            started = time.monotonic()
+            self._durable_tier().write_shard(task.step, self.config.rank, data, meta)
+        log.info(
+            "checkpoint step %d: rank %d's shard (%d bytes) written to %s in %.2f s",
+            task.step, self.config.rank, meta["nbytes"], self.config.durable_url,
+            time.monotonic() - started,
+        )  # fmt: skip
+        if self.config.rank == 0:
+            with self._cond:
+                self._commits[task.step] = time.monotonic() + self.config.commit_timeout
+
+    def _retry_commits(self) -> None:
+        """Rank 0: commit durable steps whose every shard is present; prune; give up late."""
+        for step in sorted(self._commits):
+            tier = self._durable_tier()
+            try:
+                committed = tier.commit(step, self.config.world_size)
+                if committed:
+                    log.info("checkpoint step %d committed to %s", step, self.config.durable_url)
+                    pruned = tier.prune(self.config.durable_keep)
+                    if pruned:
+                        log.info("pruned durable checkpoint steps %s", pruned)
+                elif time.monotonic() > self._commits[step]:
+                    log.warning(
+                        "checkpoint step %d not committed to %s: not every rank's shard arrived "
+                        "within %.0f s", step, self.config.durable_url, self.config.commit_timeout,
+                    )  # fmt: skip
+                    committed = True  # give up on it
+            except Exception as exc:
+                committed = True  # not retried
+                with self._cond:
+                    self._error = exc  # before the commit leaves the pending set
+                raise
+            finally:
+                if committed:
+                    with self._cond:
+                        self._commits.pop(step, None)
+                        self._cond.notify_all()
+
+    def _durable_tier(self) -> DurableTier:
+        if self._durable is None:
+            from trainguard.checkpoint.durable import DurableTier
+
+            assert self.config.durable_url
+            self._durable = DurableTier(
+                self.config.durable_url, self.config.job_id, self.config.storage_options
+            )
+        return self._durable
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    """Read-only bytes as a flat uint8 tensor, without a copy (only ever read from)."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
+        return torch.frombuffer(data, dtype=torch.uint8)

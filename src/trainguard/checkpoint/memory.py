@@ -1,0 +1,290 @@
+"""The memory tier: one rank's snapshots in pre-faulted shared-memory slot files.
+
+Each rank owns ``keep`` slots in the tier's directory (on ``/dev/shm``, owned by the node
+agent, so the files outlive a crashed worker): ``rank-<R>-slot-<i>.data`` (the tensor
+bytes, mapped once, allocated with ``posix_fallocate`` and pre-faulted with
+``MADV_POPULATE_WRITE``, then reused) and ``rank-<R>-slot-<i>.meta`` (the shard meta).
+
+A slot's meta is its commit, and it changes only by ``rename`` of a complete file:
+
+1. :meth:`MemoryTier.begin` unlinks the meta of the slot about to be overwritten
+   (the oldest), *before* any byte of it changes;
+2. the caller copies the tensors into :meth:`MemoryTier.buffer`;
+3. :meth:`MemoryTier.commit` writes the meta without a checksum (*copy-complete*);
+4. in the background, the checksum is computed and the meta re-written with it.
+
+Consistency argument: the data file is a shared mapping of tmpfs, so every byte the
+copy wrote is in the page cache the moment the copy returns and survives the process
+(not the node: the memory tier never outlives its node). A meta, with or without a
+checksum, exists only for a slot whose copy finished, because the meta is unlinked
+before a slot is reused and written only after the copy. Hence a copy-complete meta
+names complete data and is loadable from this node's memory tier (this is what lets a
+rank killed right after ``save()`` returns restore that step); a slot torn by a crash
+mid-copy has no meta and is never offered. Checksums then guard against corruption of
+the memory after the fact; shards leave the node (durable tier) only with a checksum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainguard.checkpoint.shard import ShardInvalid, check_identity, layout_of
+from trainguard.checkpoint.state import Layout
+
+__all__ = ["MemoryShard", "MemoryTier", "default_memory_dir"]
+
+log = logging.getLogger(__name__)
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by Python 3.11's mmap module
+GROWTH = 1.0625
+"""A slot that must grow gets this much headroom beyond the size asked for."""
+MIN_SLOT_BYTES = 1 << 16
+
+
+def default_memory_dir() -> str:
+    """``/dev/shm/trainguard-<uid>/<TORCHELASTIC_RUN_ID or "local">`` (outside trainguard)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+    return os.path.join("/dev/shm", f"trainguard-{os.getuid()}", run_id)
+
+
+@dataclass(frozen=True)
+class MemoryShard:
+    """A loadable shard found in the memory tier."""
+
+    slot: int
+    step: int
+    meta: dict[str, Any]
+
+
+class _Slot:
+    """One slot file, mapped read-write for the life of the tier."""
+
+    def __init__(self, data_path: str) -> None:
+        self.data_path = data_path
+        self.fd = os.open(data_path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.capacity = os.fstat(self.fd).st_size
+        self.map: mmap.mmap | None = None
+        self.buffer: torch.Tensor | None = None
+        if self.capacity:
+            self._map(populate=True)
+
+    def ensure(self, nbytes: int) -> None:
+        """Grow (and pre-fault) the slot to hold ``nbytes``."""
+        if self.capacity >= nbytes and self.map is not None:
+            return
+        size = max(MIN_SLOT_BYTES, int(nbytes * GROWTH) // 4096 * 4096 + 4096)
+        self._unmap()
+        try:
+            os.posix_fallocate(self.fd, 0, size)  # ENOSPC here, not SIGBUS during a copy
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"cannot allocate {size} bytes for memory slot {self.data_path}"
+            ) from exc
+        self.capacity = size
+        self._map(populate=True)
+
+    def _map(self, populate: bool) -> None:
+        self.map = mmap.mmap(self.fd, self.capacity, flags=mmap.MAP_SHARED)
+        if populate:
+            try:
+                self.map.madvise(MADV_POPULATE_WRITE)
+            except OSError:  # older kernel: pre-fault at map time instead
+                self.map.close()
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self.map = mmap.mmap(self.fd, self.capacity, flags=flags)
+        self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def _unmap(self) -> None:
+        self.buffer = None
+        if self.map is not None:
+            # Views of the mapping still alive (a caller's tensor or memoryview) keep it
+            # open; it is then unmapped when the last of them goes away.
+            with contextlib.suppress(BufferError):
+                self.map.close()
+            self.map = None
+
+    def close(self) -> None:
+        self._unmap()
+        os.close(self.fd)
+
+
+class MemoryTier:
+    """One rank's memory slots in ``directory``."""
+
+    def __init__(self, directory: str, *, rank: int, world_size: int, job_id: str, keep: int):
+        if keep < 1:
+            raise ValueError(f"memory keep must be >= 1, got {keep}")
+        self.directory = directory
+        self.rank = rank
+        self.world_size = world_size
+        self.job_id = job_id
+        self.keep = keep
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._slots: dict[int, _Slot] = {}
+        self._steps: dict[int, int] | None = None  # slot -> committed step (writable slots)
+
+    def _prefix(self, slot: int) -> str:
+        return os.path.join(self.directory, f"rank-{self.rank}-slot-{slot}")
+
+    def meta_path(self, slot: int) -> str:
+        return self._prefix(slot) + ".meta"
+
+    def data_path(self, slot: int) -> str:
+        return self._prefix(slot) + ".data"
+
+    def _slot(self, index: int) -> _Slot:
+        if index not in self._slots:
+            self._slots[index] = _Slot(self.data_path(index))
+        return self._slots[index]
+
+    # -- listing ----------------------------------------------------------------------
+
+    def _slot_indexes(self) -> list[int]:
+        pattern = re.compile(rf"rank-{self.rank}-slot-(\d+)\.meta$")
+        found = set(range(self.keep))
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                match = pattern.match(name)
+                if match:
+                    found.add(int(match.group(1)))
+        return sorted(found)
+
+    def read_meta(self, slot: int) -> dict[str, Any] | None:
+        """The meta of ``slot``; None if it has none (empty, being written, or torn)."""
+        try:
+            with open(self.meta_path(slot), "rb") as file:
+                meta = json.loads(file.read())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("memory tier: skipping %s: unreadable meta (%s)", self.meta_path(slot), exc)
+            return None
+        return meta if isinstance(meta, dict) else None
+
+    def shards(self) -> dict[int, MemoryShard]:
+        """Step -> shard for every slot whose meta belongs to this job and rank.
+
+        Cheap (no checksum): foreign, malformed or short shards are logged and skipped;
+        the checksum is checked by :meth:`load` on the step actually restored.
+        """
+        found: dict[int, MemoryShard] = {}
+        for slot in self._slot_indexes():
+            meta = self.read_meta(slot)
+            if meta is None:
+                continue
+            try:
+                check_identity(
+                    meta, job_id=self.job_id, world_size=self.world_size, step=None, rank=self.rank
+                )
+                layout = layout_of(meta)
+                size = os.path.getsize(self.data_path(slot))
+                if size < layout.nbytes:
+                    raise ShardInvalid(f"data has {size} bytes, meta says {layout.nbytes}")
+            except (ShardInvalid, OSError) as exc:
+                log.warning(
+                    "memory tier: skipping %s (step %s, rank %d): %s",
+                    self.meta_path(slot), meta.get("step"), self.rank, exc,
+                )  # fmt: skip
+                continue
+            step = int(meta["step"])
+            if step not in found or slot < found[step].slot:
+                found[step] = MemoryShard(slot, step, meta)
+        return found
+
+    def data(self, slot: int, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of ``slot``'s data (a view of the mapping)."""
+        mapped = self._slot(slot)
+        if mapped.map is None or mapped.capacity < nbytes:
+            raise ShardInvalid(
+                f"{self.data_path(slot)} holds {mapped.capacity} bytes, not {nbytes}"
+            )
+        return memoryview(mapped.map)[:nbytes]
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        """``slot``'s data as a flat uint8 tensor sharing the mapping."""
+        mapped = self._slot(slot)
+        if mapped.buffer is None:
+            raise ShardInvalid(f"{self.data_path(slot)} is empty")
+        return mapped.buffer
+
+    # -- writing ----------------------------------------------------------------------
+
+    def choose_slot(self, step: int) -> int:
+        """Where a snapshot of ``step`` goes: a slot holding ``>= step``, a free one, the oldest."""
+        if self._steps is None:
+            self._steps = {}
+            for slot in range(self.keep):
+                meta = self.read_meta(slot)
+                if meta is not None and isinstance(meta.get("step"), int):
+                    self._steps[slot] = meta["step"]
+        steps = self._steps
+        for slot, held in steps.items():
+            if slot < self.keep and held >= step:  # a redundant or abandoned snapshot
+                return slot
+        for slot in range(self.keep):
+            if slot not in steps:
+                return slot
+        return min(steps, key=lambda slot: steps[slot])
+
+    def begin(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Uncommit ``slot`` and make it hold ``nbytes``; returns its buffer to copy into."""
+        self.drop(slot)
+        mapped = self._slot(slot)
+        mapped.ensure(nbytes)
+        assert mapped.buffer is not None
+        return mapped.buffer
+
+    def prepare(self, nbytes: int) -> None:
+        """Allocate and pre-fault every slot to ``nbytes`` ahead of the first save.
+
+        Keeps committed slots: a slot that must grow is uncommitted first.
+        """
+        for slot in range(self.keep):
+            mapped = self._slot(slot)
+            if mapped.capacity < nbytes or mapped.map is None:
+                self.drop(slot)
+                mapped.ensure(nbytes)
+
+    def commit(self, slot: int, meta: dict[str, Any]) -> None:
+        """Make ``slot`` loadable with ``meta`` (tmp file + rename)."""
+        path = self.meta_path(slot)
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as file:
+            file.write(json.dumps(meta, separators=(",", ":")).encode())
+        os.replace(tmp, path)
+        if self._steps is not None and isinstance(meta.get("step"), int):
+            self._steps[slot] = meta["step"]
+
+    def drop(self, slot: int) -> None:
+        """Make ``slot`` unloadable (its data may be overwritten from now on)."""
+        if self._steps is not None:
+            self._steps.pop(slot, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.meta_path(slot))
+
+    def drop_newer_than(self, step: int) -> None:
+        """Drop shards newer than ``step``: they belong to a timeline that was abandoned."""
+        for slot in self._slot_indexes():
+            meta = self.read_meta(slot)
+            if meta is not None and isinstance(meta.get("step"), int) and meta["step"] > step:
+                log.info("memory tier: dropping step %d (newer than %d)", meta["step"], step)
+                self.drop(slot)
+
+    def load(self, shard: MemoryShard, layout: Layout) -> torch.Tensor:
+        """The buffer of ``shard`` (no copy), for :func:`~trainguard.checkpoint.state.restore`."""
+        return self.buffer(shard.slot)[: layout.nbytes]
+
+    def close(self) -> None:
+        """Unmap the slots; the files stay (the agent owns the directory)."""
+        for mapped in self._slots.values():
+            mapped.close()
+        self._slots.clear()

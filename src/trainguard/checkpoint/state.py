@@ -1,0 +1,273 @@
+"""A training state as flat tensor bytes plus a JSON tree, and its in-place restore.
+
+``state`` is a nested structure of dicts (keys: ``str`` or ``int``), lists, tuples,
+tensors and plain values (``int``, ``float``, ``str``, ``bool``, ``None``). It becomes
+
+- a :class:`Layout`: one :class:`TensorEntry` per tensor (key path, dtype, shape, byte
+  offset, 64-byte aligned) and the total size of the data buffer;
+- a *tree*: the structure as JSON, with ``{"t": i}`` for the i-th tensor, ``{"v": x}``
+  for a plain value, ``{"d": [[key, node], ...]}`` for a dict (keeping int keys),
+  ``{"l": [...]}`` for a list and ``{"u": [...]}`` for a tuple.
+
+Nothing is pickled, so loading a shard never runs code from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ALIGNMENT",
+    "Layout",
+    "StateMismatch",
+    "TensorEntry",
+    "flatten",
+    "format_path",
+    "restore",
+]
+
+ALIGNMENT = 64
+"""Byte alignment of every tensor in the data buffer."""
+
+PathKey = str | int
+Path = tuple[PathKey, ...]
+_PLAIN = (int, float, str, bool, type(None))
+
+
+class StateMismatch(ValueError):
+    """A checkpoint does not fit the state it is restored into (names the key)."""
+
+
+def format_path(path: Path) -> str:
+    """``('optim', 'param_groups', 0, 'lr')`` -> ``state['optim']['param_groups'][0]['lr']``."""
+    return "state" + "".join(f"[{key!r}]" for key in path)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes live in the data buffer."""
+
+    path: Path
+    dtype: str  # "float32", ...
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": list(self.path),
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TensorEntry:
+        return cls(
+            path=tuple(data["path"]),
+            dtype=str(data["dtype"]),
+            shape=tuple(int(n) for n in data["shape"]),
+            offset=int(data["offset"]),
+            nbytes=int(data["nbytes"]),
+        )
+
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise StateMismatch(f"{format_path(self.path)}: unknown dtype {self.dtype!r}")
+        return dtype
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This tensor as a view of ``buffer`` (a flat uint8 tensor)."""
+        raw = buffer[self.offset : self.offset + self.nbytes]
+        return raw.view(self.torch_dtype()).view(self.shape)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The tensors of a state, their place in the data buffer, and the JSON tree."""
+
+    entries: list[TensorEntry]
+    nbytes: int
+    tree: Any
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def flatten(state: Any) -> tuple[Layout, list[torch.Tensor]]:
+    """The layout of ``state`` and its tensors, in layout order.
+
+    Raises ``TypeError`` naming the key path for a leaf that is neither a dense tensor nor
+    a plain value, or a dict key that is not ``str``/``int``.
+    """
+    tensors: list[torch.Tensor] = []
+    entries: list[TensorEntry] = []
+    offset = 0
+
+    def walk(node: Any, path: Path) -> Any:
+        nonlocal offset
+        if isinstance(node, torch.Tensor):
+            if node.layout != torch.strided or node.is_quantized:
+                raise TypeError(f"{format_path(path)}: only dense tensors can be checkpointed")
+            nbytes = node.numel() * node.element_size()
+            entries.append(
+                TensorEntry(path, _dtype_name(node.dtype), tuple(node.shape), offset, nbytes)
+            )
+            tensors.append(node)
+            offset = _align(offset + nbytes)
+            return {"t": len(tensors) - 1}
+        if isinstance(node, dict):
+            items = []
+            for key, value in node.items():
+                if isinstance(key, bool) or not isinstance(key, (str, int)):
+                    raise TypeError(
+                        f"{format_path(path)}: dict key {key!r} is a {type(key).__name__};"
+                        " only str and int keys can be checkpointed"
+                    )
+                items.append([key, walk(value, (*path, key))])
+            return {"d": items}
+        if isinstance(node, list):
+            return {"l": [walk(v, (*path, i)) for i, v in enumerate(node)]}
+        if isinstance(node, tuple):
+            return {"u": [walk(v, (*path, i)) for i, v in enumerate(node)]}
+        if isinstance(node, _PLAIN):
+            return {"v": node}
+        raise TypeError(
+            f"{format_path(path)}: a {type(node).__name__} cannot be checkpointed; leaves must be "
+            "tensors or int/float/str/bool/None (inside dicts, lists or tuples)"
+        )
+
+    tree = walk(state, ())
+    return Layout(entries, offset, tree), tensors
+
+
+def restore(state: Any, layout: Layout, buffer: torch.Tensor) -> None:
+    """Restore ``state`` in place from ``buffer`` (flat uint8) laid out by ``layout``.
+
+    Tensors are ``copy_``-ed into the existing tensors (references stay valid); plain
+    values, tuples and anything the state lacks are put into their containers. Every
+    mismatch (shape, dtype, container type, list length, a tensor of ``state`` the
+    checkpoint lacks) is found before anything is changed and raised as
+    :class:`StateMismatch` naming the key.
+    """
+    if buffer.numel() < layout.nbytes:
+        raise StateMismatch(f"data holds {buffer.numel()} bytes, the layout needs {layout.nbytes}")
+    actions: list[Callable[[], None]] = []
+    entries = layout.entries
+
+    def build(node: Any, path: Path) -> Any:
+        """A fresh object for ``node`` (no target to restore into)."""
+        kind, value = _node(node, path)
+        if kind == "t":
+            return entries[value].view(buffer).clone()
+        if kind == "v":
+            return value
+        if kind == "d":
+            return {key: build(child, (*path, key)) for key, child in value}
+        children = [build(child, (*path, i)) for i, child in enumerate(value)]
+        return children if kind == "l" else tuple(children)
+
+    def plan(node: Any, target: Any, path: Path) -> Any:
+        """Plan the restore of ``target``; returns what its container should hold."""
+        kind, value = _node(node, path)
+        if kind == "t":
+            entry = entries[value]
+            if not isinstance(target, torch.Tensor):
+                if _holds_tensor(target):
+                    raise StateMismatch(f"{format_path(path)}: checkpoint has a tensor here")
+                return build(node, path)
+            if tuple(target.shape) != entry.shape or _dtype_name(target.dtype) != entry.dtype:
+                raise StateMismatch(
+                    f"{format_path(path)}: checkpoint has {entry.dtype}{list(entry.shape)}, "
+                    f"state has {_dtype_name(target.dtype)}{list(target.shape)}"
+                )
+            actions.append(lambda: _copy(target, entry.view(buffer)))
+            return target
+        if _holds_tensor(target) and kind == "v":
+            raise StateMismatch(f"{format_path(path)}: checkpoint has {value!r}, not a tensor")
+        if kind == "v":
+            return value
+        if kind == "d":
+            if not isinstance(target, dict):
+                return _replace_or_fail(node, target, path, build)
+            seen = set()
+            for key, child in value:
+                seen.add(key)
+                new = plan(child, target.get(key), (*path, key))
+                if key not in target or new is not target[key]:
+                    actions.append(_setter(target, key, new))
+            for key, old in target.items():
+                if key not in seen and _holds_tensor(old):
+                    raise StateMismatch(f"{format_path((*path, key))}: not in the checkpoint")
+            return target
+        if not isinstance(target, (list, tuple)):
+            return _replace_or_fail(node, target, path, build)
+        if len(target) != len(value):
+            raise StateMismatch(
+                f"{format_path(path)}: checkpoint has {len(value)} items, state has {len(target)}"
+            )
+        news = [
+            plan(child, old, (*path, i))
+            for i, (child, old) in enumerate(zip(value, target, strict=True))
+        ]
+        if kind == "l" and isinstance(target, list):
+            for i, new in enumerate(news):
+                if new is not target[i]:
+                    actions.append(_setter(target, i, new))
+            return target
+        return news if kind == "l" else tuple(news)
+
+    plan(layout.tree, state, ())
+    with torch.no_grad():
+        for action in actions:
+            action()
+
+
+def _node(node: Any, path: Path) -> tuple[str, Any]:
+    if not isinstance(node, dict) or len(node) != 1:
+        raise StateMismatch(f"{format_path(path)}: malformed checkpoint tree")
+    ((kind, value),) = node.items()
+    if kind not in ("t", "v", "d", "l", "u"):
+        raise StateMismatch(f"{format_path(path)}: malformed checkpoint tree ({kind!r})")
+    return kind, value
+
+
+def _holds_tensor(node: Any) -> bool:
+    if isinstance(node, torch.Tensor):
+        return True
+    if isinstance(node, dict):
+        return any(_holds_tensor(v) for v in node.values())
+    if isinstance(node, (list, tuple)):
+        return any(_holds_tensor(v) for v in node)
+    return False
+
+
+def _replace_or_fail(node: Any, target: Any, path: Path, build: Callable[[Any, Path], Any]) -> Any:
+    if _holds_tensor(target):
+        raise StateMismatch(
+            f"{format_path(path)}: checkpoint has a {_node(node, path)[0]!r} container, "
+            f"state has a {type(target).__name__}"
+        )
+    return build(node, path)
+
+
+def _setter(container: Any, key: PathKey, value: Any) -> Callable[[], None]:
+    def apply() -> None:
+        container[key] = value
+
+    return apply
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    target.copy_(source)

@@ -1,0 +1,219 @@
+"""The Checkpointer in one process: memory tier, durable tier, bad shards, configuration."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainguard.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
+
+
+@pytest.fixture
+def shm() -> Iterator[str]:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    path = tempfile.mkdtemp(prefix="tg-ckpt-test-", dir=base)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _state(step: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(64, 32, generator=gen),
+        "b": torch.arange(step, step + 10),
+        "step": step,
+        "data": {"offset": step * 7, "tag": f"s{step}"},
+    }
+
+
+def _blank() -> dict[str, Any]:
+    return {"w": torch.zeros(64, 32), "b": torch.zeros(10, dtype=torch.int64), "data": {}}
+
+
+def _assert_restored(state: dict[str, Any], step: int) -> None:
+    want = _state(step)
+    assert torch.equal(state["w"], want["w"]) and torch.equal(state["b"], want["b"])
+    assert state["step"] == step and state["data"] == want["data"]
+
+
+def _ckpt(memory_dir: str, **kwargs: Any) -> Checkpointer:
+    kwargs.setdefault("job_id", "job-a")
+    return Checkpointer(memory_dir=memory_dir, environ={}, **kwargs)
+
+
+def test_memory_round_trip_and_cadence(shm: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with _ckpt(shm, memory_every_steps=5) as ckpt:
+        assert ckpt.load_latest(_blank()) is None
+        assert ckpt.save(3, _state(3)) is False
+        assert ckpt.save(5, _state(5)) is True
+        assert ckpt.save(7, _state(7), force=True) is True
+        ckpt.wait(timeout=30)
+    state = _blank()
+    w = state["w"]
+    with _ckpt(shm) as ckpt:
+        assert ckpt.load_latest(state) == 7
+        assert ckpt.last_restore is not None and ckpt.last_restore.tier == "memory"
+    _assert_restored(state, 7)
+    assert state["w"] is w
+    assert "Restored step 7 from memory in" in capsys.readouterr().out
+
+
+def test_keeps_the_newest_snapshots(shm: str) -> None:
+    with _ckpt(shm, memory_keep=2) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, _state(step))
+        ckpt.wait(timeout=30)
+        assert sorted(ckpt.memory.shards()) == [2, 3]
+
+
+def _slot_of(memory_dir: str, step: int) -> Path:
+    for meta in Path(memory_dir).glob("rank-0-slot-*.meta"):
+        if json.loads(meta.read_text())["step"] == step:
+            return meta
+    raise AssertionError(f"no slot holds step {step}")
+
+
+def test_corrupt_shard_is_skipped(shm: str, caplog: pytest.LogCaptureFixture) -> None:
+    with _ckpt(shm) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.save(2, _state(2))
+    data = _slot_of(shm, 2).with_suffix(".data")
+    with open(data, "r+b") as file:
+        file.seek(100)
+        byte = file.read(1)
+        file.seek(100)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    state = _blank()
+    with caplog.at_level(logging.WARNING), _ckpt(shm) as ckpt:
+        assert ckpt.load_latest(state) == 1
+    _assert_restored(state, 1)
+    assert "checksum mismatch" in caplog.text and "step 2, rank 0" in caplog.text
+    assert "slot" in caplog.text
+
+
+def test_copy_complete_shard_loads_and_torn_shard_does_not(shm: str) -> None:
+    with _ckpt(shm) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.save(2, _state(2))
+    meta_path = _slot_of(shm, 2)
+    meta = json.loads(meta_path.read_text())
+    meta["checksum"] = None  # as left by a worker killed before its background checksum
+    meta_path.write_text(json.dumps(meta))
+    state = _blank()
+    with _ckpt(shm) as ckpt:
+        assert ckpt.load_latest(state) == 2
+    _assert_restored(state, 2)
+    meta_path.unlink()  # as left by a crash during the copy into the slot
+    with _ckpt(shm) as ckpt:
+        assert ckpt.load_latest(_blank()) == 1
+
+
+@pytest.mark.parametrize("other", [{"job_id": "job-b"}, {"world_size": 2, "rank": 1}])
+def test_foreign_shard_is_skipped(
+    shm: str, other: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    with _ckpt(shm, **other) as ckpt:
+        ckpt.save(4, _state(4))
+    # Rename rank 1's files as rank 0's, so only the meta's identity gives them away.
+    for path in Path(shm).iterdir():
+        path.rename(path.with_name(path.name.replace("rank-1-", "rank-0-")))
+    with caplog.at_level(logging.WARNING), _ckpt(shm) as ckpt:
+        assert ckpt.load_latest(_blank()) is None
+    assert "skipping" in caplog.text and ("job-b" in caplog.text or "world size 2" in caplog.text)
+
+
+def test_durable_tier_restores_when_memory_is_gone(shm: str, tmp_path: Path) -> None:
+    url = str(tmp_path / "durable")
+    with _ckpt(shm, durable_url=url, durable_every_steps=2, durable_keep=2) as ckpt:
+        for step in range(1, 8):
+            ckpt.save(step, _state(step))
+        ckpt.wait(timeout=60)
+    steps = sorted(p.name for p in (tmp_path / "durable" / "job-a").iterdir())
+    assert steps == ["step-0000000004", "step-0000000006"]
+    for path in Path(shm).iterdir():
+        path.unlink()
+    state = _blank()
+    with _ckpt(shm, durable_url=url) as ckpt:
+        assert ckpt.load_latest(state) == 6
+        assert ckpt.last_restore is not None and ckpt.last_restore.tier == "durable"
+    _assert_restored(state, 6)
+    # A corrupt durable shard is skipped too: the next newest committed step is used.
+    blob = tmp_path / "durable" / "job-a" / "step-0000000006" / "rank-0.bin"
+    raw = bytearray(blob.read_bytes())
+    raw[10] ^= 1
+    blob.write_bytes(bytes(raw))
+    for path in Path(shm).iterdir():
+        path.unlink()
+    with _ckpt(shm, durable_url=url) as ckpt:
+        assert ckpt.load_latest(_blank()) == 4
+
+
+def test_missing_rank_shard_is_not_committed(shm: str, tmp_path: Path) -> None:
+    url = str(tmp_path / "durable")
+    # Rank 0 of 2 writes its shard; rank 1 never does: the step must not be committed.
+    ckpt = _ckpt(shm, durable_url=url, world_size=2, rank=0, commit_timeout=0.5)
+    ckpt.save(2, _state(2))
+    ckpt.wait(timeout=30)
+    ckpt.close()
+    assert (tmp_path / "durable" / "job-a" / "step-0000000002" / "rank-0.json").exists()
+    assert not (tmp_path / "durable" / "job-a" / "step-0000000002" / "COMMITTED").exists()
+
+
+def test_background_failure_is_raised_from_wait(shm: str, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    ckpt = _ckpt(shm, durable_url=str(blocker / "sub"))
+    ckpt.save(1, _state(1))
+    with pytest.raises(CheckpointError, match="not-a-dir"):
+        ckpt.wait(timeout=30)
+    ckpt.save(2, _state(2))  # the error was reported once; saving goes on
+    with pytest.raises(CheckpointError):
+        ckpt.close(timeout=30)
+    # The memory tier still holds both steps.
+    with _ckpt(shm) as again:
+        assert again.load_latest(_blank()) == 2
+
+
+def test_config_from_env_and_overrides() -> None:
+    env = {
+        "TRAINGUARD_CHECKPOINT_CONFIG": json.dumps(
+            {
+                "memoryEverySteps": 10,
+                "memoryKeep": 3,
+                "durableUrl": "/x",
+                "durableKeep": 2,
+                "durableEverySteps": None,
+                "durableEverySeconds": 60,
+                "replicas": 1,
+            }
+        ),
+        "TRAINGUARD_CHECKPOINT_MEMORY_DIR": "/dev/shm/agent-dir",
+        "TRAINGUARD_JOB_ID": "gpt-1a2b3c",
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+    }
+    config = CheckpointConfig.from_env(env, memory_keep=5)
+    assert (config.memory_every_steps, config.memory_keep, config.durable_url) == (10, 5, "/x")
+    assert config.durable_every_seconds == 60 and config.durable_every_steps is None
+    assert (config.memory_dir, config.job_id, config.rank, config.world_size) == (
+        "/dev/shm/agent-dir", "gpt-1a2b3c", 3, 4,
+    )  # fmt: skip
+    assert CheckpointConfig.from_env(env, durable_url="").durable is False
+    bad = {"TRAINGUARD_CHECKPOINT_CONFIG": json.dumps({"memoryKeep": 0})}
+    with pytest.raises(ValueError, match=r"TRAINGUARD_CHECKPOINT_CONFIG: memoryKeep: must be"):
+        CheckpointConfig.from_env(bad)
+    with pytest.raises(ValueError, match="RANK='x'"):
+        CheckpointConfig.from_env({"RANK": "x"})
+    with pytest.raises(TypeError, match="unknown setting 'memory_kept'"):
+        CheckpointConfig.from_env({}, memory_kept=1)
+    default = CheckpointConfig.from_env({})
+    assert default.memory_dir == f"/dev/shm/trainguard-{os.getuid()}/local"
