@@ -90,6 +90,11 @@ def test_killed_rank_restores_from_memory_bit_identical(tg: Trainguard, tmp_path
     output, restored = run(tg, job(tmp_path), "kill:rank=3@step=15")
     assert re.search(r"Restored step \d+ from memory", output)
     assert restored[0][0] >= 10
+    # Each restore is an event of the job's timeline, with its tier and time.
+    events = [e for e in tg.only_job()["events"] if e["kind"] == "CheckpointRestored"]
+    assert sorted(e["rank"] for e in events) == [0, 1, 2, 3]
+    assert {e["data"]["tier"] for e in events} == {"memory"}
+    assert {e["data"]["step"] for e in events} == {restored[0][0]}
 
 
 def test_lost_node_restores_from_a_peer_replica_bit_identical(

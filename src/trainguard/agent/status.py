@@ -120,6 +120,8 @@ class AgentStatus:
     monitor: dict[str, Any] = field(default_factory=dict)
     heartbeats: dict[str, Any] = field(default_factory=dict)
     stacks: dict[str, str] = field(default_factory=dict)
+    # Events the workers reported (trainguard.monitor.worker_events), as JSON objects.
+    events: tuple[dict[str, Any], ...] = field(default_factory=tuple)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -133,6 +135,7 @@ class AgentStatus:
             "monitor": self.monitor,
             "heartbeats": self.heartbeats,
             "stacks": self.stacks,
+            "events": list(self.events),
         }
 
     @classmethod
@@ -158,6 +161,7 @@ class AgentStatus:
             monitor=_optional_object(obj, "monitor"),
             heartbeats=_optional_object(obj, "heartbeats"),
             stacks=_optional_object(obj, "stacks"),
+            events=tuple(e for e in obj.get("events") or [] if isinstance(e, dict)),
         )
 
 

@@ -37,6 +37,7 @@ from trainguard.control.assignment import NodeAssignment
 from trainguard.monitor.heartbeat import HEARTBEAT_DIR_ENV, read_heartbeats
 from trainguard.monitor.rules import NodeLogMonitor
 from trainguard.monitor.stacks import capture_stacks
+from trainguard.monitor.worker_events import EVENT_DIR_ENV, read_events
 
 logger = logging.getLogger(__name__)
 
@@ -155,10 +156,12 @@ class Supervisor:
             )
         # Outside the lock: the monitor has its own, and heartbeats are files.
         beats = read_heartbeats(beats_dir) if beats_dir is not None else {}
+        events = read_events(beats_dir.parent / "events") if beats_dir is not None else []
         return replace(
             status,
             monitor=monitor.snapshot() if monitor is not None else {},
             heartbeats={str(rank): beat.to_json() for rank, beat in sorted(beats.items())},
+            events=tuple(e.to_json() for e in events),
         )
 
     def request_start(self, assignment: NodeAssignment) -> None:
@@ -228,13 +231,19 @@ class Supervisor:
         self._replicate(assignment)
         beats_dir = self._layout.attempt_dir(assignment.attempt) / "heartbeats"
         beats_dir.mkdir(parents=True, exist_ok=True)
+        events_dir = beats_dir.parent / "events"
+        events_dir.mkdir(exist_ok=True)
         with self._lock:
             self._monitor, self._heartbeat_dir, self._stacks = monitor, beats_dir, {}
         group = WorkerGroup(
             assignment,
             self._worker_argv,
             self._layout,
-            agent_env={**self._agent_env, HEARTBEAT_DIR_ENV: str(beats_dir)},
+            agent_env={
+                **self._agent_env,
+                HEARTBEAT_DIR_ENV: str(beats_dir),
+                EVENT_DIR_ENV: str(events_dir),
+            },
             cwd=self._cwd,
             reap_timeout=self._timings.reap_timeout,
         )

@@ -25,6 +25,7 @@ from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.memory import MemoryShard, MemoryTier
 from trainguard.checkpoint.shard import ShardInvalid, checksum, make_meta, verify
 from trainguard.checkpoint.state import Layout, flatten, restore
+from trainguard.monitor import worker_events
 
 if TYPE_CHECKING:
     from trainguard.checkpoint.durable import DurableTier
@@ -271,6 +272,13 @@ class Checkpointer:
         self.memory.drop_newer_than(step)
         self.memory.prepare(layout.nbytes)
         log.info("rank %d restored step %d from %s in %.3f s", cfg.rank, step, tier, seconds)
+        worker_events.emit(
+            "CheckpointRestored",
+            f"rank {cfg.rank} restored step {step} from {tier} in {seconds:.3f} s",
+            step=step,
+            tier=tier,
+            seconds=seconds,
+        )
         if cfg.rank == 0:
             print(f"Restored step {step} from {tier} in {seconds:.3f} s", flush=True)
         return step
@@ -368,6 +376,12 @@ class Checkpointer:
                 committed = tier.commit(step, self.config.world_size)
                 if committed:
                     log.info("checkpoint step %d committed to %s", step, self.config.durable_url)
+                    worker_events.emit(
+                        "CheckpointCommitted",
+                        f"step {step} committed to durable storage",
+                        step=step,
+                        url=self.config.durable_url,
+                    )
                     pruned = tier.prune(self.config.durable_keep)
                     if pruned:
                         log.info("pruned durable checkpoint steps %s", pruned)

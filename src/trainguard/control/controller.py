@@ -87,6 +87,7 @@ class JobController:
         self._node_fault_times: dict[str, list[float]] = {}
         self._pending_events: list[Event] = []
         self._injections: list[str] = []
+        self._seen_worker_events: set[tuple[int, int, int]] = set()
         # Set when a stop was asked for from outside (delete, Ctrl-C, deadline).
         self._cancel: tuple[JobPhase, str] | None = None
 
@@ -161,6 +162,7 @@ class JobController:
                 f"DeadlineExceeded: job ran longer than activeDeadlineSeconds={deadline:g}",
                 phase=JobPhase.FAILED,
             )
+        self._worker_events(attempt, reports)
         if attempt.phase is AttemptPhase.RUNNING:
             return self._observe_running(now, attempt, reports)
         if attempt.phase is AttemptPhase.STOPPING:
@@ -327,6 +329,26 @@ class JobController:
                 updated = with_evidence(fault, stacks=stacks, stopped_ranks=stopped)
                 attempt.faults[i] = updated
                 self.timeline.update_fault(fault, updated)
+
+    def _worker_events(self, attempt: Attempt, reports: Mapping[str, NodeReport]) -> None:
+        """Events the workers reported (a checkpoint restored, ...), each added once."""
+        for assignment in attempt.assignments:
+            report = reports.get(assignment.node_id)
+            if report is None or report.attempt != attempt.number:
+                continue
+            for e in report.worker_events:
+                key = (attempt.number, e.rank, e.seq)
+                if key not in self._seen_worker_events:
+                    self._seen_worker_events.add(key)
+                    self._event(
+                        e.time,
+                        e.kind,
+                        e.message,
+                        attempt=attempt.number,
+                        node=assignment.node_id,
+                        rank=e.rank,
+                        data=e.data,
+                    )
 
     def _note_progress(self, now: float, attempt: Attempt) -> None:
         progress = attempt.watch.progress

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from trainguard.monitor.rules import Detection
+from trainguard.monitor.worker_events import WorkerEvent
 
 
 class NodeState(StrEnum):
@@ -95,3 +96,4 @@ class NodeReport:
     detections: tuple[Detection, ...] = field(default_factory=tuple)
     heartbeats: dict[int, float] = field(default_factory=dict)
     stacks: dict[int, str] = field(default_factory=dict)
+    worker_events: tuple[WorkerEvent, ...] = field(default_factory=tuple)

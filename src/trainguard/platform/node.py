@@ -19,6 +19,7 @@ from trainguard.control.reports import (
     WorkerFailure,
 )
 from trainguard.monitor.rules import Detection
+from trainguard.monitor.worker_events import WorkerEvent
 from trainguard.platform.procs import kill_group
 from trainguard.spec.plan import NodeGroupPlan
 
@@ -176,6 +177,9 @@ def _report_from_status(status: AgentStatus) -> NodeReport:
             if rank.isdigit() and _number(v.get("time")) is not None
         },
         stacks={int(rank): str(text) for rank, text in status.stacks.items() if rank.isdigit()},
+        worker_events=tuple(
+            e for raw in status.events if (e := WorkerEvent.from_json(raw)) is not None
+        ),
     )
 
 
