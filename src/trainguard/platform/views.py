@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainguard.platform.local import MEMORY_ROOT
 from trainguard.platform.procs import alive, kill_group
 from trainguard.platform.store import JobRow, Store
 
@@ -261,6 +262,7 @@ def delete(store: Store, ref: str, timeout: float) -> int:
         _reap(store, job.id)
     store.remove_job(job.id)
     shutil.rmtree(job.job_dir, ignore_errors=True)
+    shutil.rmtree(MEMORY_ROOT / job.id, ignore_errors=True)  # its nodes' memory tiers
     print(f"job {job.id} deleted")
     return 0
 
