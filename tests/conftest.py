@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -63,6 +64,28 @@ class Trainguard:
 @pytest.fixture
 def tg(tmp_path: Path) -> Trainguard:
     return Trainguard(tmp_path / "state")
+
+
+def write_job(path: Path, name: str, command: list[str], **spec: Any) -> Path:
+    """A TrainingJob of 2 nodes x 2 processes running ``command``; ``spec`` adds fields."""
+    job = {
+        "apiVersion": "trainguard.dev/v1",
+        "kind": "TrainingJob",
+        "metadata": {"name": name},
+        "spec": {
+            "nprocPerNode": 2,
+            "replicaSpecs": [
+                {
+                    "name": "pods",
+                    "replicas": 2,
+                    "template": {"spec": {"containers": [{"name": "trainer", "command": command}]}},
+                }
+            ],
+            **spec,
+        },
+    }
+    path.write_text(yaml.safe_dump(job))
+    return path
 
 
 def pid_alive(pid: int) -> bool:

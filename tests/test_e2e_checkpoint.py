@@ -10,52 +10,30 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
 
-from conftest import SCRIPTS, Trainguard
+from conftest import SCRIPTS, Trainguard, write_job
 
 pytestmark = pytest.mark.e2e
 LINE = re.compile(r"rank (\d+) attempt (\d+) (saved|restored) step (\d+) digest (\w+)")
 
 
 def job(tmp_path: Path, *args: str, **checkpointing: object) -> Path:
-    spec = {
-        "apiVersion": "trainguard.dev/v1",
-        "kind": "TrainingJob",
-        "metadata": {"name": "ckpt"},
-        "spec": {
-            "nprocPerNode": 2,
-            "replicaSpecs": [
-                {
-                    "name": "pods",
-                    "replicas": 2,
-                    "template": {
-                        "spec": {
-                            "containers": [
-                                {
-                                    "name": "trainer",
-                                    "command": [
-                                        "python",
-                                        str(SCRIPTS / "ckpt_worker.py"),
-                                        "--steps",
-                                        "40",
-                                        "--step-sleep",
-                                        "0.1",
-                                        *args,
-                                    ],
-                                }
-                            ]
-                        }
-                    },
-                }
-            ],
-            "runPolicy": {"jobMaxRetryCount": 2},
-            "checkpointing": {"memoryKeep": 3, "replicas": 1, **checkpointing},
-        },
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+    command = [
+        "python",
+        str(SCRIPTS / "ckpt_worker.py"),
+        "--steps",
+        "40",
+        "--step-sleep",
+        "0.1",
+        *args,
+    ]
+    return write_job(
+        tmp_path / "job.yaml",
+        "ckpt",
+        command,
+        runPolicy={"jobMaxRetryCount": 2},
+        checkpointing={"memoryKeep": 3, "replicas": 1, **checkpointing},
+    )
 
 
 def digests(output: str) -> tuple[dict[tuple[int, int], str], dict[int, tuple[int, str]]]:

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from conftest import Trainguard, pid_alive
+from conftest import Trainguard, pid_alive, write_job
 
 pytestmark = pytest.mark.e2e
 
@@ -21,68 +20,40 @@ STEPS = 50
 
 
 def job_spec(tmp_path: Path, retries: int = 3, **restart_policy: Any) -> Path:
-    spec: dict[str, Any] = {
-        "apiVersion": "trainguard.dev/v1",
-        "kind": "TrainingJob",
-        "metadata": {"name": "faulty"},
-        "spec": {
-            "nprocPerNode": 2,
-            "replicaSpecs": [
-                {
-                    "name": "pods",
-                    "replicas": 2,
-                    "template": {
-                        "spec": {
-                            "containers": [
-                                {
-                                    "name": "trainer",
-                                    "command": ["python", "examples/gpt/train.py"],
-                                    "args": [
-                                        "--steps",
-                                        str(STEPS),
-                                        "--ckpt-every",
-                                        "10",
-                                        "--step-sleep",
-                                        "0.05",
-                                        "--data-dir",
-                                        str(tmp_path / "data"),
-                                    ],
-                                }
-                            ]
-                        }
-                    },
-                }
-            ],
-            "runPolicy": {
-                "jobMaxRetryCount": retries,
-                "logMonitoringConfiguration": [
-                    {
-                        "name": "JobStart",
-                        "logPattern": ".*Loss:.*",
-                        "expectedStartCutOffInSeconds": 180,
-                    },
-                    {
-                        "name": "JobHang",
-                        "logPattern": ".*Loss:.*",
-                        "expectedRecurringFrequencyInSeconds": HANG_SECONDS,
-                    },
-                    # Unthrottled this job logs ~300 samples/sec here; a throttled rank ~65.
-                    {
-                        "name": "Throughput",
-                        "logPattern": r".*Speed: ([0-9.]+) samples/sec.*",
-                        "metricThreshold": 150,
-                        "operator": "lteq",
-                        "metricEvaluationDataPoints": 3,
-                    },
-                ],
+    command = [
+        "python",
+        "examples/gpt/train.py",
+        "--steps",
+        str(STEPS),
+        "--ckpt-every",
+        "10",
+        "--step-sleep",
+        "0.05",
+        "--data-dir",
+        str(tmp_path / "data"),
+    ]
+    run_policy: dict[str, Any] = {
+        "jobMaxRetryCount": retries,
+        "logMonitoringConfiguration": [
+            {"name": "JobStart", "logPattern": ".*Loss:.*", "expectedStartCutOffInSeconds": 180},
+            {
+                "name": "JobHang",
+                "logPattern": ".*Loss:.*",
+                "expectedRecurringFrequencyInSeconds": HANG_SECONDS,
             },
-        },
+            # Unthrottled this job logs ~300 samples/sec here; a throttled rank ~65.
+            {
+                "name": "Throughput",
+                "logPattern": r".*Speed: ([0-9.]+) samples/sec.*",
+                "metricThreshold": 150,
+                "operator": "lteq",
+                "metricEvaluationDataPoints": 3,
+            },
+        ],
     }
     if restart_policy:
-        spec["spec"]["runPolicy"]["restartPolicy"] = {"evalPeriodSeconds": 3600, **restart_policy}
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+        run_policy["restartPolicy"] = {"evalPeriodSeconds": 3600, **restart_policy}
+    return write_job(tmp_path / "job.yaml", "faulty", command, runPolicy=run_policy)
 
 
 def run(tg: Trainguard, spec: Path, *injections: str) -> tuple[int, str, dict[str, Any]]:
