@@ -16,22 +16,20 @@ Checksums travel in the meta and are verified by the caller.
 
 from __future__ import annotations
 
-import asyncio
 import errno
-import io
 import json
 import logging
-import os
 import re
 import time
-import uuid
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any
 
 import fsspec  # type: ignore[import-untyped]
 from fsspec.asyn import sync  # type: ignore[import-untyped]
 from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
+
+from trainguard.checkpoint.objects import put_local, put_renamed, put_s3
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +42,6 @@ DEFAULT_UPLOAD_CONCURRENCY = 4
 # (botocore's, which rewinds request bodies); ``retries`` in storage_options sets it.
 DEFAULT_S3_RETRIES = 3
 DEFAULT_S3_CONFIG: dict[str, Any] = {"connect_timeout": 2, "read_timeout": 60}
-LOCAL_WRITE_CHUNK = 256 * 2**20
-S3_MAX_PARTS = 10_000
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _RANK_META = re.compile(r"^rank-(\d+)\.json$")
@@ -85,42 +81,6 @@ def _cause(exc: BaseException) -> str:
     if isinstance(exc, FileNotFoundError):
         return f"not found ({exc})"
     return f"{type(exc).__name__}: {exc}"
-
-
-class _MemoryReader(io.RawIOBase):
-    """A seekable read-only file over a memoryview, so uploads stream without a full copy.
-
-    Closing is a no-op: botocore rewinds the same body when it retries a request.
-    """
-
-    def __init__(self, data: memoryview) -> None:
-        super().__init__()
-        self._data = data
-        self._pos = 0
-
-    def readinto(self, buffer: Any) -> int:
-        target = memoryview(buffer).cast("B")
-        n = min(len(target), len(self._data) - self._pos)
-        target[:n] = self._data[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._data)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        """Stay usable; the caller owns the memory."""
 
 
 def _step_name(step: int) -> str:
@@ -432,92 +392,18 @@ class DurableTier:
         """Publish ``data`` at ``path`` atomically."""
         with self._storage("cannot write", path):
             if self._local:
-                self._put_local(path, data)
+                put_local(path, data)
             elif self._s3:
                 bucket, key = path.split("/", 1)
-                sync(self._fs.loop, self._put_s3, bucket, key, data)
+                sync(
+                    self._fs.loop,
+                    put_s3,
+                    self._fs,
+                    bucket,
+                    key,
+                    data,
+                    self.part_size,
+                    self.upload_concurrency,
+                )
             else:
-                self._put_renamed(path, data)
-
-    def _put_local(self, path: str, data: memoryview) -> None:
-        directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            try:
-                offset = 0
-                while offset < len(data):
-                    offset += os.write(fd, data[offset : offset + LOCAL_WRITE_CHUNK])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            with suppress(OSError):
-                os.unlink(tmp)
-            raise
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-    async def _put_s3(self, bucket: str, key: str, data: memoryview) -> None:
-        fs: Any = self._fs
-        if len(data) <= self.part_size:
-            await fs._call_s3("put_object", Bucket=bucket, Key=key, Body=_MemoryReader(data))
-            return
-        part_size = max(self.part_size, -(-len(data) // S3_MAX_PARTS))
-        upload = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
-        upload_id = upload["UploadId"]
-        slots = asyncio.Semaphore(self.upload_concurrency)
-
-        async def send(number: int, start: int) -> dict[str, Any]:
-            async with slots:
-                part = _MemoryReader(data[start : start + part_size])
-                out = await fs._call_s3(
-                    "upload_part",
-                    Bucket=bucket,
-                    Key=key,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=part,
-                )
-                return {"PartNumber": number, "ETag": out["ETag"]}
-
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [
-                    group.create_task(send(i + 1, start))
-                    for i, start in enumerate(range(0, len(data), part_size))
-                ]
-            parts = [task.result() for task in tasks]
-            await fs._call_s3(
-                "complete_multipart_upload",
-                Bucket=bucket,
-                Key=key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
-            )
-        except BaseException:
-            try:
-                await fs._call_s3(
-                    "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id
-                )
-            except Exception as exc:
-                log.warning("could not abort the upload of s3://%s/%s: %s", bucket, key, exc)
-            raise
-
-    def _put_renamed(self, path: str, data: memoryview) -> None:
-        """Any other fsspec filesystem: write a temporary name, then move it into place."""
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with self._fs.open(tmp, "wb", block_size=self.part_size) as f:
-                for offset in range(0, len(data), self.part_size):
-                    f.write(data[offset : offset + self.part_size])
-            self._fs.mv(tmp, path)
-        except BaseException:
-            with suppress(Exception):
-                self._fs.rm_file(tmp)
-            raise
+                put_renamed(self._fs, path, data, self.part_size)
