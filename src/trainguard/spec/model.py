@@ -100,7 +100,7 @@ class RestartPolicy(SpecModel):
     max_full_job_restarts: int | None = Field(
         default=None,
         ge=0,
-        description="Full job restarts allowed in the window before the job fails. "
+        description="Full job restarts allowed over the whole job before it fails. "
         "Unset: bounded only by jobMaxRetryCount.",
     )
     max_num_repeat_offenders_to_avoid: int | None = Field(
