@@ -33,8 +33,10 @@ args = parser.parse_args()
 rank = int(os.environ["RANK"])
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 os.makedirs(args.out, exist_ok=True)
-with open(os.path.join(args.out, f"rank-{rank}-attempt-{attempt}.json"), "w") as f:
+record = os.path.join(args.out, f"rank-{rank}-attempt-{attempt}.json")
+with open(record + ".tmp", "w") as f:  # then renamed: a test never reads half a record
     json.dump({"pid": os.getpid(), "env": dict(os.environ), "argv": sys.argv}, f)
+os.replace(record + ".tmp", record)
 print(f"hello from rank {rank} attempt {attempt}", flush=True)
 print(f"stderr line from rank {rank}", file=sys.stderr, flush=True)
 
