@@ -362,6 +362,10 @@ def train(args: argparse.Namespace, topo: Topology, device: torch.device) -> Non
     if args.save_final is not None and topo.rank == 0:
         save_checkpoint(args.save_final, model.state_dict())
     log0(topo, f"Training complete: step {step}, final loss {last_loss:.5f}")
+    if topo.distributed:
+        # All ranks done before any tears its group down: gloo (torch 2.13) sometimes
+        # aborts a rank at exit otherwise ("terminate called without an active exception").
+        dist.barrier()
 
 
 def main(argv: list[str] | None = None) -> int:

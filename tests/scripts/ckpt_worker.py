@@ -84,4 +84,5 @@ for step in range(start, args.steps + 1):
     time.sleep(args.step_sleep)
 ckpt.wait()
 ckpt.close()
+dist.barrier()  # all ranks done before any tears the group down (gloo aborts otherwise)
 dist.destroy_process_group()

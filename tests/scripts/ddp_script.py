@@ -58,4 +58,8 @@ for _ in range(args.steps):
     opt.step()
 checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
 print(f"rank {rank}: checksum {checksum:.10f}", flush=True)
+# Every rank done before any tears its group down: without this, gloo (torch 2.13) here
+# sometimes aborts a rank at exit ("terminate called without an active exception"),
+# under torchrun as under trainguard.
+dist.barrier()
 dist.destroy_process_group()
