@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,16 @@ def write_job(path: Path, name: str, command: list[str], **spec: Any) -> Path:
     }
     path.write_text(yaml.safe_dump(job))
     return path
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 60.0) -> None:
+    """Poll ``predicate`` until it is true; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not reached in time")
 
 
 def pid_alive(pid: int) -> bool:

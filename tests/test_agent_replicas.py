@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from agent_harness import AgentProcess, make_assignment, spawn_agent
+from conftest import wait_for
 from trainguard.agent.replicas import ReplicaStore, replica_peers
 from trainguard.checkpoint.memory import MemoryTier
 
@@ -38,15 +38,6 @@ def agent_for(tmp_path: Path, node_id: str, worker: str = WRITER) -> AgentProces
     )
 
 
-def wait_until(predicate: object, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.1)
-    raise AssertionError("not reached in time")
-
-
 def replicate(tmp_path: Path) -> tuple[AgentProcess, AgentProcess, Path, Path]:
     """node-0 saves a checkpoint; wait until node-1 holds its replica."""
     a, b = agent_for(tmp_path, "node-0"), agent_for(tmp_path, "node-1")
@@ -64,7 +55,7 @@ def replicate(tmp_path: Path) -> tuple[AgentProcess, AgentProcess, Path, Path]:
             for m in metas
         )
 
-    wait_until(replicated)
+    wait_for(replicated, timeout=30.0)
     return a, b, memory, replica
 
 

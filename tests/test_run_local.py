@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
-from conftest import FAKE_WORKER, Trainguard, pid_alive, worker_pids
+from conftest import FAKE_WORKER, Trainguard, pid_alive, wait_for, worker_pids
 
 TORCHRUN_KEYS = (
     "RANK",
@@ -22,15 +21,6 @@ TORCHRUN_KEYS = (
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_MAX_RESTARTS",
 )
-
-
-def wait_for(predicate: object, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.1)
-    raise AssertionError("condition not reached in time")
 
 
 def test_torchrun_form_runs_every_rank_with_the_torchrun_env(
