@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SCRIPTS, Trainguard, write_job
+from trainguard.checkpoint.durable import DurableTier
 
 pytestmark = pytest.mark.e2e
 LINE = re.compile(r"rank (\d+) attempt (\d+) (saved|restored) step (\d+) digest (\w+)")
@@ -65,14 +66,25 @@ def run(tg: Trainguard, spec: Path, *inject: str) -> tuple[str, dict[int, tuple[
 
 
 def test_killed_rank_restores_from_memory_bit_identical(tg: Trainguard, tmp_path: Path) -> None:
-    output, restored = run(tg, job(tmp_path), "kill:rank=3@step=15")
+    output, restored = run(tg, job(tmp_path, durableEverySteps=10), "kill:rank=3@step=15")
     assert re.search(r"Restored step \d+ from memory", output)
     assert restored[0][0] >= 10
     # Each restore is an event of the job's timeline, with its tier and time.
-    events = [e for e in tg.only_job()["events"] if e["kind"] == "CheckpointRestored"]
+    job_info = tg.only_job()
+    events = [e for e in job_info["events"] if e["kind"] == "CheckpointRestored"]
     assert sorted(e["rank"] for e in events) == [0, 1, 2, 3]
     assert {e["data"]["tier"] for e in events} == {"memory"}
     assert {e["data"]["step"] for e in events} == {restored[0][0]}
+    # The agents persisted the steps the controller picked (multiples of 10), and the
+    # final step before the job ended; memory saves are events too.
+    kinds = {e["kind"] for e in job_info["events"]}
+    assert {"CheckpointSaved", "CheckpointPersisting", "CheckpointCommitted"} <= kinds
+    committed = [
+        e["data"]["step"] for e in job_info["events"] if e["kind"] == "CheckpointCommitted"
+    ]
+    assert committed[-1] == 40 and all(s % 10 == 0 for s in committed), committed
+    durable = DurableTier(str(Path(job_info["job_dir"]) / "durable"), job_info["id"])
+    assert durable.committed_steps() == sorted(committed)[-3:]  # durableKeep: 3
 
 
 def test_lost_node_restores_from_a_peer_replica_bit_identical(

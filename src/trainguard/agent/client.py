@@ -62,6 +62,13 @@ class AgentClient:
         except ValueError as exc:
             raise AgentError(f"{self.base_url}: bad status reply: {exc}") from None
 
+    def persist(self, step: int, world_size: int, commit: bool) -> None:
+        """Ask the agent to persist its memory shards of ``step`` (asynchronous; ``commit``:
+        also commit the step once every rank's shard is durable)."""
+        self._request(
+            "POST", "/persist", {"step": step, "world_size": world_size, "commit": commit}
+        )
+
     def shutdown(self) -> None:
         """Ask the agent to kill its workers and exit."""
         self._request("POST", "/shutdown", {})

@@ -4,6 +4,8 @@
     POST /stop      {"attempt": n|null, "mode": "graceful"|"process",
                      "timeout": seconds}                               -> 202
     GET  /status    AgentStatus.to_json()                             -> 200
+    POST /persist   {"step": n, "world_size": n, "commit": bool}     -> 202, 409 if no
+                    durable tier (the node's memory shards of step -> durable storage)
     POST /shutdown                                                    -> 202, then exit
 
 Errors are ``{"error": "..."}`` with 400 (bad body, naming the field), 401
@@ -27,7 +29,7 @@ from typing import Any
 from trainguard.agent.monitoring import build_monitor
 from trainguard.agent.replicas import REPLICA_PATH, ReplicaError, ReplicaStore
 from trainguard.agent.status import DEFAULT_STOP_TIMEOUT, STOP_MODES
-from trainguard.agent.supervisor import StartRefused, Supervisor
+from trainguard.agent.supervisor import Refused, Supervisor
 from trainguard.control.assignment import NodeAssignment
 
 logger = logging.getLogger(__name__)
@@ -194,6 +196,7 @@ class _Handler(BaseHTTPRequestHandler):
             ("POST", "/start"): self._start,
             ("POST", "/stop"): self._stop,
             ("POST", "/shutdown"): self._shutdown,
+            ("POST", "/persist"): self._persist,
         }
         action = routes.get((method, path))
         if action is None:
@@ -207,7 +210,7 @@ class _Handler(BaseHTTPRequestHandler):
             action(body)
         except BadRequest as exc:
             self._reply(400, {"error": str(exc)})
-        except StartRefused as exc:
+        except Refused as exc:
             self._reply(409, {"error": str(exc)})
 
     def _replica(self, method: str) -> None:
@@ -262,6 +265,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.supervisor.request_stop(attempt, mode, timeout, capture_stacks=capture)
         self._reply(202, {"accepted": True})
 
+    def _persist(self, body: bytes) -> None:
+        step, world_size, commit = parse_persist(_json_object(body, required=True))
+        self.server.supervisor.request_persist(step, world_size, commit)
+        self._reply(202, {"accepted": True, "step": step})
+
     def _shutdown(self, body: bytes) -> None:
         try:
             self._reply(202, {"accepted": True})
@@ -296,6 +304,21 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
         self.wfile.flush()
+
+
+def parse_persist(data: dict[str, Any]) -> tuple[int, int, bool]:
+    """Validate a ``/persist`` body: ``(step, world_size, commit)``."""
+    unknown = sorted(set(data) - {"step", "world_size", "commit"})
+    if unknown:
+        raise BadRequest(f"persist: unknown fields {unknown}")
+    step, world_size, commit = data.get("step"), data.get("world_size"), data.get("commit", False)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise BadRequest(f"step: expected an integer >= 0, got {step!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise BadRequest(f"world_size: expected an integer >= 1, got {world_size!r}")
+    if not isinstance(commit, bool):
+        raise BadRequest(f"commit: expected true or false, got {commit!r}")
+    return step, world_size, commit
 
 
 def _json_object(body: bytes, required: bool) -> dict[str, Any]:

@@ -122,6 +122,8 @@ class AgentStatus:
     stacks: dict[str, str] = field(default_factory=dict)
     # Events the workers reported (trainguard.monitor.worker_events), as JSON objects.
     events: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    # The node's checkpoint tiers (``DurablePersister.status()``): memory steps, durable writes.
+    checkpoint: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -136,6 +138,7 @@ class AgentStatus:
             "heartbeats": self.heartbeats,
             "stacks": self.stacks,
             "events": list(self.events),
+            "checkpoint": self.checkpoint,
         }
 
     @classmethod
@@ -162,6 +165,7 @@ class AgentStatus:
             heartbeats=_optional_object(obj, "heartbeats"),
             stacks=_optional_object(obj, "stacks"),
             events=tuple(e for e in obj.get("events") or [] if isinstance(e, dict)),
+            checkpoint=_optional_object(obj, "checkpoint"),
         )
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from trainguard.agent.logs import Console, LineHook, LogLayout, LogTailer
 from trainguard.agent.monitoring import build_monitor
+from trainguard.agent.persist import DurablePersister, DurableSettings
 from trainguard.agent.replicas import ReplicaPusher, replica_peers, restore_from_peers
 from trainguard.agent.status import (
     STOP_MODES,
@@ -58,7 +59,11 @@ class AgentTimings:
     stack_timeout: float = 10.0  # py-spy's time to dump the workers' stacks before a stop
 
 
-class StartRefused(Exception):
+class Refused(Exception):
+    """A request the agent cannot take now."""
+
+
+class StartRefused(Refused):
     """A ``/start`` while workers may still be alive (the caller must stop first)."""
 
 
@@ -129,6 +134,8 @@ class Supervisor:
         self._stacks: dict[int, str] = {}
         self._token = token  # the job's: this agent calls its peers for memory-tier replicas
         self._pusher: ReplicaPusher | None = None
+        self._persister: DurablePersister | None = None  # set by the first attempt
+        self._ranks: list[int] = []  # the global ranks of the latest attempt on this node
         self.restored_from: str | None = None
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainguard-supervisor", daemon=True)
@@ -157,11 +164,13 @@ class Supervisor:
         # Outside the lock: the monitor has its own, and heartbeats are files.
         beats = read_heartbeats(beats_dir) if beats_dir is not None else {}
         events = read_events(beats_dir.parent / "events") if beats_dir is not None else []
+        persister = self._persister
         return replace(
             status,
             monitor=monitor.snapshot() if monitor is not None else {},
             heartbeats={str(rank): beat.to_json() for rank, beat in sorted(beats.items())},
             events=tuple(e.to_json() for e in events),
+            checkpoint=persister.status() if persister is not None else {},
         )
 
     def request_start(self, assignment: NodeAssignment) -> None:
@@ -175,6 +184,7 @@ class Supervisor:
                     f"attempt {assignment.attempt}"
                 )
             self._set(AgentState.STARTING, attempt=assignment.attempt, reason=None, workers={})
+            self._ranks = list(assignment.global_ranks)
             self._commands.put(_Start(assignment))
 
     def request_stop(
@@ -190,6 +200,15 @@ class Supervisor:
             if self._state.is_active and self._matches(attempt):
                 self._set(AgentState.STOPPING, reason=f"stop requested ({mode})")
             self._commands.put(_Stop(attempt, mode, timeout, capture_stacks))
+
+    def request_persist(self, step: int, world_size: int, commit: bool) -> None:
+        """Persist this node's memory shards of ``step`` in the background (see
+        :mod:`trainguard.agent.persist`); :class:`Refused` without a durable tier."""
+        with self._lock:
+            persister, ranks = self._persister, self._ranks
+        if persister is None or not ranks:
+            raise Refused("this node has no durable checkpoint tier (or no attempt started yet)")
+        persister.request(step, world_size, commit, ranks)
 
     def request_shutdown(self, reason: str) -> None:
         """Kill the workers and end the supervisor (then the agent exits)."""
@@ -229,6 +248,8 @@ class Supervisor:
             return
         monitor = build_monitor(assignment.monitor)  # validated when the request came in
         self._replicate(assignment)
+        if self._persister is None:
+            self._persister = self._make_persister(assignment.job_id)
         beats_dir = self._layout.attempt_dir(assignment.attempt) / "heartbeats"
         beats_dir.mkdir(parents=True, exist_ok=True)
         events_dir = beats_dir.parent / "events"
@@ -298,6 +319,15 @@ class Supervisor:
         self._pusher = ReplicaPusher(self.node_id, Path(memory_dir), peers, self._token)
         self._pusher.start()
 
+    def _make_persister(self, job_id: str) -> DurablePersister | None:
+        memory_dir = self._agent_env.get(MEMORY_DIR_ENV)
+        settings = DurableSettings.from_config_json(self._agent_env.get(CONFIG_ENV), job_id)
+        if not memory_dir or settings is None:
+            return None
+        return DurablePersister(
+            Path(memory_dir), settings, workers_alive=lambda: self._group is not None
+        )
+
     def _check_workers(self) -> None:
         group = self._group
         assert group is not None
@@ -344,6 +374,8 @@ class Supervisor:
         logger.info("shutting down: %s", reason)
         if self._pusher is not None:
             self._pusher.stop()
+        if self._persister is not None:
+            self._persister.close()
         with self._lock:
             if self._state.is_active:
                 self._set(AgentState.STOPPING, reason=reason)

@@ -23,10 +23,13 @@ off), ``durable_every_steps``, ``durable_every_seconds``, ``durable_keep`` (3),
 ``storage_options``, ``job_id``, ``rank``, ``world_size``, ``commit_timeout`` (60 s).
 
 - ``save(step, state, force=False) -> bool``: snapshots when ``step`` is a multiple of
-  ``memory_every_steps`` (or ``force``); also persists to the durable tier when
-  ``durable_every_steps`` divides ``step``, when a ``durable_every_seconds`` wall-clock
-  period began since the last durable write, or on ``force``. With a durable URL and
-  neither cadence, every snapshot is persisted. Returns whether it saved.
+  ``memory_every_steps`` (or ``force``). Returns whether it saved. Under trainguard the
+  node agents persist to the durable tier the steps the controller picks (see
+  :mod:`trainguard.agent.persist`); ``force`` flags the step for them. Outside
+  trainguard (``durable_writer`` "worker", the default) this rank's background thread
+  persists when ``durable_every_steps`` divides ``step``, when a
+  ``durable_every_seconds`` wall-clock period began since the last durable write, or on
+  ``force``; with a durable URL and neither cadence, every snapshot is persisted.
 - ``wait(timeout=None)``: blocks until the checksums, durable writes and (rank 0)
   durable commits of saved steps are done; ``TimeoutError`` after ``timeout``.
 - Background failures are logged and raised as ``CheckpointError`` from the next

@@ -109,6 +109,7 @@ class Checkpointer:
             world_size=cfg.world_size,
             job_id=cfg.job_id,
             keep=cfg.memory_keep,
+            hold=cfg.durable_writer == "agent",
         )
         self.last_restore: Restore | None = None
         self._durable: DurableTier | None = None
@@ -152,8 +153,15 @@ class Checkpointer:
             layout, job_id=cfg.job_id, step=step, rank=cfg.rank, world_size=cfg.world_size,
             digest=None,
         )  # fmt: skip
+        durable = self._durable_due(step, force)
+        if cfg.durable_writer == "agent":
+            # The agent persists the steps the controller picks; these ask to be picked,
+            # and the memory tier holds the newest of them until it is replaced.
+            every = cfg.durable_every_steps
+            meta["persist"] = force or bool(every and step % every == 0)
+            durable = False
         self.memory.commit(slot, meta)
-        task = _Task(step, slot, meta, durable=self._durable_due(step, force))
+        task = _Task(step, slot, meta, durable)
         with self._cond:
             self._busy[slot] = self._busy.get(slot, 0) + 1
             self._pending += 1
@@ -163,7 +171,7 @@ class Checkpointer:
 
     def _durable_due(self, step: int, force: bool) -> bool:
         cfg = self.config
-        if not cfg.durable:
+        if not cfg.durable or cfg.durable_writer == "agent":
             return False
         due = force or (cfg.durable_every_steps is None and cfg.durable_every_seconds is None)
         if cfg.durable_every_steps and step % cfg.durable_every_steps == 0:

@@ -4,7 +4,8 @@ Under trainguard the node agent sets::
 
     TRAINGUARD_CHECKPOINT_CONFIG      JSON {"memoryEverySteps", "memoryKeep", "durableUrl",
                                       "durableEverySteps", "durableEverySeconds",
-                                      "durableKeep", "replicas", "storageOptions"}
+                                      "durableKeep", "replicas", "storageOptions",
+                                      "durableWriter": "agent"}
     TRAINGUARD_CHECKPOINT_MEMORY_DIR  the node's memory-tier directory (agent-owned)
     TRAINGUARD_JOB_ID                 shards of other jobs are never loaded
     RANK, WORLD_SIZE                  torchrun's
@@ -44,7 +45,12 @@ _JSON_NAMES = {
     "durableKeep": "durable_keep",
     "replicas": "replicas",
     "storageOptions": "storage_options",
+    "durableWriter": "durable_writer",
 }
+DURABLE_WRITERS = ("worker", "agent")
+"""Who writes the durable tier: the Checkpointer's own background thread (outside
+trainguard), or the node agent when the controller asks (under trainguard: every node
+persists the same step, chosen with a view of every rank)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ class CheckpointConfig:
     rank: int = 0
     world_size: int = 1
     commit_timeout: float = DEFAULT_COMMIT_TIMEOUT
+    durable_writer: str = "worker"
 
     @classmethod
     def from_env(
@@ -128,6 +135,11 @@ class CheckpointConfig:
             raise ValueError(f"storage_options: must be a dict, got {self.storage_options!r}")
         if not self.job_id or not isinstance(self.job_id, str):
             raise ValueError(f"job_id: must be a non-empty string, got {self.job_id!r}")
+        if self.durable_writer not in DURABLE_WRITERS:
+            raise ValueError(
+                f"durable_writer: must be one of {', '.join(DURABLE_WRITERS)}, "
+                f"got {self.durable_writer!r}"
+            )
         if self.commit_timeout <= 0:
             raise ValueError(f"commit_timeout: must be > 0, got {self.commit_timeout!r}")
 

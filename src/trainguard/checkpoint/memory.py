@@ -22,6 +22,13 @@ names complete data and is loadable from this node's memory tier (this is what l
 rank killed right after ``save()`` returns restore that step); a slot torn by a crash
 mid-copy has no meta and is never offered. Checksums then guard against corruption of
 the memory after the fact; shards leave the node (durable tier) only with a checksum.
+
+Holding a step for the durable tier (when the node agent persists, ``hold=True``): each
+rank then has one slot more than ``keep``, and one slot is kept out of rotation: the one
+with the smallest step at or after the step named in the directory's ``hold.json``
+(``{"from_step": N}``, written by the agent while it waits to persist that step), else the
+newest snapshot whose meta is flagged ``"persist": true``. So a step the agent is about
+to copy is never overwritten under it, however fast the training loop saves.
 """
 
 from __future__ import annotations
@@ -48,6 +55,31 @@ MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by Python 3.11's mmap mo
 GROWTH = 1.0625
 """A slot that must grow gets this much headroom beyond the size asked for."""
 MIN_SLOT_BYTES = 1 << 16
+HOLD_FILE = "hold.json"
+
+
+def hold_from(directory: str) -> int | None:
+    """The step the node agent asks to hold (``hold.json``); None when there is none."""
+    try:
+        with open(os.path.join(directory, HOLD_FILE), "rb") as file:
+            value = json.loads(file.read()).get("from_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def write_hold(directory: str, from_step: int | None) -> None:
+    """Ask the ranks of this node to hold their first snapshot at or after ``from_step``
+    (None: release it). Atomic: tmp file + rename."""
+    path = os.path.join(directory, HOLD_FILE)
+    if from_step is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as file:
+        file.write(json.dumps({"from_step": from_step}).encode())
+    os.replace(tmp, path)
 
 
 def default_memory_dir() -> str:
@@ -120,7 +152,16 @@ class _Slot:
 class MemoryTier:
     """One rank's memory slots in ``directory``."""
 
-    def __init__(self, directory: str, *, rank: int, world_size: int, job_id: str, keep: int):
+    def __init__(
+        self,
+        directory: str,
+        *,
+        rank: int,
+        world_size: int,
+        job_id: str,
+        keep: int,
+        hold: bool = False,
+    ):
         if keep < 1:
             raise ValueError(f"memory keep must be >= 1, got {keep}")
         self.directory = directory
@@ -128,6 +169,9 @@ class MemoryTier:
         self.world_size = world_size
         self.job_id = job_id
         self.keep = keep
+        self.hold = hold
+        self.slots = keep + 1 if hold else keep
+        self._flagged: dict[int, bool] = {}  # slot -> its meta asks to be persisted
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._slots: dict[int, _Slot] = {}
         self._steps: dict[int, int] | None = None  # slot -> committed step (writable slots)
@@ -150,7 +194,7 @@ class MemoryTier:
 
     def _slot_indexes(self) -> list[int]:
         pattern = re.compile(rf"rank-{self.rank}-slot-(\d+)\.meta$")
-        found = set(range(self.keep))
+        found = set(range(self.slots))
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.directory):
                 match = pattern.match(name)
@@ -219,21 +263,36 @@ class MemoryTier:
     # -- writing ----------------------------------------------------------------------
 
     def choose_slot(self, step: int) -> int:
-        """Where a snapshot of ``step`` goes: a slot holding ``>= step``, a free one, the oldest."""
+        """Where a snapshot of ``step`` goes: a slot holding ``>= step``, a free one, the
+        oldest; never the held slot (see the module docstring)."""
         if self._steps is None:
             self._steps = {}
-            for slot in range(self.keep):
+            for slot in range(self.slots):
                 meta = self.read_meta(slot)
                 if meta is not None and isinstance(meta.get("step"), int):
                     self._steps[slot] = meta["step"]
-        steps = self._steps
-        for slot, held in steps.items():
-            if slot < self.keep and held >= step:  # a redundant or abandoned snapshot
+                    self._flagged[slot] = meta.get("persist") is True
+        steps = {s: held for s, held in self._steps.items() if s < self.slots}
+        held_slot = self._held_slot(steps)
+        candidates = [slot for slot in range(self.slots) if slot != held_slot]
+        for slot in candidates:
+            if slot in steps and steps[slot] >= step:  # a redundant or abandoned snapshot
                 return slot
-        for slot in range(self.keep):
+        for slot in candidates:
             if slot not in steps:
                 return slot
-        return min(steps, key=lambda slot: steps[slot])
+        return min(candidates, key=lambda slot: steps[slot])
+
+    def _held_slot(self, steps: dict[int, int]) -> int | None:
+        if not self.hold:
+            return None
+        start = hold_from(self.directory)
+        if start is not None:
+            wanted = [(held, slot) for slot, held in steps.items() if held >= start]
+            if wanted:
+                return min(wanted)[1]
+        flagged = [(held, slot) for slot, held in steps.items() if self._flagged.get(slot)]
+        return max(flagged)[1] if flagged else None
 
     def begin(self, slot: int, nbytes: int) -> torch.Tensor:
         """Uncommit ``slot`` and make it hold ``nbytes``; returns its buffer to copy into."""
@@ -248,7 +307,7 @@ class MemoryTier:
 
         Keeps committed slots: a slot that must grow is uncommitted first.
         """
-        for slot in range(self.keep):
+        for slot in range(self.slots):
             mapped = self._slot(slot)
             if mapped.capacity < nbytes or mapped.map is None:
                 self.drop(slot)
@@ -263,6 +322,7 @@ class MemoryTier:
         os.replace(tmp, path)
         if self._steps is not None and isinstance(meta.get("step"), int):
             self._steps[slot] = meta["step"]
+            self._flagged[slot] = meta.get("persist") is True
 
     def drop(self, slot: int) -> None:
         """Make ``slot`` unloadable (its data may be overwritten from now on)."""

@@ -11,6 +11,7 @@ from enum import StrEnum
 from typing import Any
 
 from trainguard.control.assignment import NodeAssignment
+from trainguard.control.persist import DurableCadence, PersistCheckpoint
 from trainguard.control.policy import PolicyConfig, RestartScope
 from trainguard.monitor.rules import LogRuleSpec
 
@@ -54,6 +55,14 @@ class ControlConfig:
     stop_slack_seconds: float = 15.0
     active_deadline_seconds: float | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    # When to persist checkpoints to the durable tier (None: never; the agents write).
+    durable: DurableCadence | None = None
+    # After the last rank exits 0: how long to wait for its newest checkpoint to be durable.
+    final_persist_timeout: float = 120.0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.node_ids) * self.nproc_per_node
 
     @property
     def max_restarts(self) -> int:
@@ -90,4 +99,4 @@ class Finish:
     reason: str
 
 
-Action = StartNodes | StopNodes | Finish
+Action = StartNodes | StopNodes | Finish | PersistCheckpoint

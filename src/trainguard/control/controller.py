@@ -36,6 +36,7 @@ from trainguard.control.actions import (
 from trainguard.control.assignment import Endpoint, NodeAssignment, assign_ranks
 from trainguard.control.detect import AttemptWatch
 from trainguard.control.events import Event, Fault, FaultType
+from trainguard.control.persist import CheckpointPlanner, PersistCheckpoint
 from trainguard.control.policy import GiveUp, RestartRecord, RestartScope, decide_restart
 from trainguard.control.reports import NodeReport, NodeState
 from trainguard.control.timeline import Timeline, with_evidence
@@ -47,6 +48,7 @@ __all__ = [
     "Finish",
     "JobController",
     "JobPhase",
+    "PersistCheckpoint",
     "StartNodes",
     "StopNodes",
 ]
@@ -90,6 +92,9 @@ class JobController:
         self._seen_worker_events: set[tuple[int, int, int]] = set()
         # Set when a stop was asked for from outside (delete, Ctrl-C, deadline).
         self._cancel: tuple[JobPhase, str] | None = None
+        self.checkpoints = CheckpointPlanner(config.durable, config.world_size, 0.0)
+        # Set once every rank exited 0: until then the last checkpoint may still persist.
+        self._final_persist_until: float | None = None
 
     # -- queries -----------------------------------------------------------
 
@@ -116,6 +121,7 @@ class JobController:
         if self.phase is not JobPhase.PENDING:
             raise RuntimeError(f"job already started (phase {self.phase})")
         self.started_at = now
+        self.checkpoints = CheckpointPlanner(self.config.durable, self.config.world_size, now)
         self._event(now, "JobStarted", f"job {self.config.job_id} started")
         return [self._start_attempt(now, RestartScope.PROCESS.value)]
 
@@ -181,6 +187,7 @@ class JobController:
                 self._record_fault(now, attempt, fault)
             capture = any(f.type.is_hang for f in faults)
             return [self._stop(now, attempt, "process", faults[0].message, capture)]
+        actions: list[Action] = list(self._plan_checkpoints(now, attempt, reports))
         current = [
             r
             for a in attempt.assignments
@@ -191,9 +198,39 @@ class JobController:
         if len(current) == len(attempt.assignments) and all(
             r.state is NodeState.COMPLETED for r in current
         ):
+            if self._final_persist_until is None:
+                self._final_persist_until = now + self.config.final_persist_timeout
+                node_ids = [a.node_id for a in attempt.assignments]
+                final = self.checkpoints.flush(now, node_ids, reports)
+                if final is not None:
+                    self._event(
+                        now,
+                        "CheckpointPersisting",
+                        f"persisting the final step {final.step} to durable storage",
+                        data={"step": final.step},
+                    )
+                    return [*actions, final]
+            if self.checkpoints.busy and now < self._final_persist_until:
+                return actions  # the newest checkpoint is still on its way to durable storage
             self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0")
-            return self._finish(now, JobPhase.SUCCEEDED, "all ranks completed")
-        return []
+            return [*actions, *self._finish(now, JobPhase.SUCCEEDED, "all ranks completed")]
+        return actions
+
+    def _plan_checkpoints(
+        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
+    ) -> list[PersistCheckpoint]:
+        node_ids = [a.node_id for a in attempt.assignments]
+        requests, notes = self.checkpoints.observe(now, node_ids, reports)
+        for note in notes:
+            self._event(now, note.kind, note.message, data=note.data)
+        for request in requests:
+            self._event(
+                now,
+                "CheckpointPersisting",
+                f"persisting step {request.step} from node memory to durable storage",
+                data={"step": request.step},
+            )
+        return requests
 
     def _observe_stopping(
         self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]

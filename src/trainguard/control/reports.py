@@ -75,6 +75,17 @@ class RuleActivity:
 
 
 @dataclass(frozen=True)
+class CheckpointReport:
+    """A node's checkpoint tiers: memory steps (step -> this node's ranks) and durable writes."""
+
+    memory_steps: dict[int, frozenset[int]] = field(default_factory=dict)
+    forced_steps: frozenset[int] = frozenset()  # saved with force=True: persist them
+    written: tuple[int, ...] = ()
+    committed: tuple[int, ...] = ()
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class NodeReport:
     """One node as seen by the platform at one instant.
 
@@ -97,3 +108,4 @@ class NodeReport:
     heartbeats: dict[int, float] = field(default_factory=dict)
     stacks: dict[int, str] = field(default_factory=dict)
     worker_events: tuple[WorkerEvent, ...] = field(default_factory=tuple)
+    checkpoint: CheckpointReport = field(default_factory=CheckpointReport)

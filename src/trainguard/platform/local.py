@@ -30,10 +30,12 @@ from trainguard.control.controller import (
     Finish,
     JobController,
     JobPhase,
+    PersistCheckpoint,
     StartNodes,
     StopNodes,
 )
 from trainguard.control.events import Event
+from trainguard.control.persist import DurableCadence
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport
 from trainguard.monitor.rules import LogRuleSpec
@@ -157,6 +159,7 @@ class LocalRunner:
                 self._groups[spares[-1]] = group
         spec = self.plan.job.spec
         run_policy = spec.run_policy
+        checkpointing = spec.checkpointing
         return ControlConfig(
             job_id=self.job_id,
             node_ids=tuple(active),
@@ -170,6 +173,10 @@ class LocalRunner:
             heartbeat_timeout=spec.trainguard.heartbeat_timeout_seconds,
             stop_grace_seconds=self.plan.stop_grace_seconds,
             active_deadline_seconds=self.plan.active_deadline_seconds,
+            # The local platform always has a durable tier (default: <job dir>/durable).
+            durable=DurableCadence(
+                checkpointing.durable_every_steps, checkpointing.durable_every_seconds
+            ),
         )
 
     @staticmethod
@@ -260,6 +267,18 @@ class LocalRunner:
                 )
                 for node_id in action.node_ids:
                     self._call(self.nodes.get(node_id), stop)
+            elif isinstance(action, PersistCheckpoint):
+                persist = partial(
+                    AgentClient.persist, step=action.step, world_size=action.world_size
+                )
+                for node_id in action.node_ids:
+                    node = self.nodes.get(node_id)
+                    if node is None or node.client is None:
+                        continue
+                    try:  # a failed persist is the controller's to notice, not a lost node
+                        persist(node.client, commit=node_id == action.commit_node)
+                    except AgentError as err:
+                        self._say(f"{node_id}: could not persist step {action.step}: {err}")
             elif isinstance(action, Finish):
                 pass  # the loop ends on the controller's terminal phase
 

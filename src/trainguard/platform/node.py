@@ -12,6 +12,7 @@ from typing import Any
 from trainguard.agent.client import AgentClient, AgentError
 from trainguard.agent.status import AgentStatus
 from trainguard.control.reports import (
+    CheckpointReport,
     NodeReport,
     NodeState,
     RankProgress,
@@ -180,7 +181,38 @@ def _report_from_status(status: AgentStatus) -> NodeReport:
         worker_events=tuple(
             e for raw in status.events if (e := WorkerEvent.from_json(raw)) is not None
         ),
+        checkpoint=_checkpoint_report(status.checkpoint),
     )
+
+
+def _checkpoint_report(data: dict[str, Any]) -> CheckpointReport:
+    """The ``checkpoint`` part of an agent status (see ``DurablePersister.status``)."""
+    memory = {
+        int(step): v for step, v in _objects(data.get("memory_steps")).items() if step.isdigit()
+    }
+    failed = data.get("failed")
+    if not isinstance(failed, dict):
+        failed = {}
+    return CheckpointReport(
+        memory_steps={
+            step: frozenset(r for r in v.get("ranks") or [] if isinstance(r, int))
+            for step, v in memory.items()
+        },
+        forced_steps=frozenset(step for step, v in memory.items() if v.get("force") is True),
+        written=_ints(data.get("written")),
+        committed=_ints(data.get("committed")),
+        failed={
+            int(step): str(reason)
+            for step, reason in failed.items()
+            if isinstance(step, str) and step.isdigit()
+        },
+    )
+
+
+def _ints(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        return ()
+    return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
 
 
 def _objects(value: object) -> dict[str, dict[str, Any]]:

@@ -66,4 +66,5 @@ class Checkpointing(SpecModel):
         """What the Checkpointer reads from ``TRAINGUARD_CHECKPOINT_CONFIG``."""
         data = self.model_dump(by_alias=True)
         data["durableUrl"] = self.durable_url or default_durable_url
+        data["durableWriter"] = "agent"  # the controller picks the step, the agents write it
         return data

@@ -1,0 +1,301 @@
+"""The agent's durable writer: persists the node's memory-tier shards of a step, on request.
+
+The controller sees every node's memory tier (``checkpoint.memory_steps`` in the agent
+status) and picks the step to persist, so every node persists the *same* step; it sends
+``POST /persist {"step", "world_size", "commit"}`` to every node of the attempt, where
+``step`` means "the first step at or after this one that the ranks save" (a step already
+in memory, or one a few steps ahead). Each agent then, in its own background thread
+(training never waits for it):
+
+1. asks its ranks to hold that snapshot (``hold.json`` in the memory tier, see
+   :mod:`trainguard.checkpoint.memory`), so the training loop does not overwrite it, and
+   waits until every local rank has it;
+2. copies each local rank's shard out of its memory slot into private memory, and checks
+   the copy: the slot's meta must be unchanged after the copy (the worker unlinks a
+   slot's meta before it reuses the slot) and the data must match the meta's checksum
+   (computed here when the worker had not yet written it). A step that is gone from
+   memory or torn is reported as failed, never written;
+3. writes each shard to the durable tier (data, then meta; both atomic), and releases
+   the hold;
+4. on the node told to ``commit``: waits until every rank's shard of the step is
+   present in the durable tier, writes the step's COMMITTED marker and prunes old steps.
+
+The agent reports what it wrote, committed and failed in its status; the controller
+turns that into events and picks the next step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainguard.checkpoint.durable import DurableTier
+from trainguard.checkpoint.memory import hold_from, write_hold
+from trainguard.checkpoint.shard import checksum
+
+logger = logging.getLogger(__name__)
+
+COMMIT_TIMEOUT_SECONDS = 120.0
+"""How long the committing node waits for every rank's shard of a step; also how long a
+node waits for its ranks to save the requested step."""
+COMMIT_POLL_SECONDS = 0.5
+HOLD_POLL_SECONDS = 0.05
+HISTORY = 16
+"""Steps remembered per list (written, committed, failed) in the status."""
+
+_META = re.compile(r"^rank-(\d+)-slot-(\d+)\.meta$")
+
+
+class PersistFailed(Exception):
+    """A step could not be persisted from this node (the message says why)."""
+
+
+@dataclass(frozen=True)
+class DurableSettings:
+    """Where and how this node persists: from the job's checkpoint config."""
+
+    url: str
+    job_id: str
+    keep: int = 3
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config_json(cls, raw: str | None, job_id: str) -> DurableSettings | None:
+        """Settings from ``TRAINGUARD_CHECKPOINT_CONFIG``; None when there is no durable tier."""
+        try:
+            config = json.loads(raw or "{}")
+        except ValueError:
+            return None
+        if not isinstance(config, dict) or not config.get("durableUrl"):
+            return None
+        return cls(
+            url=str(config["durableUrl"]),
+            job_id=job_id,
+            keep=int(config.get("durableKeep") or 3),
+            storage_options=dict(config.get("storageOptions") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class MemoryShardFile:
+    rank: int
+    step: int
+    meta_path: Path
+    meta: dict[str, Any]
+
+
+def scan_memory(root: Path) -> dict[int, dict[int, MemoryShardFile]]:
+    """Step -> rank -> shard, for every copy-complete shard in a node's memory tier."""
+    found: dict[int, dict[int, MemoryShardFile]] = {}
+    if not root.is_dir():
+        return found
+    for path in root.iterdir():
+        match = _META.match(path.name)
+        if match is None:
+            continue
+        try:
+            meta = json.loads(path.read_bytes())
+            step, rank = int(meta["step"]), int(meta["rank"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being rewritten or foreign; the next scan sees it
+        if rank != int(match.group(1)):
+            continue
+        found.setdefault(step, {})[rank] = MemoryShardFile(rank, step, path, meta)
+    return found
+
+
+def read_shard(shard: MemoryShardFile) -> tuple[bytes, dict[str, Any]]:
+    """A private, verified copy of a memory shard and its meta (with a checksum)."""
+    nbytes = int(shard.meta["nbytes"])
+    with open(shard.meta_path.with_suffix(".data"), "rb") as f:
+        data = f.read(nbytes)
+    try:
+        after = json.loads(shard.meta_path.read_bytes())
+    except (OSError, ValueError):
+        after = None
+    if len(data) != nbytes or after is None or after.get("step") != shard.step:
+        raise PersistFailed(f"rank {shard.rank}'s step {shard.step} was overwritten in memory")
+    digest = checksum(data)
+    expected = after.get("checksum")
+    if expected is not None and expected != digest:
+        raise PersistFailed(f"rank {shard.rank}'s step {shard.step} does not match its checksum")
+    return data, {**after, "checksum": digest}
+
+
+@dataclass(frozen=True)
+class _Request:
+    from_step: int
+    world_size: int
+    commit: bool
+    ranks: tuple[int, ...]  # this node's ranks
+
+
+class DurablePersister:
+    """Persists requested steps of one node's memory tier in a background thread."""
+
+    def __init__(
+        self,
+        memory_dir: Path,
+        settings: DurableSettings,
+        *,
+        commit_timeout: float = COMMIT_TIMEOUT_SECONDS,
+        workers_alive: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.memory_dir = memory_dir
+        self.settings = settings
+        self.commit_timeout = commit_timeout
+        self._workers_alive = workers_alive
+        self._tier: DurableTier | None = None
+        self._requests: queue.Queue[_Request | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._busy: int | None = None
+        self._written: list[int] = []
+        self._committed: list[int] = []
+        self._failed: dict[int, str] = {}
+        self._thread = threading.Thread(target=self._run, name="trainguard-persist", daemon=True)
+        self._thread.start()
+
+    def request(self, from_step: int, world_size: int, commit: bool, ranks: list[int]) -> None:
+        """Queue a request: persist the first step ``>= from_step`` that ``ranks`` save."""
+        self._requests.put(_Request(from_step, world_size, commit, tuple(ranks)))
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._thread.join(timeout=1.0)
+
+    def status(self) -> dict[str, Any]:
+        """Memory steps (step -> local ranks, forced flag) and the durable writes so far."""
+        memory: dict[str, Any] = {}
+        for step, shards in sorted(scan_memory(self.memory_dir).items()):
+            memory[str(step)] = {
+                "ranks": sorted(shards),
+                "force": any(bool(s.meta.get("persist")) for s in shards.values()),
+            }
+        with self._lock:
+            return {
+                "memory_steps": memory,
+                "persisting": self._busy,
+                "written": list(self._written),
+                "committed": list(self._committed),
+                "failed": {str(k): v for k, v in self._failed.items()},
+            }
+
+    # -- the background thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            with self._lock:
+                self._busy = request.from_step
+            write_hold(str(self.memory_dir), request.from_step)
+            try:
+                self._persist(request)
+            except Exception as exc:
+                message = str(exc) if isinstance(exc, PersistFailed) else f"{exc!r}"
+                logger.warning(
+                    "durable checkpoint from step %d failed: %s", request.from_step, message
+                )
+                with self._lock:
+                    self._failed[request.from_step] = message
+                    _trim_dict(self._failed)
+            finally:
+                if hold_from(str(self.memory_dir)) == request.from_step:
+                    write_hold(str(self.memory_dir), None)
+                with self._lock:
+                    self._busy = None
+
+    def _held_step(self, request: _Request) -> tuple[int, dict[int, MemoryShardFile]]:
+        """The step this node's ranks hold for ``request``, once every one has it."""
+        deadline = time.monotonic() + self.commit_timeout
+        while True:
+            memory = scan_memory(self.memory_dir)
+            firsts = {
+                rank: min(
+                    (
+                        s
+                        for s, shards in memory.items()
+                        if s >= request.from_step and rank in shards
+                    ),
+                    default=None,
+                )
+                for rank in request.ranks
+            }
+            found = set(firsts.values())
+            if None not in found:
+                if len(found) > 1:
+                    raise PersistFailed(f"ranks of this node saved different steps: {firsts}")
+                step = found.pop()
+                assert step is not None
+                return step, {rank: memory[step][rank] for rank in request.ranks}
+            if not self._workers_alive():
+                raise PersistFailed(
+                    f"the workers exited before saving a step >= {request.from_step}"
+                )
+            if time.monotonic() > deadline:
+                raise PersistFailed(
+                    f"no step >= {request.from_step} saved by ranks {list(request.ranks)} "
+                    f"within {self.commit_timeout:.0f} s"
+                )
+            time.sleep(HOLD_POLL_SECONDS)
+
+    def _persist(self, request: _Request) -> None:
+        started = time.monotonic()
+        step, shards = self._held_step(request)
+        with self._lock:
+            written = step in self._written
+        if not written:
+            copies = [read_shard(shard) for _, shard in sorted(shards.items())]
+            tier = self._open()
+            for data, meta in copies:
+                tier.write_shard(step, int(meta["rank"]), data, meta)
+            del copies
+            with self._lock:
+                self._written.append(step)
+                _trim(self._written)
+            logger.info(
+                "step %d: ranks %s persisted to %s in %.2f s",
+                step, sorted(shards), self.settings.url, time.monotonic() - started,
+            )  # fmt: skip
+        if request.commit:
+            self._commit(step, request.world_size)
+
+    def _commit(self, step: int, world_size: int) -> None:
+        tier = self._open()
+        deadline = time.monotonic() + self.commit_timeout
+        while not tier.commit(step, world_size):
+            if time.monotonic() > deadline:
+                raise PersistFailed(
+                    f"step {step}: not every rank's shard reached {self.settings.url} "
+                    f"within {self.commit_timeout:.0f} s"
+                )
+            time.sleep(COMMIT_POLL_SECONDS)
+        pruned = tier.prune(self.settings.keep)
+        with self._lock:
+            self._committed.append(step)
+            _trim(self._committed)
+        logger.info("step %d committed to %s (pruned %s)", step, self.settings.url, pruned)
+
+    def _open(self) -> DurableTier:
+        if self._tier is None:
+            s = self.settings
+            self._tier = DurableTier(s.url, s.job_id, s.storage_options)
+        return self._tier
+
+
+def _trim(items: list[int]) -> None:
+    del items[:-HISTORY]
+
+
+def _trim_dict(items: dict[int, str]) -> None:
+    for key in sorted(items)[:-HISTORY]:
+        del items[key]

@@ -1,0 +1,167 @@
+"""Which step goes to durable storage: picked by the controller with every rank in view."""
+
+from __future__ import annotations
+
+from trainguard.control.assignment import Endpoint
+from trainguard.control.controller import (
+    ControlConfig,
+    Finish,
+    JobController,
+    JobPhase,
+    PersistCheckpoint,
+)
+from trainguard.control.persist import CheckpointPlanner, DurableCadence
+from trainguard.control.reports import CheckpointReport, NodeReport, NodeState
+
+NODES = ("node-0", "node-1")  # x 2 ranks: node-0 has ranks 0, 1; node-1 has 2, 3
+
+
+def node(
+    node_id: str,
+    steps: dict[int, tuple[int, ...]],
+    *,
+    state: NodeState = NodeState.RUNNING,
+    forced: tuple[int, ...] = (),
+    committed: tuple[int, ...] = (),
+    failed: dict[int, str] | None = None,
+) -> NodeReport:
+    checkpoint = CheckpointReport(
+        memory_steps={s: frozenset(r) for s, r in steps.items()},
+        forced_steps=frozenset(forced),
+        committed=committed,
+        failed=failed or {},
+    )
+    return NodeReport(node_id, True, state, 0, checkpoint=checkpoint)
+
+
+def both(steps: list[int], **kw: object) -> dict[str, NodeReport]:
+    """Every rank holds every step in ``steps``."""
+    return {
+        "node-0": node("node-0", {s: (0, 1) for s in steps}, **kw),  # type: ignore[arg-type]
+        "node-1": node("node-1", {s: (2, 3) for s in steps}),
+    }
+
+
+def planner(**cadence: object) -> CheckpointPlanner:
+    return CheckpointPlanner(DurableCadence(**cadence), 4, started_at=0.0)  # type: ignore[arg-type]
+
+
+def test_every_steps_persists_the_newest_complete_multiple_on_every_node() -> None:
+    p = planner(every_steps=10)
+    assert p.observe(1.0, NODES, both([8, 9]))[0] == []
+    # Step 20 is on node-0 only: not complete, so 10 is the newest due step.
+    reports = both([10, 11])
+    reports["node-0"] = node("node-0", {10: (0, 1), 11: (0, 1), 20: (0, 1)})
+    [request], _ = p.observe(2.0, NODES, reports)
+    assert request == PersistCheckpoint(10, 4, NODES, "node-0")
+    assert p.busy
+    assert p.observe(3.0, NODES, both([20]))[0] == [], "one step in flight at a time"
+
+
+def test_every_seconds_asks_for_the_next_step_saved_after_the_period() -> None:
+    p = planner(every_seconds=30.0)
+    assert p.observe(10.0, NODES, both([5]))[0] == []
+    # The agents persist the first step >= 9 their ranks save (held for them in memory).
+    [first], _ = p.observe(31.0, NODES, both([7, 8]))
+    assert first.step == 9
+    assert p.observe(31.5, NODES, both([9]))[0] == [] and p.busy
+    _, notes = p.observe(32.0, NODES, both([9, 10], committed=(9,)))
+    assert [n.kind for n in notes] == ["CheckpointCommitted"] and not p.busy
+    assert p.observe(50.0, NODES, both([12]))[0] == [], "30 s since the last request"
+    [second], _ = p.observe(61.5, NODES, both([14]))
+    assert second.step == 15
+
+
+def test_a_forced_save_is_persisted_at_once() -> None:
+    p = planner(every_seconds=3600.0)
+    [request], _ = p.observe(1.0, NODES, both([3, 4], forced=(3,)))
+    assert request.step == 3
+
+
+def test_a_failed_step_is_reported_and_a_newer_one_is_picked() -> None:
+    p = planner(every_steps=5)
+    assert len(p.observe(1.0, NODES, both([5]))[0]) == 1
+    _, notes = p.observe(2.0, NODES, both([5, 6], failed={5: "overwritten in memory"}))
+    assert [n.kind for n in notes] == ["CheckpointPersistFailed"]
+    assert "overwritten" in notes[0].message and not p.busy
+    assert p.observe(3.0, NODES, both([5, 6]))[0] == [], "a failed step is not retried"
+    [again], _ = p.observe(4.0, NODES, both([10]))
+    assert again.step == 10
+
+
+def test_a_request_that_never_settles_times_out() -> None:
+    p = planner(every_steps=5, request_timeout=60.0)
+    p.observe(1.0, NODES, both([5]))
+    _, notes = p.observe(62.0, NODES, both([5]))
+    assert notes[0].kind == "CheckpointPersistFailed" and "60 s" in notes[0].message
+
+
+def test_memory_saves_are_events_at_most_every_interval() -> None:
+    p = CheckpointPlanner(None, 4, started_at=0.0, memory_event_interval=10.0)
+    kinds = []
+    for t, step in [(1.0, 1), (2.0, 2), (12.0, 3), (13.0, 4)]:
+        requests, notes = p.observe(t, NODES, both([step]))
+        assert requests == [], "no durable tier: nothing to persist"
+        kinds += [(n.kind, n.data["step"]) for n in notes]
+    assert kinds == [("CheckpointSaved", 1), ("CheckpointSaved", 3)]
+
+
+def test_unreachable_nodes_do_not_count() -> None:
+    p = planner(every_steps=5)
+    reports = both([5])
+    reports["node-1"] = NodeReport("node-1", False)
+    assert p.observe(1.0, NODES, reports)[0] == []
+
+
+# -- in the controller --------------------------------------------------------------------
+
+
+def controller(**cadence: object) -> JobController:
+    config = ControlConfig(
+        "job", NODES, 2, durable=DurableCadence(**cadence), final_persist_timeout=30.0
+    )  # type: ignore[arg-type]
+    c = JobController(config, lambda attempt: Endpoint("127.0.0.1", 30000 + attempt))
+    c.start(0.0)
+    return c
+
+
+def test_the_controller_asks_for_due_steps_and_records_the_commit() -> None:
+    c = controller(every_steps=10)
+    [request] = c.observe(1.0, both([10]))
+    assert isinstance(request, PersistCheckpoint) and request.step == 10
+    assert c.observe(2.0, both([10, 11], committed=(10,))) == []
+    kinds = [e.kind for e in c.drain_events()]
+    assert kinds.count("CheckpointPersisting") == 1 and "CheckpointCommitted" in kinds
+
+
+def test_success_waits_for_the_final_step_to_be_durable() -> None:
+    c = controller(every_steps=10)
+    done = both([39, 40], state=NodeState.COMPLETED)
+    done["node-1"] = node("node-1", {39: (2, 3), 40: (2, 3)}, state=NodeState.COMPLETED)
+    [final] = c.observe(1.0, done)
+    assert isinstance(final, PersistCheckpoint) and final.step == 40
+    assert c.observe(2.0, done) == [] and c.phase is JobPhase.RUNNING
+    committed = both([39, 40], state=NodeState.COMPLETED, committed=(40,))
+    committed["node-1"] = node("node-1", {40: (2, 3)}, state=NodeState.COMPLETED)
+    [finish] = c.observe(3.0, committed)
+    assert isinstance(finish, Finish) and c.phase is JobPhase.SUCCEEDED
+
+
+def test_success_asks_again_for_the_final_step_when_a_later_one_was_awaited() -> None:
+    c = controller(every_seconds=1.0)
+    [ahead] = c.observe(2.0, both([7]))
+    assert isinstance(ahead, PersistCheckpoint) and ahead.step == 8
+    done = both([7], state=NodeState.COMPLETED)  # the job ended before saving step 8
+    done["node-1"] = node("node-1", {7: (2, 3)}, state=NodeState.COMPLETED)
+    [final] = c.observe(3.0, done)
+    assert isinstance(final, PersistCheckpoint) and final.step == 7
+
+
+def test_success_does_not_wait_forever_for_the_final_step() -> None:
+    c = controller(every_steps=10)
+    done = both([40], state=NodeState.COMPLETED)
+    done["node-1"] = node("node-1", {40: (2, 3)}, state=NodeState.COMPLETED)
+    assert isinstance(c.observe(1.0, done)[0], PersistCheckpoint)
+    assert c.observe(20.0, done) == []
+    [finish] = c.observe(32.0, done)
+    assert isinstance(finish, Finish) and c.phase is JobPhase.SUCCEEDED
