@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 from pathlib import Path
 
 from conftest import FAKE_WORKER, Trainguard, pid_alive, wait_for, worker_pids
+from trainguard.platform.store import DB_NAME, Store
 
 TORCHRUN_KEYS = (
     "RANK",
@@ -263,3 +265,20 @@ def test_bad_inject_spec_is_exit_2(tg: Trainguard) -> None:
     )
     assert done.returncode == 2 and "rank=5" in done.stderr
     assert tg.run("list", "-o", "json").stdout.strip() == "[]"
+
+
+def test_a_state_directory_from_an_older_trainguard_is_upgraded(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    db.execute(
+        "CREATE TABLE jobs (id TEXT PRIMARY KEY, name TEXT NOT NULL, phase TEXT NOT NULL, "
+        "reason TEXT, source TEXT, job_dir TEXT NOT NULL, nnodes INTEGER NOT NULL, "
+        "nproc_per_node INTEGER NOT NULL, restarts INTEGER NOT NULL DEFAULT 0, "
+        "controller_pid INTEGER, desired TEXT, created_at REAL NOT NULL, started_at REAL, "
+        "finished_at REAL, spec_json TEXT NOT NULL)"
+    )
+    db.close()
+    store = Store(tmp_path)
+    store.create_job("j-1", "j", "job.yaml", tmp_path / "j-1", 1, 1, {})
+    store.update_job("j-1", faults=[{"type": "WorkerCrash"}])
+    assert store.job("j-1").phase
+    store.close()

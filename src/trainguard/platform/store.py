@@ -22,6 +22,8 @@ from trainguard.control.events import Event
 STATE_DIR_ENV = "TRAINGUARD_STATE_DIR"
 DEFAULT_STATE_DIR = "~/.trainguard"
 DB_NAME = "trainguard.db"
+# Columns added to the schema after its first release: (table, column, declaration).
+_ADDED_COLUMNS = (("jobs", "faults_json", "TEXT NOT NULL DEFAULT '[]'"),)
 # How long a write waits for a competing writer before giving up.
 BUSY_TIMEOUT_SECONDS = 30.0
 
@@ -124,6 +126,14 @@ class Store:
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """A state directory made by an older trainguard lacks newer columns: add them."""
+        for table, column, declaration in _ADDED_COLUMNS:
+            have = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
 
     def close(self) -> None:
         self._db.close()
