@@ -103,6 +103,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--branching", type=int, default=4, help="successors per token in chain")
     p.add_argument("--save-final", type=Path, default=None, help="write final state_dict here")
+    p.add_argument(
+        "--resilient",
+        action="store_true",
+        help="in-process restarts with trainguard.resilient (run under trainguard)",
+    )
+    p.add_argument(
+        "--memory-ckpt-every",
+        type=int,
+        default=10,
+        help="--resilient: trainguard Checkpointer snapshot every N steps (0: none)",
+    )
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
     p.add_argument(
         "--timeout",
@@ -124,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in positive:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("ckpt_every", "warmup_steps", "step_sleep", "lr", "min_lr"):
+    for name in ("ckpt_every", "memory_ckpt_every", "warmup_steps", "step_sleep", "lr", "min_lr"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.timeout <= 0:
@@ -376,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", topo.local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    if args.resilient:  # the wrapper makes the process group, once per attempt
+        from resilient_mode import run_resilient
+
+        run_resilient(args, topo.local_rank, device)
+        return 0
     if topo.distributed:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
     try:

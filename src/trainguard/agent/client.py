@@ -62,6 +62,10 @@ class AgentClient:
         except ValueError as exc:
             raise AgentError(f"{self.base_url}: bad status reply: {exc}") from None
 
+    def rejoin(self, assignment: NodeAssignment) -> None:
+        """In-process restart into ``assignment``'s attempt (asynchronous)."""
+        self._request("POST", "/rejoin", {"assignment": assignment.to_json()})
+
     def persist(self, step: int, world_size: int, commit: bool) -> None:
         """Ask the agent to persist its memory shards of ``step`` (asynchronous; ``commit``:
         also commit the step once every rank's shard is durable)."""

@@ -100,6 +100,7 @@ class _Followed:
     file: BinaryIO | None = None
     pending: bytes = b""
     done: bool = False
+    finishing: bool = False  # its process has exited: read to the end, then stop
 
 
 class LogTailer:
@@ -136,7 +137,6 @@ class LogTailer:
             for stream in STREAMS
         ]
         self._combined: dict[int, BinaryIO] = {}
-        self._finished: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._hook_failed = False
@@ -158,7 +158,20 @@ class LogTailer:
     def finish_rank(self, local_rank: int) -> None:
         """The worker has exited: read its files to the end and flush its partial line."""
         with self._lock:
-            self._finished.add(local_rank)
+            for followed in self._followed:
+                if followed.local_rank == local_rank:
+                    followed.finishing = True
+
+    def follow(self, local_rank: int, rank: int, paths: Mapping[str, Path]) -> None:
+        """Also follow a new process of ``local_rank`` (an in-process restart's replacement)
+        whose ``stdout``/``stderr`` files are ``paths``."""
+        with self._lock:
+            if rank not in self._combined:
+                log = open(self._layout.combined(rank), "ab")  # noqa: SIM115 - closed by _run
+                self._combined[rank] = log
+            self._followed += [
+                _Followed(local_rank, rank, stream, paths[stream]) for stream in STREAMS
+            ]
 
     def stop(self, timeout: float) -> bool:
         """Drain every file and stop; False if the drain did not end within ``timeout``."""
@@ -186,11 +199,11 @@ class LogTailer:
 
     def _pass(self, final: bool) -> None:
         with self._lock:
-            finished = set(self._finished)
-        for followed in self._followed:
+            followed_now = [(f, f.finishing) for f in self._followed]
+        for followed, finishing in followed_now:
             if followed.done:
                 continue
-            ending = final or followed.local_rank in finished
+            ending = final or finishing
             self._read(followed, to_eof=ending)
             if ending:
                 if followed.pending:
@@ -200,7 +213,9 @@ class LogTailer:
                 if followed.file is not None:
                     followed.file.close()
                     followed.file = None
-        for log in self._combined.values():
+        with self._lock:
+            logs = list(self._combined.values())
+        for log in logs:
             log.flush()
 
     def _read(self, followed: _Followed, to_eof: bool) -> None:

@@ -4,6 +4,9 @@
     POST /stop      {"attempt": n|null, "mode": "graceful"|"process",
                      "timeout": seconds}                               -> 202
     GET  /status    AgentStatus.to_json()                             -> 200
+    POST /rejoin    {"assignment": ...}: an in-process restart into that attempt
+                                                                      -> 202, 409 if not
+                    running resilient workers of an older attempt
     POST /persist   {"step": n, "world_size": n, "commit": bool}     -> 202, 409 if no
                     durable tier (the node's memory shards of step -> durable storage)
     POST /shutdown                                                    -> 202, then exit
@@ -68,6 +71,8 @@ def parse_assignment(data: Any, node_id: str) -> NodeAssignment:
         ),
         ("master_port", 1 <= assignment.master_port <= 65535, "expected 1..65535"),
         ("restart_count", assignment.restart_count >= 0, "expected >= 0"),
+        ("hot_spares", assignment.hot_spares >= 0, "expected >= 0"),
+        ("barrier_timeout", assignment.barrier_timeout > 0, "expected > 0"),
         ("node_id", assignment.node_id == node_id, f"this agent is {node_id!r}"),
     ]
     for name, ok, expected in checks:
@@ -81,6 +86,12 @@ def parse_assignment(data: Any, node_id: str) -> NodeAssignment:
 
 
 def _check_type(where: str, type_name: str, value: Any) -> None:
+    if type_name == "bool" and not isinstance(value, bool):
+        raise BadRequest(f"{where}: expected true or false, got {value!r}")
+    if type_name == "float" and (
+        isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+    ):
+        raise BadRequest(f"{where}: expected a number, got {value!r}")
     if type_name == "int" and (isinstance(value, bool) or not isinstance(value, int)):
         raise BadRequest(f"{where}: expected an integer, got {value!r}")
     if type_name == "str" and (not isinstance(value, str) or not value):
@@ -197,6 +208,7 @@ class _Handler(BaseHTTPRequestHandler):
             ("POST", "/stop"): self._stop,
             ("POST", "/shutdown"): self._shutdown,
             ("POST", "/persist"): self._persist,
+            ("POST", "/rejoin"): self._rejoin,
         }
         action = routes.get((method, path))
         if action is None:
@@ -264,6 +276,15 @@ class _Handler(BaseHTTPRequestHandler):
         attempt, mode, timeout, capture = parse_stop(_json_object(body, required=False))
         self.server.supervisor.request_stop(attempt, mode, timeout, capture_stacks=capture)
         self._reply(202, {"accepted": True})
+
+    def _rejoin(self, body: bytes) -> None:
+        data = _json_object(body, required=True)
+        unknown = sorted(set(data) - {"assignment"})
+        if unknown or "assignment" not in data:
+            raise BadRequest(f"rejoin: expected exactly the field 'assignment', got {sorted(data)}")
+        assignment = parse_assignment(data["assignment"], self.server.supervisor.node_id)
+        self.server.supervisor.request_rejoin(assignment)
+        self._reply(202, {"accepted": True, "attempt": assignment.attempt})
 
     def _persist(self, body: bytes) -> None:
         step, world_size, commit = parse_persist(_json_object(body, required=True))

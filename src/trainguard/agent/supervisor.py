@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
+from trainguard.agent.inprocess import Replaced, ResilientGroup
 from trainguard.agent.logs import Console, LineHook, LogLayout, LogTailer
 from trainguard.agent.monitoring import build_monitor
 from trainguard.agent.persist import DurablePersister, DurableSettings
@@ -81,11 +82,16 @@ class _Stop:
 
 
 @dataclass(frozen=True)
+class _Rejoin:
+    assignment: NodeAssignment
+
+
+@dataclass(frozen=True)
 class _Shutdown:
     reason: str
 
 
-_Command = _Start | _Stop | _Shutdown
+_Command = _Start | _Stop | _Rejoin | _Shutdown
 
 
 class _Keep(Enum):
@@ -126,7 +132,7 @@ class Supervisor:
         self._workers: dict[int, WorkerStatus] = {}
         self._updated_at = time.time()
         self._shutdown_requested = False
-        self._group: WorkerGroup | None = None
+        self._group: WorkerGroup | ResilientGroup | None = None
         self._tailer: LogTailer | None = None
         # Detection state of the current (or last) attempt, reported in the status.
         self._monitor: NodeLogMonitor | None = None
@@ -201,6 +207,27 @@ class Supervisor:
                 self._set(AgentState.STOPPING, reason=f"stop requested ({mode})")
             self._commands.put(_Stop(attempt, mode, timeout, capture_stacks))
 
+    def request_rejoin(self, assignment: NodeAssignment) -> None:
+        """Start ``assignment``'s attempt in place (an in-process restart): the live workers
+        rejoin, dead ranks are replaced. :class:`Refused` unless this node runs resilient
+        workers of an older attempt."""
+        with self._lock:
+            if self._shutdown_requested or self._state is AgentState.SHUTDOWN:
+                raise Refused("agent is shutting down")
+            if not assignment.in_process or self._state not in (
+                AgentState.RUNNING,
+                AgentState.FAULTED,
+            ):
+                raise Refused(
+                    f"an in-process restart needs running resilient workers; this node is "
+                    f"{self._state.value}"
+                )
+            if self._attempt is not None and assignment.attempt <= self._attempt:
+                raise Refused(f"attempt {assignment.attempt} is not after {self._attempt}")
+            self._set(AgentState.RUNNING, attempt=assignment.attempt, reason=None)
+            self._ranks = list(assignment.global_ranks)
+            self._commands.put(_Rejoin(assignment))
+
     def request_persist(self, step: int, world_size: int, commit: bool) -> None:
         """Persist this node's memory shards of ``step`` in the background (see
         :mod:`trainguard.agent.persist`); :class:`Refused` without a durable tier."""
@@ -230,6 +257,8 @@ class Supervisor:
                     return
                 if isinstance(command, _Start):
                     self._start(command.assignment)
+                elif isinstance(command, _Rejoin):
+                    self._rejoin(command.assignment)
                 elif isinstance(command, _Stop):
                     self._stop(command)
                 if self._group is not None:
@@ -256,7 +285,8 @@ class Supervisor:
         events_dir.mkdir(exist_ok=True)
         with self._lock:
             self._monitor, self._heartbeat_dir, self._stacks = monitor, beats_dir, {}
-        group = WorkerGroup(
+        kind = ResilientGroup if assignment.in_process else WorkerGroup
+        group = kind(
             assignment,
             self._worker_argv,
             self._layout,
@@ -283,7 +313,7 @@ class Supervisor:
             group.ranks,
             interval=self._timings.tail_interval,
             console=self._console,
-            on_line=_both(monitor.on_line, self._on_line),
+            on_line=_both(self._monitor_line, self._on_line),
         )
         self._tailer.start()
         workers = {
@@ -319,6 +349,39 @@ class Supervisor:
         self._pusher = ReplicaPusher(self.node_id, Path(memory_dir), peers, self._token)
         self._pusher.start()
 
+    def _monitor_line(self, rank: int, stream: str, line: str, t: float) -> None:
+        """Feed a worker line to the current attempt's monitor (an in-process restart
+        replaces the monitor while the workers, and the tailer, go on)."""
+        monitor = self._monitor
+        if monitor is not None:
+            monitor.on_line(rank, stream, line, t)
+
+    def _rejoin(self, assignment: NodeAssignment) -> None:
+        group = self._group
+        if not isinstance(group, ResilientGroup):
+            with self._lock:
+                self._set(AgentState.FAULTED, reason="in-process restart: no resilient workers")
+            return
+        monitor = build_monitor(assignment.monitor)
+        with self._lock:
+            self._monitor = monitor
+        self._took_over(group, group.rejoin(assignment))
+
+    def _took_over(self, group: ResilientGroup, replaced: Replaced) -> None:
+        """New processes run these local ranks now: follow their output, report them."""
+        for local, (_, paths, _) in replaced.items():
+            if self._tailer is not None:
+                self._tailer.follow(local, group.ranks[local], paths)
+        with self._lock:
+            workers = dict(self._workers)
+            for local, (pid, _, how) in replaced.items():
+                workers[local] = WorkerStatus(local, group.ranks[local], pid, WorkerState.RUNNING)
+                logger.info(
+                    "attempt %d: rank %d taken over by a %s (pid %d)",
+                    group.assignment.attempt, group.ranks[local], how, pid,
+                )  # fmt: skip
+            self._set(self._state, workers=workers)
+
     def _make_persister(self, job_id: str) -> DurablePersister | None:
         memory_dir = self._agent_env.get(MEMORY_DIR_ENV)
         settings = DurableSettings.from_config_json(self._agent_env.get(CONFIG_ENV), job_id)
@@ -331,12 +394,28 @@ class Supervisor:
     def _check_workers(self) -> None:
         group = self._group
         assert group is not None
+        resilient = isinstance(group, ResilientGroup)
+        if isinstance(group, ResilientGroup):
+            self._took_over(group, group.replace_deadlocked())
+            group.missed_barrier()  # kills the late ones; their exits show up below
         exits = group.poll()
         if not exits:
             return
         self._record_exits(exits, stopped=False)
         failed = sorted((group.ranks[local], local) for local, code in exits.items() if code != 0)
         first = failed[0][1] if failed else -1  # the lowest failed rank of this poll
+        if resilient and failed and not group.all_exited():
+            # The peers keep their processes: the controller restarts in place or stops all.
+            assert isinstance(group, ResilientGroup)
+            with self._lock:
+                workers = dict(self._workers)
+                for _, local in failed:
+                    if (why := group.missed_reason(local)) is not None:
+                        workers[local] = replace(workers[local], error=why)
+                self._set(AgentState.FAULTED, workers=workers)
+                self._set(AgentState.FAULTED, reason=self._workers[first].describe_exit())
+            logger.warning("rank %d exited with %d; its peers wait", failed[0][0], exits[first])
+            return
         if failed:
             logger.warning("rank %d exited with %d; stopping its peers", failed[0][0], exits[first])
             self._record_exits(group.close(signal.SIGTERM, self._timings.fault_grace), True)

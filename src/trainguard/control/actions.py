@@ -59,6 +59,11 @@ class ControlConfig:
     durable: DurableCadence | None = None
     # After the last rank exits 0: how long to wait for its newest checkpoint to be durable.
     final_persist_timeout: float = 120.0
+    # In-process restarts after worker crashes (the script adopts trainguard.resilient):
+    # hot spare processes for the whole job, and how long ranks have to rejoin.
+    in_process: bool = False
+    hot_spares: int = 0
+    barrier_timeout: float = 60.0
 
     @property
     def world_size(self) -> int:
@@ -85,6 +90,14 @@ class StartNodes:
 
 
 @dataclass(frozen=True)
+class RejoinNodes:
+    """An in-process restart into ``attempt``: live workers rejoin, dead ranks are replaced."""
+
+    attempt: int
+    assignments: tuple[NodeAssignment, ...]
+
+
+@dataclass(frozen=True)
 class StopNodes:
     attempt: int
     node_ids: tuple[str, ...]
@@ -99,4 +112,4 @@ class Finish:
     reason: str
 
 
-Action = StartNodes | StopNodes | Finish | PersistCheckpoint
+Action = StartNodes | RejoinNodes | StopNodes | Finish | PersistCheckpoint

@@ -50,6 +50,11 @@ class NodeAssignment:
     # Agent API URL of every node of the attempt, in node-rank order (filled by the
     # platform, which knows the addresses): where memory-tier replicas go and come from.
     peers: dict[str, str] = field(default_factory=dict)
+    # In-process restarts (workers adopt trainguard.resilient): hot spare processes on
+    # this node, and how long ranks have to rejoin after a restart.
+    in_process: bool = False
+    hot_spares: int = 0
+    barrier_timeout: float = 60.0
 
     @property
     def world_size(self) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard.control.actions import (
@@ -30,6 +30,7 @@ from trainguard.control.actions import (
     ControlConfig,
     Finish,
     JobPhase,
+    RejoinNodes,
     StartNodes,
     StopNodes,
 )
@@ -37,7 +38,13 @@ from trainguard.control.assignment import Endpoint, NodeAssignment, assign_ranks
 from trainguard.control.detect import AttemptWatch
 from trainguard.control.events import Event, Fault, FaultType
 from trainguard.control.persist import CheckpointPlanner, PersistCheckpoint
-from trainguard.control.policy import GiveUp, RestartRecord, RestartScope, decide_restart
+from trainguard.control.policy import (
+    BARRIER_MISSED,
+    GiveUp,
+    RestartRecord,
+    RestartScope,
+    decide_restart,
+)
 from trainguard.control.reports import NodeReport, NodeState
 from trainguard.control.timeline import Timeline, with_evidence
 
@@ -49,6 +56,7 @@ __all__ = [
     "JobController",
     "JobPhase",
     "PersistCheckpoint",
+    "RejoinNodes",
     "StartNodes",
     "StopNodes",
 ]
@@ -89,7 +97,7 @@ class JobController:
         self._node_fault_times: dict[str, list[float]] = {}
         self._pending_events: list[Event] = []
         self._injections: list[str] = []
-        self._seen_worker_events: set[tuple[int, int, int]] = set()
+        self._seen_worker_events: set[tuple[int, int, float]] = set()
         # Set when a stop was asked for from outside (delete, Ctrl-C, deadline).
         self._cancel: tuple[JobPhase, str] | None = None
         self.checkpoints = CheckpointPlanner(config.durable, config.world_size, 0.0)
@@ -185,6 +193,8 @@ class JobController:
         if faults:
             for fault in faults:
                 self._record_fault(now, attempt, fault)
+            if self._can_restart_in_place(attempt, faults, reports):
+                return [self._restart_in_place(now, attempt)]
             capture = any(f.type.is_hang for f in faults)
             return [self._stop(now, attempt, "process", faults[0].message, capture)]
         actions: list[Action] = list(self._plan_checkpoints(now, attempt, reports))
@@ -286,20 +296,68 @@ class JobController:
         )
         return [self._start_attempt(now, decision.scope.value)]
 
+    def _can_restart_in_place(
+        self, attempt: Attempt, faults: list[Fault], reports: Mapping[str, NodeReport]
+    ) -> bool:
+        """Worker crashes only, every node up with its survivors waiting, budget left, and
+        not a rank that missed the previous in-process restart's barrier."""
+        if not self.config.in_process or self.restarts >= self.config.max_restarts:
+            return False
+        for fault in faults:
+            error = str(fault.evidence.get("error") or "")
+            if fault.type is not FaultType.WORKER_CRASH or fault.rank is None:
+                return False
+            if BARRIER_MISSED in error:
+                return False
+        for a in attempt.assignments:
+            report = reports.get(a.node_id)
+            if report is None or not report.reachable or report.attempt != attempt.number:
+                return False
+            if report.state not in (NodeState.RUNNING, NodeState.FAULTED):
+                return False
+        return True
+
+    def _restart_in_place(self, now: float, attempt: Attempt) -> RejoinNodes:
+        scope = RestartScope.IN_PROCESS
+        reason = attempt.faults[0].message
+        self._end_attempt(now, attempt, AttemptPhase.FAILED, reason)
+        self.history.append(RestartRecord(now, scope))
+        self.timeline.set_scope(attempt.number, scope.value)
+        self.phase = JobPhase.RESTARTING
+        self._event(
+            now,
+            "RestartScheduled",
+            f"in-process restart {self.restarts} of {self.config.max_restarts}: {reason}; "
+            "survivors keep their processes, dead ranks are replaced",
+            attempt=attempt.number + 1,
+            data={"scope": scope.value, "replaced": {}},
+        )
+        started = self._start_attempt(now, scope.value)
+        return RejoinNodes(started.attempt, started.assignments)
+
     def _start_attempt(self, now: float, scope: str) -> StartNodes:
         number = len(self.attempts)
         endpoint = self._endpoint_for(number)
+        cfg = self.config
         assignments = tuple(
-            assign_ranks(
-                self.config.job_id,
+            replace(
+                a,
+                in_process=cfg.in_process,
+                # Round robin from node 0: node i gets its share of the job's hot spares.
+                hot_spares=cfg.hot_spares // len(self.nodes)
+                + (1 if a.node_rank < cfg.hot_spares % len(self.nodes) else 0),
+                barrier_timeout=cfg.barrier_timeout,
+            )
+            for a in assign_ranks(
+                cfg.job_id,
                 self.nodes,
-                self.config.nproc_per_node,
+                cfg.nproc_per_node,
                 attempt=number,
                 endpoint=endpoint,
                 restart_count=number,
-                max_restarts=self.config.max_restarts,
-                extra_env=self.config.extra_env,
-                monitor=self.config.monitor_json(),
+                max_restarts=cfg.max_restarts,
+                extra_env=cfg.extra_env,
+                monitor=cfg.monitor_json(),
             )
         )
         watch = AttemptWatch(number, now, self.config.log_rules, self.config.heartbeat_timeout)
@@ -374,7 +432,9 @@ class JobController:
             if report is None or report.attempt != attempt.number:
                 continue
             for e in report.worker_events:
-                key = (attempt.number, e.rank, e.seq)
+                # Not keyed by attempt: after an in-process restart, the same workers (and
+                # their event files) go on into the next attempt.
+                key = (e.rank, e.seq, e.time)
                 if key not in self._seen_worker_events:
                     self._seen_worker_events.add(key)
                     self._event(

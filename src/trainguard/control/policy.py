@@ -70,13 +70,19 @@ NODE_FAULTS: Final = frozenset(t for t in FaultType if t.loses_node)
 
 
 class RestartScope(StrEnum):
+    # Survivors keep their processes; dead ranks are replaced (hot spare or new process).
+    IN_PROCESS = "in-process"
     PROCESS = "process"  # stop all workers, start them again on the same nodes (HyperPod: PLR)
     JOB = "job"  # replace the node agents (locally) / re-create pods (k8s) (HyperPod: JLR)
 
     @property
     def hyperpod(self) -> str:
-        """HyperPod's name for it (``restartType`` in the job status): PLR or JLR."""
-        return "PLR" if self is RestartScope.PROCESS else "JLR"
+        """HyperPod's name for it (``restartType`` in the job status): IPR, PLR or JLR."""
+        return {"in-process": "IPR", "process": "PLR", "job": "JLR"}[self.value]
+
+
+BARRIER_MISSED = "missed the restart barrier"
+"""In a worker failure's error: it did not rejoin after an in-process restart in time."""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from trainguard.control.controller import (
     JobController,
     JobPhase,
     PersistCheckpoint,
+    RejoinNodes,
     StartNodes,
     StopNodes,
 )
@@ -177,6 +178,9 @@ class LocalRunner:
             durable=DurableCadence(
                 checkpointing.durable_every_steps, checkpointing.durable_every_seconds
             ),
+            in_process=spec.trainguard.in_process_restart,
+            hot_spares=spec.trainguard.hot_spares,
+            barrier_timeout=spec.trainguard.restart_barrier_timeout_seconds,
         )
 
     @staticmethod
@@ -257,6 +261,16 @@ class LocalRunner:
         for action in actions:
             if isinstance(action, StartNodes):
                 self._start(action)
+            elif isinstance(action, RejoinNodes):
+                peers = {n: node.url for n, node in self.nodes.items()}
+                for assignment in action.assignments:
+                    rejoin = partial(
+                        AgentClient.rejoin, assignment=replace(assignment, peers=peers)
+                    )
+                    self._call(self.nodes.get(assignment.node_id), rejoin)
+                    self.store.upsert_node(
+                        self.job_id, assignment.node_id, "running", attempt=assignment.attempt
+                    )
             elif isinstance(action, StopNodes):
                 stop = partial(
                     AgentClient.stop,

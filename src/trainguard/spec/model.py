@@ -267,6 +267,31 @@ class TrainguardOptions(SpecModel):
         "completed training step in a worker's output line. Unset: lines such as "
         "'Batch 41 ...', 'Step 41 ...' or 'Iteration 41 ...'.",
     )
+    in_process_restart: bool = Field(
+        default=False,
+        description="trainguard extension: after a worker crash, keep the other workers' "
+        "processes and rebuild the process group in them (the script adopts "
+        "trainguard.resilient); a dead rank is replaced by a hot spare or a new process, and "
+        "takes its state from a healthy peer. Other faults restart processes as usual.",
+    )
+    hot_spares: int = Field(
+        default=0,
+        ge=0,
+        description="trainguard extension: warm standby worker processes (script loaded, "
+        "waiting) that take over a dead rank in an in-process restart; placed one per node, "
+        "round robin from node 0.",
+    )
+    restart_barrier_timeout_seconds: Seconds = Field(
+        default=60.0,
+        description="trainguard extension: how long every rank has to rejoin after an "
+        "in-process restart; a rank that does not falls back to a process-level restart.",
+    )
+
+    @model_validator(mode="after")
+    def _spares_need_in_process_restart(self) -> TrainguardOptions:
+        if self.hot_spares and not self.in_process_restart:
+            raise ValueError("hotSpares needs inProcessRestart: true")
+        return self
 
 
 class TrainingJobSpec(SpecModel):

@@ -1,0 +1,125 @@
+"""`train.py --resilient`: the same training, restartable in process with trainguard.resilient.
+
+When another rank dies, this process keeps its model, optimizer and data: the wrapper
+rebuilds the process group, a replacement rank (a hot spare or a new process) takes the
+state from a healthy peer, and training goes on at the step that was interrupted. With no
+peer holding state (the first start, a full restart) it falls back to trainguard's tiered
+checkpoints. Batches depend on (step, rank) only, so the run is the same with or without
+faults. Needs trainguard (the default mode of train.py does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import trainguard.resilient as resilient
+from trainguard.checkpoint import Checkpointer
+
+# Beside this file (train.py puts this directory on sys.path).
+# isort: split
+from model import GPT, GPTConfig
+from train import (
+    GRAD_CLIP,
+    Topology,
+    default_data_dir,
+    global_mean,
+    lr_at,
+    ordered_allreduce_hook,
+    save_checkpoint,
+)
+
+from data import MarkovSpec, ensure_token_file, get_batch, open_tokens
+
+
+def run_resilient(args: argparse.Namespace, local_rank: int, device: torch.device) -> None:
+    cfg = GPTConfig(
+        args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model, args.dropout
+    )
+    spec = MarkovSpec(args.vocab_size, args.branching, args.data_tokens, args.data_seed)
+    path = ensure_token_file(
+        args.data_dir or default_data_dir(), spec, create=local_rank == 0, timeout=args.timeout
+    )
+    tokens = open_tokens(path, spec.num_tokens)
+    torch.manual_seed(args.seed)
+    model = GPT(cfg).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
+    state = resilient.TrainState(model=model, optimizer=optimizer)
+    checkpoints: list[Checkpointer] = []  # made once the rank is known (a spare learns it late)
+    ranks: list[int] = []
+
+    def checkpointer() -> Checkpointer:
+        if not checkpoints:
+            checkpoints.append(Checkpointer())
+        return checkpoints[0]
+
+    def snapshot(steps: int) -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": optimizer.state_dict(), "steps": steps}
+
+    def from_checkpoint() -> int | None:
+        """No rank holds state: the tiered checkpoints (memory, replica, durable) do."""
+        saved = snapshot(0)
+        steps = checkpointer().load_latest(saved)
+        if steps is not None:
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optim"])
+        return steps
+
+    @resilient.restartable(state, fallback=from_checkpoint)
+    def train(run: resilient.Run) -> None:
+        topo = Topology(run.rank, run.local_rank, run.world_size, distributed=True)
+        ranks[:] = [run.rank]
+        ddp = DistributedDataParallel(model)  # a new one per attempt: a new process group
+        ddp.register_comm_hook(None, ordered_allreduce_hook)
+        ddp.train()
+        if run.rank == 0:
+            print(
+                f"Attempt {run.attempt}: training from step {run.start_step} "
+                f"(state from {run.state_source})",
+                flush=True,
+            )
+        for completed in range(run.start_step, args.steps):
+            step = completed + 1  # train.py numbers steps from 1
+            torch.manual_seed(args.seed * 1_000_003 + step * 101 + run.rank)  # dropout, if any
+            x, y = get_batch(
+                tokens,
+                step=step,
+                rank=run.rank,
+                world_size=run.world_size,
+                batch_size=args.batch_size,
+                block_size=args.block_size,
+                seed=args.seed,
+            )
+            lr = lr_at(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            _, loss = ddp(x.to(device), y.to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+            optimizer.step()
+            run.completed(completed)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            if step % args.log_every == 0 or step == args.steps:
+                mean = global_mean(loss, topo)
+                if run.rank == 0:
+                    print(f"Batch {step} Loss: {mean:.5f}, lr: {lr:.6f}", flush=True)
+            if args.memory_ckpt_every and step % args.memory_ckpt_every == 0:
+                checkpointer().save(step, snapshot(step))
+        dist.barrier()  # all ranks done before the group goes (gloo aborts a rank otherwise)
+
+    train()
+    rank = ranks[0]
+    if args.save_final is not None and rank == 0:
+        save_checkpoint(args.save_final, model.state_dict())
+    if rank == 0:
+        print(f"Training complete: step {args.steps}", flush=True)
+    if checkpoints:
+        checkpoints[0].close()

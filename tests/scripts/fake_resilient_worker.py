@@ -1,0 +1,67 @@
+"""A light resilient worker for control-plane tests: the agent protocol, no torch.
+
+It speaks trainguard.resilient's file protocol the way the real wrapper does (a spare
+waits for its spare-<k>.json; every worker acknowledges each attempt it joins), prints
+"Batch N" progress lines from rank 0, and records every (pid, attempt) it runs as under
+--out. Faults are injected by the test (SIGKILL) or by flags.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import trainguard
+
+# The protocol module alone: the trainguard.resilient package imports torch (seconds).
+_spec = importlib.util.spec_from_file_location(
+    "protocol", Path(trainguard.__file__).parent / "resilient" / "protocol.py"
+)
+assert _spec is not None and _spec.loader is not None
+protocol = importlib.util.module_from_spec(_spec)
+sys.modules["protocol"] = protocol  # dataclasses look their module up
+_spec.loader.exec_module(protocol)
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", type=Path, required=True)
+parser.add_argument("--steps", type=int, default=60)
+parser.add_argument("--step-sleep", type=float, default=0.1)
+parser.add_argument("--never-ack-rank", type=int, default=-1, help="this rank never rejoins")
+args = parser.parse_args()
+
+control = Path(os.environ["TRAINGUARD_CONTROL_DIR"])
+spare_id = os.environ.get("TRAINGUARD_SPARE_ID")
+if spare_id is not None:
+    while (assignment := protocol.read_spare(control, int(spare_id))) is None:
+        time.sleep(0.05)
+    rank = assignment.rank
+else:
+    rank = int(os.environ["RANK"])
+args.out.mkdir(parents=True, exist_ok=True)
+
+
+def record(kind: str, attempt: int) -> None:
+    line = json.dumps({"kind": kind, "rank": rank, "pid": os.getpid(), "attempt": attempt})
+    with open(args.out / f"rank-{rank}.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
+joined = -1
+step = 0
+role = "spare" if spare_id is not None else "worker"
+while step < args.steps:
+    current = protocol.read_attempt(control)
+    if current is not None and current.attempt > joined:
+        if joined >= 0 and rank == args.never_ack_rank:
+            time.sleep(600)  # stuck: misses the restart barrier
+        joined = current.attempt
+        record(role, joined)
+        protocol.write_ack(control, rank, protocol.Ack(joined, os.getpid(), step, "self"))
+    if rank == 0:
+        print(f"Batch {step} attempt {joined}", flush=True)
+    step += 1
+    time.sleep(args.step_sleep)
+print(f"rank {rank} done", file=sys.stderr, flush=True)

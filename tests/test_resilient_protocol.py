@@ -1,0 +1,162 @@
+"""The agent <-> worker control files, the sync plan and the state encoding (no processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainguard.resilient import AttemptInterrupted, Run, TrainState, is_collective_failure
+from trainguard.resilient.protocol import (
+    Ack,
+    Attempt,
+    ProtocolError,
+    SpareAssignment,
+    read_ack,
+    read_attempt,
+    read_spare,
+    write_ack,
+    write_attempt,
+    write_spare,
+)
+from trainguard.resilient.run import Progress
+from trainguard.resilient.sync import Offer, SyncPlan, decode_state, encode_state, plan_sync
+
+
+def test_control_files_round_trip(tmp_path: Path) -> None:
+    assert read_attempt(tmp_path) is None
+    assert read_spare(tmp_path, 0) is None
+    assert read_ack(tmp_path, 3) is None
+    attempt = Attempt(2, "127.0.0.1", 29500, 4, 30.0)
+    write_attempt(tmp_path, attempt)
+    write_spare(tmp_path, 1, SpareAssignment(rank=3, local_rank=1, attempt=2))
+    write_ack(tmp_path, 3, Ack(2, 1234, 17, "peer"))
+    assert read_attempt(tmp_path) == attempt
+    assert read_spare(tmp_path, 1) == SpareAssignment(3, 1, 2)
+    assert read_ack(tmp_path, 3) == Ack(2, 1234, 17, "peer")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ack-rank-3.json",
+        "attempt.json",
+        "spare-1.json",
+    ]
+    assert json.loads((tmp_path / "attempt.json").read_text())["barrier_timeout_seconds"] == 30.0
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"attempt": 1}', "missing field 'master_addr'"),
+        (
+            '{"attempt": "1", "master_addr": "h", "master_port": 1, "world_size": 1,'
+            ' "barrier_timeout_seconds": 1}',
+            "field 'attempt' must be an integer",
+        ),
+        (
+            '{"attempt": 1, "master_addr": "h", "master_port": 1, "world_size": 0,'
+            ' "barrier_timeout_seconds": 1}',
+            "world_size must be >= 1",
+        ),
+    ],
+)
+def test_bad_attempt_file_names_the_file_and_field(
+    tmp_path: Path, content: str, message: str
+) -> None:
+    (tmp_path / "attempt.json").write_text(content)
+    with pytest.raises(ProtocolError, match=message) as info:
+        read_attempt(tmp_path)
+    assert str(tmp_path / "attempt.json") in str(info.value)
+
+
+def test_bad_ack_state_source_is_rejected(tmp_path: Path) -> None:
+    (tmp_path / "ack-rank-0.json").write_text(
+        '{"attempt": 1, "pid": 1, "step": 0, "state_source": "disk"}'
+    )
+    with pytest.raises(ProtocolError, match="state_source must be one of"):
+        read_ack(tmp_path, 0)
+
+
+@pytest.mark.parametrize(
+    ("offers", "plan"),
+    [
+        ([Offer(False, 0), Offer(False, 0)], SyncPlan(None, (), 0)),
+        ([Offer(True, 5), Offer(True, 5), Offer(True, 5)], SyncPlan(0, (), 5)),
+        ([Offer(False, 0), Offer(True, 5), Offer(True, 5)], SyncPlan(1, (0,), 5)),
+        ([Offer(True, 4), Offer(True, 5), Offer(False, 0), Offer(True, 5)], SyncPlan(1, (0, 2), 5)),
+    ],
+)
+def test_sync_source_is_the_lowest_rank_with_the_most_steps(
+    offers: list[Offer], plan: SyncPlan
+) -> None:
+    assert plan_sync(offers) == plan
+
+
+def test_state_moves_to_a_fresh_model_and_optimizer_without_pickling() -> None:
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Linear(4, 2)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    torch.manual_seed(1)
+    model, optimizer = make()
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+    extra = {"samples": 15, "name": "run-a"}
+    meta, data = encode_state(TrainState(model, optimizer, extra), steps=3)
+
+    torch.manual_seed(2)
+    fresh_model, fresh_optimizer = make()  # AdamW without state before its first step
+    fresh_extra: dict[str, object] = {}
+    steps = decode_state(TrainState(fresh_model, fresh_optimizer, fresh_extra), meta, data)
+
+    assert steps == 3 and fresh_extra == extra
+    for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    moments = optimizer.state_dict()["state"][0]
+    received = fresh_optimizer.state_dict()["state"][0]
+    assert torch.equal(moments["exp_avg"], received["exp_avg"])
+    assert torch.equal(moments["step"], received["step"])
+
+
+def test_train_state_rejects_a_state_with_other_parts() -> None:
+    with pytest.raises(ValueError, match="state has parts"):
+        TrainState(torch.nn.Linear(1, 1)).load_state_dict({"model": {}, "optimizer": {}})
+
+
+def test_gloo_errors_are_collective_failures_and_user_errors_are_not() -> None:
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: "
+        "Connection reset by peer"
+    )
+    assert is_collective_failure(gloo)
+    assert is_collective_failure(dist.DistBackendError("nccl failed"))
+    assert is_collective_failure(AttemptInterrupted("newer attempt"))
+    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_collective_failure(ValueError("bad batch"))
+
+
+def test_run_counts_steps_and_stops_at_a_newer_attempt() -> None:
+    progress = Progress(has_state=True, steps=4)
+    newer = False
+    run = Run(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        attempt=1,
+        state_source="self",
+        progress=progress,
+        interrupted=lambda: newer,
+    )
+    assert run.start_step == 4
+    with pytest.raises(ValueError, match=r"run.completed\(5\): expected step 4"):
+        run.completed(5)
+    run.completed(4)
+    newer = True
+    with pytest.raises(AttemptInterrupted):
+        run.completed(5)
+    assert progress.steps == 6

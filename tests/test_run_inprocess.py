@@ -1,0 +1,104 @@
+"""In-process restarts on the local platform with light fake workers (no torch).
+
+The fake worker speaks the agent<->worker file protocol of trainguard.resilient; these
+tests check the agent and controller side: survivors keep their processes, a hot spare
+(or a new process) takes the dead rank, and a rank that misses the restart barrier makes
+the job fall back to a process-level restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from conftest import SCRIPTS, Trainguard, wait_for, write_job
+
+WORKER = SCRIPTS / "fake_resilient_worker.py"
+
+
+def job(tmp_path: Path, *args: str, spares: int = 1, **trainguard: Any) -> Path:
+    command = ["python", str(WORKER), "--out", str(tmp_path / "out"), *args]
+    return write_job(
+        tmp_path / "job.yaml",
+        "inproc",
+        command,
+        runPolicy={"jobMaxRetryCount": 3},
+        trainguard={
+            "inProcessRestart": True,
+            "hotSpares": spares,
+            "restartBarrierTimeoutSeconds": 5,
+            **trainguard,
+        },
+    )
+
+
+def records(tmp_path: Path, rank: int) -> list[dict[str, Any]]:
+    path = tmp_path / "out" / f"rank-{rank}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def kill_when_running(tmp_path: Path, rank: int) -> threading.Thread:
+    """SIGKILL ``rank``'s first process once every rank joined attempt 0."""
+
+    def kill() -> None:
+        wait_for(lambda: all(records(tmp_path, r) for r in range(4)), timeout=120)
+        os.kill(records(tmp_path, rank)[0]["pid"], signal.SIGKILL)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def run(tg: Trainguard, spec: Path) -> dict[str, Any]:
+    done = tg.run("run", "-f", str(spec), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return tg.only_job()
+
+
+def test_a_killed_rank_is_taken_over_by_the_hot_spare_and_survivors_keep_their_pids(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    # The one spare sits on node-0 (ranks 0, 1): kill rank 1.
+    killer = kill_when_running(tmp_path, 1)
+    info = run(tg, job(tmp_path))
+    killer.join()
+    for rank in (0, 2, 3):  # one process each, which joined attempts 0 and 1
+        seen = records(tmp_path, rank)
+        assert len({r["pid"] for r in seen}) == 1, seen
+        assert [r["attempt"] for r in seen] == [0, 1]
+    taken = records(tmp_path, 1)
+    assert [(r["kind"], r["attempt"]) for r in taken] == [("worker", 0), ("spare", 1)]
+    scopes = [e["data"]["scope"] for e in info["events"] if e["kind"] == "RestartScheduled"]
+    assert scopes == ["in-process"]
+    assert info["faults"][0]["scope"] == "in-process"
+
+
+def test_without_a_spare_a_new_process_takes_the_rank(tg: Trainguard, tmp_path: Path) -> None:
+    killer = kill_when_running(tmp_path, 3)
+    info = run(tg, job(tmp_path, spares=0))
+    killer.join()
+    taken = records(tmp_path, 3)
+    assert [(r["kind"], r["attempt"]) for r in taken] == [("worker", 0), ("worker", 1)]
+    assert taken[0]["pid"] != taken[1]["pid"]
+    assert len({r["pid"] for r in records(tmp_path, 0)}) == 1
+    assert [e["data"]["scope"] for e in info["events"] if e["kind"] == "RestartScheduled"] == [
+        "in-process"
+    ]
+
+
+def test_a_rank_missing_the_barrier_falls_back_to_a_process_level_restart(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    killer = kill_when_running(tmp_path, 3)
+    info = run(tg, job(tmp_path, "--never-ack-rank", "2", spares=0))
+    killer.join()
+    scopes = [e["data"]["scope"] for e in info["events"] if e["kind"] == "RestartScheduled"]
+    assert scopes == ["in-process", "process"]
+    missed = [f for f in info["faults"] if "missed the restart barrier" in json.dumps(f)]
+    assert missed and missed[0]["rank"] == 2
