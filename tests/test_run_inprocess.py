@@ -95,10 +95,28 @@ def test_without_a_spare_a_new_process_takes_the_rank(tg: Trainguard, tmp_path: 
 def test_a_rank_missing_the_barrier_falls_back_to_a_process_level_restart(
     tg: Trainguard, tmp_path: Path
 ) -> None:
+    # Rank 2 neither leaves attempt 0 (so the agent replaces it after 3 s, as deadlocked)
+    # nor, in its new process, joins attempt 1: it misses the barrier (5 s).
     killer = kill_when_running(tmp_path, 3)
-    info = run(tg, job(tmp_path, "--never-ack-rank", "2", spares=0))
+    info = run(tg, job(tmp_path, "--stuck-rank", "2", spares=0))
     killer.join()
     scopes = [e["data"]["scope"] for e in info["events"] if e["kind"] == "RestartScheduled"]
     assert scopes == ["in-process", "process"]
     missed = [f for f in info["faults"] if "missed the restart barrier" in json.dumps(f)]
     assert missed and missed[0]["rank"] == 2
+    # Rank 2 joined attempt 0, then (after the process-level restart) attempt 2 only.
+    assert [r["attempt"] for r in records(tmp_path, 2)] == [0, 2]
+
+
+def test_a_survivor_deadlocked_in_the_failed_attempt_is_replaced_in_place(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    killer = kill_when_running(tmp_path, 3)
+    info = run(tg, job(tmp_path, "--deadlock-rank", "2", spares=0))
+    killer.join()
+    scopes = [e["data"]["scope"] for e in info["events"] if e["kind"] == "RestartScheduled"]
+    assert scopes == ["in-process"]
+    taken = records(tmp_path, 2)
+    assert [r["attempt"] for r in taken] == [0, 1] and taken[0]["pid"] != taken[1]["pid"]
+    agent_log = (Path(info["job_dir"]) / "agents" / "node-1.log").read_text()
+    assert "rank 2 did not leave attempt 0 within 3 s" in agent_log

@@ -7,6 +7,12 @@ import json
 import sys
 from collections.abc import Sequence
 
+from trainguard.kube.flags import (
+    add_cluster_flags,
+    add_install_flags,
+    run_on_cluster,
+    wants_cluster,
+)
 from trainguard.platform import views
 from trainguard.platform.inject import INJECT_HELP
 from trainguard.platform.store import JobNotFound, Store, state_dir
@@ -68,15 +74,21 @@ def _parser() -> argparse.ArgumentParser:
 
     lst = sub.add_parser("list", parents=[common], help="list jobs")
     lst.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    lst.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="with --kube: every namespace"
+    )
+    add_cluster_flags(lst)
 
     desc = sub.add_parser("describe", parents=[common], help="show a job: nodes, ranks, events")
     desc.add_argument("job", help="job id or name")
     desc.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    add_cluster_flags(desc)
 
     logs = sub.add_parser("logs", parents=[common], help="print a job's worker output")
     logs.add_argument("job", help="job id or name")
     logs.add_argument("--rank", type=_non_negative_int, help="only this global rank")
     logs.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
+    add_cluster_flags(logs)
 
     delete = sub.add_parser("delete", parents=[common], help="stop a job and remove it")
     delete.add_argument("job", help="job id or name")
@@ -86,6 +98,19 @@ def _parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds to wait for a running job to stop (default 60)",
     )
+    add_cluster_flags(delete)
+
+    submit = sub.add_parser("submit", help="submit a job to the Kubernetes cluster")
+    submit.add_argument("-f", "--file", required=True, help="a TrainingJob (or HyperPod) YAML")
+    add_cluster_flags(submit, kube_flag=False)
+    manifests = sub.add_parser(
+        "manifests", help="print the CRD, RBAC and operator Deployment as YAML"
+    )
+    add_install_flags(manifests)
+    for verb, text in (("install", "apply"), ("uninstall", "delete")):
+        cluster = sub.add_parser(verb, help=f"{text} the CRD, RBAC and operator on the cluster")
+        add_install_flags(cluster)
+        add_cluster_flags(cluster, kube_flag=False)
 
     sub.add_parser("schema", parents=[common], help="print the TrainingJob JSON Schema")
     return parser
@@ -116,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(json.dumps(json_schema(), indent=2))
         return 0
+    if wants_cluster(args):
+        return run_on_cluster(args)
     if args.verb == "run":
         from trainguard.platform.run import run_command
 

@@ -29,7 +29,15 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--steps", type=int, default=60)
 parser.add_argument("--step-sleep", type=float, default=0.1)
-parser.add_argument("--never-ack-rank", type=int, default=-1, help="this rank never rejoins")
+parser.add_argument(
+    "--stuck-rank", type=int, default=-1, help="this rank never joins attempt 1 (any process)"
+)
+parser.add_argument(
+    "--deadlock-rank",
+    type=int,
+    default=-1,
+    help="this rank's process of attempt 0 never leaves it (as if deadlocked in a collective)",
+)
 args = parser.parse_args()
 
 control = Path(os.environ["TRAINGUARD_CONTROL_DIR"])
@@ -55,8 +63,9 @@ role = "spare" if spare_id is not None else "worker"
 while step < args.steps:
     current = protocol.read_attempt(control)
     if current is not None and current.attempt > joined:
-        if joined >= 0 and rank == args.never_ack_rank:
-            time.sleep(600)  # stuck: misses the restart barrier
+        deadlocked = joined == 0 and rank == args.deadlock_rank
+        if current.attempt == 1 and (rank == args.stuck_rank or deadlocked):
+            time.sleep(600)  # neither leaves attempt 0 nor joins attempt 1
         joined = current.attempt
         record(role, joined)
         protocol.write_ack(control, rank, protocol.Ack(joined, os.getpid(), step, "self"))

@@ -1,6 +1,6 @@
 """``python -m trainguard.agent``: the node agent.
 
-    python -m trainguard.agent --node-id ID --token-file FILE --log-dir DIR
+    python -m trainguard.agent --node-id ID (--token-file FILE | --token-env VAR) --log-dir DIR
         [--host 127.0.0.1] [--port 0] [--port-file FILE] [--parent-pid PID]
         [--cwd DIR] [--env KEY=VALUE]... -- WORKER_ARGV...
 
@@ -29,11 +29,14 @@ EXIT_STUCK = 1
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m trainguard.agent",
-        usage="%(prog)s --node-id ID --token-file FILE --log-dir DIR [options] -- WORKER_ARGV...",
+        usage="%(prog)s --node-id ID (--token-file FILE | --token-env VAR) --log-dir DIR "
+        "[options] -- WORKER_ARGV...",
         description="Run one node's workers, driven by the controller over HTTP.",
     )
     parser.add_argument("--node-id", required=True, help="this node's id (as in assignments)")
-    parser.add_argument("--token-file", required=True, type=Path, help="file holding the API token")
+    token = parser.add_mutually_exclusive_group(required=True)
+    token.add_argument("--token-file", type=Path, help="file holding the API token")
+    token.add_argument("--token-env", metavar="VAR", help="environment variable holding the token")
     parser.add_argument("--log-dir", required=True, type=Path, help="the job's log directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     parser.add_argument("--port", type=int, default=0, help="port to bind (0: any free port)")
@@ -57,6 +60,14 @@ def read_token(path: Path) -> str:
         raise ValueError(f"--token-file: cannot read {path}: {exc.strerror}") from None
     if not token:
         raise ValueError(f"--token-file: {path} is empty")
+    return token
+
+
+def read_token_env(name: str) -> str:
+    """The API token in environment variable ``name`` (e.g. from a Kubernetes Secret)."""
+    token = os.environ.get(name, "").strip()
+    if not token:
+        raise ValueError(f"--token-env: ${name} is not set or empty")
     return token
 
 
@@ -94,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trainguard agent: parent {args.parent_pid} is gone; exiting", file=sys.stderr)
             return EXIT_PARENT_GONE
     try:
-        token = read_token(args.token_file)
+        token = read_token(args.token_file) if args.token_file else read_token_env(args.token_env)
         agent_env = parse_env(args.env)
     except ValueError as exc:
         parser.error(str(exc))

@@ -36,10 +36,8 @@ from trainguard.control.controller import (
     StopNodes,
 )
 from trainguard.control.events import Event
-from trainguard.control.persist import DurableCadence
-from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport
-from trainguard.monitor.rules import LogRuleSpec
+from trainguard.platform.config import control_config
 from trainguard.platform.inject import Injection, Injector, Targets
 from trainguard.platform.node import LocalNode
 from trainguard.platform.store import Store
@@ -147,41 +145,10 @@ class LocalRunner:
     # -- internals -----------------------------------------------------------
 
     def _control_config(self) -> ControlConfig:
-        """Node ids: ``node-0..N-1`` run the job; each group's spares follow them."""
-        active: list[str] = []
-        spares: list[str] = []
-        for group in self.plan.groups:
-            for _ in range(group.replicas):
-                active.append(f"node-{len(active)}")
-                self._groups[active[-1]] = group
-        for group in self.plan.groups:
-            for _ in range(group.spares):
-                spares.append(f"node-{len(active) + len(spares)}")
-                self._groups[spares[-1]] = group
-        spec = self.plan.job.spec
-        run_policy = spec.run_policy
-        checkpointing = spec.checkpointing
-        return ControlConfig(
-            job_id=self.job_id,
-            node_ids=tuple(active),
-            nproc_per_node=self.plan.nproc_per_node,
-            policy=PolicyConfig.from_spec(run_policy, self.plan.max_restarts),
-            spare_node_ids=tuple(spares),
-            log_rules=tuple(
-                LogRuleSpec.from_model(r) for r in run_policy.log_monitoring_configuration
-            ),
-            progress_pattern=spec.trainguard.progress_pattern,
-            heartbeat_timeout=spec.trainguard.heartbeat_timeout_seconds,
-            stop_grace_seconds=self.plan.stop_grace_seconds,
-            active_deadline_seconds=self.plan.active_deadline_seconds,
-            # The local platform always has a durable tier (default: <job dir>/durable).
-            durable=DurableCadence(
-                checkpointing.durable_every_steps, checkpointing.durable_every_seconds
-            ),
-            in_process=spec.trainguard.in_process_restart,
-            hot_spares=spec.trainguard.hot_spares,
-            barrier_timeout=spec.trainguard.restart_barrier_timeout_seconds,
-        )
+        # The local platform always has a durable tier (default: <job dir>/durable).
+        config, groups = control_config(self.plan, self.job_id, durable=True)
+        self._groups = {node_id: group for node_id, (_, group) in groups.items()}
+        return config
 
     @staticmethod
     def _endpoint(attempt: int) -> Endpoint:

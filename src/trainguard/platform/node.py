@@ -117,7 +117,7 @@ class LocalNode:
                 return NodeReport(self.node_id, reachable=False, reason=str(err))
             return NodeReport(self.node_id, reachable=True, state=NodeState.STARTING)
         self.failed_polls = 0
-        return _report_from_status(status)
+        return report_from_status(status)
 
     def shutdown(self) -> None:
         """Ask the agent to exit; kill it and its workers if it does not."""
@@ -138,7 +138,7 @@ class LocalNode:
             kill_group(pid)
 
 
-def _report_from_status(status: AgentStatus) -> NodeReport:
+def report_from_status(status: AgentStatus) -> NodeReport:
     """An agent's status as the controller sees it (malformed detection data is dropped)."""
     try:
         state = NodeState(status.state)

@@ -1,0 +1,97 @@
+"""Names shared by the operator, the manifests and the CLI, and the operator's settings.
+
+Every default lives here. The operator reads its settings from ``TRAINGUARD_*``
+environment variables (set in its Deployment), so one image serves any cluster.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Final
+
+GROUP: Final = "trainguard.dev"
+VERSION: Final = "v1"
+PLURAL: Final = "trainingjobs"
+SINGULAR: Final = "trainingjob"
+KIND: Final = "TrainingJob"
+SHORT_NAMES: Final = ("tj",)
+CRD_NAME: Final = f"{PLURAL}.{GROUP}"
+API_VERSION_FULL: Final = f"{GROUP}/{VERSION}"
+FINALIZER: Final = f"{GROUP}/cleanup"
+
+# Labels on every object the operator makes for a job.
+LABEL_JOB: Final = f"{GROUP}/job"
+LABEL_NODE: Final = f"{GROUP}/node"
+LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
+LABEL_MANAGED: Final = "app.kubernetes.io/managed-by"
+MANAGER: Final = "trainguard"
+
+# The pod env var holding the agent API token (from the job's Secret).
+TOKEN_ENV: Final = "TRAINGUARD_AGENT_TOKEN"
+TOKEN_KEY: Final = "token"
+# Downward-API env vars of every job pod.
+POD_IP_ENV: Final = "TRAINGUARD_POD_IP"
+POD_NAME_ENV: Final = "TRAINGUARD_POD_NAME"
+
+DEFAULT_NAMESPACE: Final = "trainguard-system"
+DEFAULT_IMAGE: Final = "ghcr.io/trainguard/trainguard:latest"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Settings of the operator; each field can be set by ``TRAINGUARD_<FIELD_UPPER>``."""
+
+    # Node health: pods only go to nodes whose label is absent or has a healthy value.
+    node_health_label: str = "sagemaker.amazonaws.com/node-health-status"
+    node_healthy_values: tuple[str, ...] = ("Schedulable",)
+    # Ports inside every job pod: the agent API, and the base of the per-attempt rendezvous.
+    agent_port: int = 8471
+    rendezvous_port_base: int = 29500
+    rendezvous_port_span: int = 1000
+    # Paths inside job pods: agent logs, the memory checkpoint tier, the job dir
+    # (TRAINGUARD_JOB_DIR; durable checkpoints default to <job dir>/durable).
+    pod_log_dir: str = "/tmp/trainguard/logs"
+    pod_memory_root: str = "/dev/shm/trainguard"
+    pod_job_root: str = "/tmp/trainguard/jobs"
+    # The patience of the operator with agents.
+    agent_timeout_seconds: float = 5.0
+    unreachable_after_polls: int = 3
+    # Where the operator serves /metrics (0: not at all).
+    metrics_port: int = 9090
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
+        """Defaults overridden by ``TRAINGUARD_*`` variables; ValueError names a bad one."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            key = f"TRAINGUARD_{f.name.upper()}"
+            if key not in env:
+                continue
+            raw = env[key]
+            default = getattr(cls(), f.name)
+            try:
+                if isinstance(default, tuple):
+                    values[f.name] = tuple(v.strip() for v in raw.split(",") if v.strip())
+                elif isinstance(default, bool):
+                    values[f.name] = raw.lower() in ("1", "true", "yes")
+                elif isinstance(default, int):
+                    values[f.name] = int(raw)
+                elif isinstance(default, float):
+                    values[f.name] = float(raw)
+                else:
+                    values[f.name] = raw
+            except ValueError:
+                raise ValueError(f"{key}: not a valid {type(default).__name__}: {raw!r}") from None
+        return cls(**values)  # type: ignore[arg-type]
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that reproduce this config (for the operator's Deployment)."""
+        out: dict[str, str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            text = ",".join(value) if isinstance(value, tuple) else str(value)
+            out[f"TRAINGUARD_{f.name.upper()}"] = text
+        return out

@@ -1,0 +1,194 @@
+"""The operator: kopf handlers that run one :class:`KubeJobRunner` per TrainingJob.
+
+    python -m trainguard.kube.operator (--all-namespaces | --namespace NS ...)
+        [--liveness-port 8080]
+
+Settings come from ``TRAINGUARD_*`` variables (:class:`OperatorConfig`). Each job
+has a daemon that polls its pods and agents; deleting the job stops its workers and
+removes its pods before the finalizer is released. When the operator restarts, each
+unfinished job starts over from its own checkpoints on fresh pods (the controller's
+memory of attempts and restart budget does not survive the operator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import kopf
+
+from trainguard.kube.api import KubeApi, KubeError
+from trainguard.kube.config import FINALIZER, GROUP, PLURAL, VERSION, OperatorConfig
+from trainguard.kube.metrics import OperatorMetrics, serve_metrics
+from trainguard.kube.pods import job_selector, secret_name, service_name
+from trainguard.kube.runner import KubeJobRunner
+from trainguard.kube.status import parse_time, rfc3339
+from trainguard.spec import SpecError
+
+logger = logging.getLogger("trainguard.operator")
+
+TERMINAL_PHASES = ("Succeeded", "Failed", "Stopped")
+# After a delete: at most this long to stop the workers before the pods are deleted anyway.
+DELETE_STOP_SECONDS = 120.0
+# Time a job's daemon gets to return once stopped (it only finishes its current poll).
+DAEMON_CANCEL_SECONDS = 30.0
+
+_metrics = OperatorMetrics()
+_state: dict[str, Any] = {}
+# The running jobs, by (namespace, name), with the lock each poll holds.
+_running: dict[tuple[str, str], tuple[KubeJobRunner, threading.Lock]] = {}
+
+
+def _api() -> KubeApi:
+    api = _state.get("api")
+    if api is None:
+        api = _state["api"] = KubeApi.connect()
+    assert isinstance(api, KubeApi)
+    return api
+
+
+def _settings() -> OperatorConfig:
+    settings = _state.get("settings")
+    if settings is None:
+        settings = _state["settings"] = OperatorConfig.from_env()
+    assert isinstance(settings, OperatorConfig)
+    return settings
+
+
+@kopf.on.startup()
+def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.WARNING  # kopf's own events: handler failures only
+    settings.watching.server_timeout = 60
+    settings.execution.max_workers = 32
+    # The CRD is installed beforehand and the namespaces are given: no cluster scanning,
+    # so the operator needs no rights on CRDs or namespaces.
+    settings.scanning.disabled = True
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+def _deleted(name: str, namespace: str | None, **_: Any) -> None:
+    """Stop the job's workers (all ranks at once, gracefully), then delete what it owns."""
+    api, namespace = _api(), namespace or "default"
+    running = _running.pop((namespace, name), None)
+    if running is not None:
+        runner, lock = running
+        with lock:  # the daemon's current step, if any, ends first
+            runner.cancel("TrainingJob deleted")
+            deadline = time.monotonic() + DELETE_STOP_SECONDS
+            while not runner.done and time.monotonic() < deadline:
+                time.sleep(runner.plan.poll_interval_seconds)
+                runner.step()
+            runner.finish(delete_all=True)
+    for pod in api.list_pods(namespace, job_selector(name)):
+        api.delete_pod(namespace, pod["metadata"]["name"])
+    api.delete_owned(namespace, service_name(name), secret_name(name))
+    _metrics.deleted.inc()
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=DAEMON_CANCEL_SECONDS)
+async def _run_job(
+    body: kopf.Body, name: str, namespace: str | None, stopped: kopf.DaemonStopped, **_: Any
+) -> None:
+    """Run the job until it ends, then clean up and expire it; exits at once when stopped
+    (a delete is finished by :func:`_deleted`; on operator exit the pods keep running)."""
+    api, settings, namespace = _api(), _settings(), namespace or "default"
+    stored = copy.deepcopy(dict(body))
+    status = stored.get("status") or {}
+    if status.get("phase") in TERMINAL_PHASES:
+        await _expire(api, stored, parse_time(status.get("completionTime")), stopped)
+        return
+    try:
+        runner = await asyncio.to_thread(KubeJobRunner, api, stored, settings, _metrics)
+    except SpecError as exc:
+        reason = str(exc)
+        logger.error("%s/%s: %s", namespace, name, reason)
+        await asyncio.to_thread(
+            api.patch_job_status,
+            namespace,
+            name,
+            {"phase": "Failed", "reason": reason, "completionTime": rfc3339(time.time())},
+        )
+        _metrics.failed.inc()
+        return
+    lock = threading.Lock()
+    _running[(namespace, name)] = (runner, lock)
+
+    def locked(call: Callable[[], None]) -> None:
+        with lock:
+            call()
+
+    await asyncio.to_thread(locked, runner.start)
+    while not runner.done:
+        await stopped.wait(runner.plan.poll_interval_seconds)
+        if stopped:
+            return
+        await asyncio.to_thread(locked, runner.step)
+    _running.pop((namespace, name), None)
+    await asyncio.to_thread(locked, runner.finish)
+    await _expire(api, stored, time.time(), stopped)
+
+
+async def _expire(
+    api: KubeApi, body: Mapping[str, Any], finished_at: float | None, stopped: kopf.DaemonStopped
+) -> None:
+    """Delete the finished job after ``ttlSecondsAfterFinished`` (unset or -1: never)."""
+    ttl = ((body.get("spec") or {}).get("runPolicy") or {}).get("ttlSecondsAfterFinished")
+    if ttl is None or ttl < 0:
+        return
+    wait = max(0.0, float(ttl) - (time.time() - (finished_at or time.time())))
+    await stopped.wait(wait)
+    if stopped:
+        return
+    meta = body.get("metadata") or {}
+    try:
+        await asyncio.to_thread(api.delete_job, meta["namespace"], meta["name"])
+    except KubeError as exc:
+        logger.warning("%s/%s: ttl delete failed: %s", meta["namespace"], meta["name"], exc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainguard.kube.operator",
+        description="The trainguard operator: runs TrainingJobs on this cluster.",
+    )
+    scope = parser.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    scope.add_argument(
+        "--namespace", "-n", action="append", default=[], help="watch this namespace (repeatable)"
+    )
+    parser.add_argument("--liveness-port", type=int, help="serve kopf's /healthz on this port")
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
+    args = parser.parse_args(argv)
+    try:
+        settings = _settings()
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if settings.metrics_port:
+        serve_metrics(_metrics, settings.metrics_port)
+    liveness = (
+        f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port is not None else None
+    )
+    kopf.run(
+        standalone=True,
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespace,
+        liveness_endpoint=liveness,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

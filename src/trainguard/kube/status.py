@@ -1,0 +1,191 @@
+"""What the operator records on a TrainingJob: its ``status`` and Kubernetes Events.
+
+Pure functions of the controller's state (HyperPod's status shape: ``conditions``,
+``restartCount``, ``restartStatus``, ``latestFaultyPodInstanceList``) plus the
+pods the operator made; :class:`Conditions` keeps transition times stable.
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.control.controller import JobController
+from trainguard.control.events import Event
+from trainguard.kube.config import GROUP, KIND, VERSION
+
+Obj = dict[str, Any]
+
+# Timeline entries kept in the status (the oldest are dropped; Events keep the rest).
+MAX_STATUS_FAULTS = 20
+MAX_EVENT_MESSAGE = 1024
+WARNING_EVENTS = frozenset({"Fault", "JobFailed", "PodLost"})
+CONDITION_TYPES = ("Created", "PodsRunning", "Running", "Restarting", "Succeeded", "Failed")
+
+
+def rfc3339(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> float | None:
+    if not text:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+@dataclass
+class Conditions:
+    """The ``conditions`` list; a transition time changes only when a status flips."""
+
+    items: dict[str, Obj] = field(default_factory=dict)
+
+    def set(self, kind: str, true: bool, now: float, reason: str = "", message: str = "") -> None:
+        status = "True" if true else "False"
+        old = self.items.get(kind)
+        if old is None and not true:
+            return  # a condition appears once it first holds
+        changed = old is None or old["status"] != status
+        self.items[kind] = {
+            "type": kind,
+            "status": status,
+            "reason": reason or (old or {}).get("reason", kind),
+            "message": message,
+            "lastTransitionTime": rfc3339(now) if changed else old["lastTransitionTime"],  # type: ignore[index]
+        }
+
+    def to_json(self) -> list[Obj]:
+        return [self.items[k] for k in CONDITION_TYPES if k in self.items]
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    """One node's pod, as the status shows it."""
+
+    node_id: str
+    pod: str
+    pod_ip: str | None
+    host: str | None
+    state: str
+
+
+@dataclass
+class FaultyPods:
+    """HyperPod's ``latestFaultyPodInstanceList``: the pods and ranks of the last fault."""
+
+    attempt: int = -1
+    restart_type: str | None = None
+    pods: list[str] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+
+    def note_fault(self, event: Event, pod: str | None) -> None:
+        if event.attempt != self.attempt:
+            self.attempt = event.attempt if event.attempt is not None else -1
+            self.pods, self.ranks, self.restart_type = [], [], None
+        if pod is not None and pod not in self.pods:
+            self.pods.append(pod)
+        if event.rank is not None and event.rank not in self.ranks:
+            self.ranks.append(event.rank)
+
+    def to_json(self) -> Obj:
+        return {
+            "restartType": self.restart_type,
+            "faultyPodList": self.pods,
+            "faultyRankList": sorted(self.ranks),
+        }
+
+
+def job_status(
+    controller: JobController,
+    conditions: Conditions,
+    pods: Sequence[PodInfo],
+    faulty: FaultyPods,
+    now: float,
+) -> Obj:
+    """The TrainingJob ``status`` for the controller's current state."""
+    phase = controller.phase.value
+    attempt = controller.current
+    ranks = {a.node_id: a for a in attempt.assignments} if attempt else {}
+    running = bool(pods) and all(p.state in ("running", "completed") for p in pods)
+    conditions.set("Created", True, now, "Created", "pods and service created")
+    conditions.set("PodsRunning", running, now, "PodsRunning", f"{len(pods)} pods")
+    conditions.set("Running", phase == "Running", now, "Running", controller.reason or "")
+    conditions.set("Restarting", phase == "Restarting", now, "Restarting", "")
+    conditions.set("Succeeded", phase == "Succeeded", now, "Succeeded", controller.reason or "")
+    conditions.set("Failed", phase in ("Failed", "Stopped"), now, phase, controller.reason or "")
+    status: Obj = {
+        "phase": phase,
+        "reason": controller.reason or "",
+        "attempt": attempt.number if attempt else None,
+        "restartCount": controller.restarts,
+        "restartStatus": {
+            "restartCount": controller.restarts - controller.full_restarts,
+            "fullJobRestartCount": controller.full_restarts,
+        },
+        "conditions": conditions.to_json(),
+        "nodes": [
+            {
+                "nodeId": p.node_id,
+                "pod": p.pod,
+                "podIP": p.pod_ip,
+                "hostNode": p.host,
+                "state": p.state,
+                "nodeRank": ranks[p.node_id].node_rank if p.node_id in ranks else None,
+                "ranks": ranks[p.node_id].global_ranks if p.node_id in ranks else [],
+            }
+            for p in pods
+        ],
+        "faults": controller.timeline.to_json()[-MAX_STATUS_FAULTS:],
+    }
+    if controller.started_at is not None:
+        status["startTime"] = rfc3339(controller.started_at)
+    if controller.phase.terminal:
+        status["completionTime"] = rfc3339(now)
+    if faulty.attempt >= 0:
+        status["latestFaultyPodInstanceList"] = faulty.to_json()
+    return status
+
+
+def k8s_event(job: Mapping[str, Any], event: Event, component: str) -> Obj:
+    """A core/v1 Event about the TrainingJob ``job`` (its metadata) for one timeline event."""
+    meta = job.get("metadata") or {}
+    stamp = rfc3339(event.time)
+    where = " ".join(
+        part
+        for part in (
+            f"attempt {event.attempt}" if event.attempt is not None else "",
+            event.node or "",
+            f"rank {event.rank}" if event.rank is not None else "",
+        )
+        if part
+    )
+    message = f"[{where}] {event.message}" if where else event.message
+    involved: Obj = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": meta.get("name"),
+        "namespace": meta.get("namespace"),
+    }
+    if meta.get("uid"):
+        involved["uid"] = meta["uid"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {
+            "name": f"{meta.get('name')}.{secrets.token_hex(8)}",
+            "namespace": meta.get("namespace"),
+        },
+        "involvedObject": involved,
+        "reason": event.kind,
+        "message": message[:MAX_EVENT_MESSAGE],
+        "type": "Warning" if event.kind in WARNING_EVENTS else "Normal",
+        "source": {"component": component},
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }

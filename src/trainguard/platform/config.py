@@ -1,0 +1,56 @@
+"""The controller's configuration from a job plan: one place for every platform."""
+
+from __future__ import annotations
+
+from trainguard.control.actions import ControlConfig
+from trainguard.control.persist import DurableCadence
+from trainguard.control.policy import PolicyConfig
+from trainguard.monitor.rules import LogRuleSpec
+from trainguard.spec.plan import JobPlan, NodeGroupPlan
+
+
+def control_config(
+    plan: JobPlan, job_id: str, *, durable: bool
+) -> tuple[ControlConfig, dict[str, tuple[int, NodeGroupPlan]]]:
+    """The :class:`ControlConfig` of ``plan``, and each node id's group (index, plan).
+
+    Node ids ``node-0..N-1`` run the job, in group order; each group's spare nodes follow
+    them. ``durable``: the platform has a durable checkpoint tier, so the controller
+    schedules persisting to it (``spec.checkpointing``'s cadence).
+    """
+    groups: dict[str, tuple[int, NodeGroupPlan]] = {}
+    active: list[str] = []
+    spares: list[str] = []
+    for index, group in enumerate(plan.groups):
+        for _ in range(group.replicas):
+            active.append(f"node-{len(active)}")
+            groups[active[-1]] = (index, group)
+    for index, group in enumerate(plan.groups):
+        for _ in range(group.spares):
+            spares.append(f"node-{len(active) + len(spares)}")
+            groups[spares[-1]] = (index, group)
+    spec = plan.job.spec
+    run_policy = spec.run_policy
+    checkpointing = spec.checkpointing
+    options = spec.trainguard
+    config = ControlConfig(
+        job_id=job_id,
+        node_ids=tuple(active),
+        nproc_per_node=plan.nproc_per_node,
+        policy=PolicyConfig.from_spec(run_policy, plan.max_restarts),
+        spare_node_ids=tuple(spares),
+        log_rules=tuple(LogRuleSpec.from_model(r) for r in run_policy.log_monitoring_configuration),
+        progress_pattern=options.progress_pattern,
+        heartbeat_timeout=options.heartbeat_timeout_seconds,
+        stop_grace_seconds=plan.stop_grace_seconds,
+        active_deadline_seconds=plan.active_deadline_seconds,
+        durable=DurableCadence(
+            checkpointing.durable_every_steps, checkpointing.durable_every_seconds
+        )
+        if durable
+        else None,
+        in_process=options.in_process_restart,
+        hot_spares=options.hot_spares,
+        barrier_timeout=options.restart_barrier_timeout_seconds,
+    )
+    return config, groups

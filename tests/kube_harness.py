@@ -1,0 +1,482 @@
+"""A Kubernetes stand-in for the operator's tests: an API server and a kubelet on this machine.
+
+- :class:`ApiServer`: kmock's ``KubernetesEmulator`` (a stateful API over HTTP, with
+  watches) on a background thread, filling in what a real API server adds on create
+  (namespace, uid, creationTimestamp) and serving pod logs from the kubelet.
+- :class:`Kubelet`: polls the pods, schedules each onto a fake Node that satisfies its
+  required node affinity (In, NotIn, Exists, DoesNotExist), runs its first container's
+  command as a local process group with its own loopback pod IP (127.77.0.N) and its
+  environment (``value``, ``fieldRef`` podIP/name/namespace, ``secretKeyRef``, ``$(VAR)``
+  expansion), and writes the pod status back (Running with podIP, then Succeeded/Failed
+  with the exit code). A deleted pod gets SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import datetime
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kmock
+
+from trainguard.kube.api import KubeApi, NotFound
+
+Obj = dict[str, Any]
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+POLL_SECONDS = 0.2
+DELETE_GRACE_SECONDS = 5.0
+
+RESOURCES: dict[str, kmock.ResourceInfo] = {
+    "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
+        namespaced=False, kind="CustomResourceDefinition"
+    ),
+    "v1/namespaces": kmock.ResourceInfo(namespaced=False, kind="Namespace"),
+    "v1/nodes": kmock.ResourceInfo(namespaced=False, kind="Node"),
+    "v1/pods": kmock.ResourceInfo(namespaced=True, kind="Pod", subresources={"status", "log"}),
+    "v1/services": kmock.ResourceInfo(namespaced=True, kind="Service"),
+    "v1/secrets": kmock.ResourceInfo(namespaced=True, kind="Secret"),
+    "v1/events": kmock.ResourceInfo(namespaced=True, kind="Event"),
+    "v1/serviceaccounts": kmock.ResourceInfo(namespaced=True, kind="ServiceAccount"),
+    "apps/v1/deployments": kmock.ResourceInfo(namespaced=True, kind="Deployment"),
+    "rbac.authorization.k8s.io/v1/clusterroles": kmock.ResourceInfo(
+        namespaced=False, kind="ClusterRole"
+    ),
+    "rbac.authorization.k8s.io/v1/clusterrolebindings": kmock.ResourceInfo(
+        namespaced=False, kind="ClusterRoleBinding"
+    ),
+    "trainguard.dev/v1/trainingjobs": kmock.ResourceInfo(
+        namespaced=True,
+        kind="TrainingJob",
+        subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
+}
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class _Emulator(kmock.KubernetesEmulator):
+    """The emulator plus what a real API server fills in when an object is created."""
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if (
+            request.resource is not None
+            and request.action == kmock.action.CREATE
+            and isinstance(request.data, dict)
+        ):
+            meta = request.data.setdefault("metadata", {})
+            if request.namespace and not meta.get("namespace"):
+                meta["namespace"] = request.namespace
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", now_rfc3339())
+            meta.setdefault("resourceVersion", "1")
+        return await super()._handle(request)
+
+
+class ApiServer:
+    """The emulated API server on 127.0.0.1:<port>, run on its own thread and event loop."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.logs: dict[tuple[str, str], Path] = {}  # (namespace, pod) -> log file
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="kube-api")
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the emulated API server did not start")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+                    "users": [{"name": "tester", "user": {}}],
+                    "contexts": [
+                        {
+                            "name": "emulator",
+                            "context": {
+                                "cluster": "emulator",
+                                "user": "tester",
+                                "namespace": namespace,
+                            },
+                        }
+                    ],
+                    "current-context": "emulator",
+                }
+            )
+        )
+        return path
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def _serve(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        emulator = _Emulator()
+        for key, info in RESOURCES.items():
+            emulator.resources[key] = info
+        emulator["get", kmock.subresource("log")] << self._pod_log
+        async with emulator, kmock.Server(emulator) as server:
+            self.port = server.port
+            self._ready.set()
+            await self._stop.wait()
+
+    def _pod_log(self, request: kmock.Request) -> bytes:
+        """The pod's output, raw (a ``str`` would be served as a JSON string)."""
+        path = self.logs.get((str(request.namespace), str(request.name)))
+        return path.read_bytes() if path is not None and path.exists() else b""
+
+
+@dataclass
+class PodProcess:
+    namespace: str
+    name: str
+    ip: str
+    node: str
+    process: subprocess.Popen[bytes]
+    log: Path
+    container: str
+    reported: bool = False  # its end was written to the pod status
+    pids: set[int] = field(default_factory=set)
+
+
+class Kubelet:
+    """Runs the emulator's pods as local processes; see the module docstring."""
+
+    def __init__(self, server: ApiServer, api: KubeApi, root: Path, nodes: dict[str, Obj]) -> None:
+        self.server = server
+        self.api = api
+        self.root = root
+        self.nodes = nodes  # node name -> labels
+        self.pods: dict[tuple[str, str], PodProcess] = {}
+        self.started: list[str] = []  # pod names, in start order
+        self._next_ip = 2
+        self._halt = threading.Event()
+        self._lock = threading.Lock()
+        for name, labels in nodes.items():
+            api.core.create_node(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {
+                        "name": name,
+                        "labels": {"kubernetes.io/hostname": name, **labels},
+                    },
+                },
+                _preload_content=False,
+            )
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="kubelet")
+        self._thread.start()
+
+    # -- for tests -----------------------------------------------------------------------
+
+    def process(self, name: str) -> PodProcess:
+        with self._lock:
+            for pod in self.pods.values():
+                if pod.name == name:
+                    return pod
+        raise KeyError(name)
+
+    def kill_pod(self, name: str) -> None:
+        """SIGKILL every process of the pod, as when its container or node dies."""
+        pod = self.process(name)
+        _kill_tree(pod.process.pid, signal.SIGKILL)
+
+    def all_pids(self, prefix: str = "") -> set[int]:
+        """Every process seen in the pods whose name starts with ``prefix`` (agents, workers)."""
+        with self._lock:
+            return {
+                pid for pod in self.pods.values() if pod.name.startswith(prefix) for pid in pod.pids
+            }
+
+    def stop(self) -> None:
+        self._halt.set()
+        self._thread.join(10)
+        with self._lock:
+            pods = list(self.pods.values())
+        for pod in pods:
+            _kill_tree(pod.process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                pod.process.wait(10)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._halt.wait(POLL_SECONDS):
+            try:
+                self._sync()
+            except Exception as exc:  # keep going: a test sees the effect, not a dead thread
+                print(f"kubelet: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    def _sync(self) -> None:
+        raw = self.api.core.list_pod_for_all_namespaces(_preload_content=False)
+        listed = {
+            (p["metadata"]["namespace"], p["metadata"]["name"]): p
+            for p in json.loads(raw.data).get("items") or []
+        }
+        for key, pod in listed.items():
+            deleting = bool(pod["metadata"].get("deletionTimestamp"))
+            if key not in self.pods and not deleting and not pod.get("status", {}).get("phase"):
+                self._start(pod)
+        with self._lock:
+            running = list(self.pods.items())
+        for key, proc in running:
+            proc.pids |= _tree(proc.process.pid)
+            pod = listed.get(key)
+            if pod is None or pod["metadata"].get("deletionTimestamp"):
+                if proc.process.poll() is None:
+                    threading.Thread(target=_terminate, args=(proc,), daemon=True).start()
+                continue
+            code = proc.process.poll()
+            if code is not None and not proc.reported:
+                proc.reported = True
+                self._report_end(proc, code)
+
+    def _start(self, pod: Obj) -> None:
+        meta, spec = pod["metadata"], pod["spec"]
+        namespace, name = meta["namespace"], meta["name"]
+        node = self._schedule(pod)
+        if node is None:
+            self._patch_status(
+                namespace,
+                name,
+                {
+                    "phase": "Pending",
+                    "conditions": [
+                        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
+                    ],
+                },
+            )
+            return
+        ip = f"127.77.0.{self._next_ip}"
+        self._next_ip += 1
+        container = spec["containers"][0]
+        env = self._environment(container, namespace, name, ip)
+        argv = [
+            _expand(arg, env) for arg in [*container.get("command", []), *container.get("args", [])]
+        ]
+        log = self.root / "pods" / f"{namespace}-{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        cwd = container.get("workingDir") or str(self.root)
+        with open(log, "ab") as out:
+            process = subprocess.Popen(
+                argv,
+                env={
+                    "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}",
+                    "HOME": str(self.root),
+                    **env,
+                },
+                cwd=cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        with self._lock:
+            self.pods[(namespace, name)] = PodProcess(
+                namespace, name, ip, node, process, log, container["name"]
+            )
+            self.started.append(name)
+        self.server.logs[(namespace, name)] = log
+        self.api.core.patch_namespaced_pod(
+            name, namespace, {"spec": {"nodeName": node}}, _preload_content=False
+        )
+        self._patch_status(
+            namespace,
+            name,
+            {
+                "phase": "Running",
+                "podIP": ip,
+                "hostIP": "127.0.0.1",
+                "startTime": now_rfc3339(),
+                "containerStatuses": [
+                    {
+                        "name": container["name"],
+                        "ready": True,
+                        "restartCount": 0,
+                        "state": {"running": {"startedAt": now_rfc3339()}},
+                    }
+                ],
+            },
+        )
+
+    def _report_end(self, proc: PodProcess, code: int) -> None:
+        exit_code = 128 - code if code < 0 else code  # a signal: 128 + signal number
+        with contextlib.suppress(NotFound):
+            self._patch_status(
+                proc.namespace,
+                proc.name,
+                {
+                    "phase": "Succeeded" if exit_code == 0 else "Failed",
+                    "containerStatuses": [
+                        {
+                            "name": proc.container,
+                            "ready": False,
+                            "restartCount": 0,
+                            "state": {
+                                "terminated": {"exitCode": exit_code, "finishedAt": now_rfc3339()}
+                            },
+                        }
+                    ],
+                },
+            )
+
+    def _patch_status(self, namespace: str, name: str, status: Obj) -> None:
+        try:
+            self.api.core.patch_namespaced_pod_status(
+                name, namespace, {"status": status}, _preload_content=False
+            )
+        except Exception as exc:
+            if "404" not in str(exc):
+                raise
+
+    def _schedule(self, pod: Obj) -> str | None:
+        """The matching node with the fewest of our pods (so a job's pods spread out)."""
+        affinity = ((pod["spec"].get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        )
+        terms = (affinity or {}).get("nodeSelectorTerms") or [{}]
+        selector = pod["spec"].get("nodeSelector") or {}
+        load = {n: 0 for n in self.nodes}
+        with self._lock:
+            for running in self.pods.values():
+                if running.process.poll() is None:
+                    load[running.node] += 1
+        fitting = [
+            name
+            for name, labels in self.nodes.items()
+            if all(labels.get(k) == v for k, v in selector.items())
+            and any(_term_matches(t, {"kubernetes.io/hostname": name, **labels}) for t in terms)
+        ]
+        return min(fitting, key=lambda n: (load[n], n)) if fitting else None
+
+    def _environment(self, container: Obj, namespace: str, name: str, ip: str) -> dict[str, str]:
+        env: dict[str, str] = {}
+        fields = {"status.podIP": ip, "metadata.name": name, "metadata.namespace": namespace}
+        for var in container.get("env") or []:
+            source = var.get("valueFrom")
+            if source is None:
+                env[var["name"]] = _expand(var.get("value") or "", env)
+            elif "fieldRef" in source:
+                env[var["name"]] = fields[source["fieldRef"]["fieldPath"]]
+            elif "secretKeyRef" in source:
+                ref = source["secretKeyRef"]
+                raw = self.api.read_secret(namespace, ref["name"])
+                env[var["name"]] = base64.b64decode(raw["data"][ref["key"]]).decode()
+        return env
+
+
+def _term_matches(term: Obj, labels: dict[str, str]) -> bool:
+    for expr in term.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: known names replaced, ``$$`` is a literal ``$``."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(1) is None:
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return _VAR.sub(one, text)
+
+
+def _children() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        ppid = int(raw[raw.rfind(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _tree(pid: int) -> set[int]:
+    """``pid`` and all its live descendants."""
+    children = _children()
+    found, todo = set(), [pid]
+    while todo:
+        current = todo.pop()
+        if current in found:
+            continue
+        found.add(current)
+        todo += children.get(current, [])
+    return found
+
+
+def _kill_tree(pid: int, sig: signal.Signals) -> None:
+    for target in _tree(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(target, sig)
+
+
+def _terminate(proc: PodProcess) -> None:
+    """What a kubelet does to a deleted pod: SIGTERM, then SIGKILL after the grace period."""
+    _kill_tree(proc.process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.process.wait(DELETE_GRACE_SECONDS)
+    _kill_tree(proc.process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.process.wait(5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,295 @@
+"""The operator end to end: kmock's API server, a harness kubelet, the operator as a process.
+
+Jobs are submitted with the ``trainguard`` CLI, run as real agent and worker processes
+(the light fake worker here, the GPT example in the e2e test), and recover from faults
+injected by killing real processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import FAKE_WORKER, REPO, wait_for
+from kube_harness import ApiServer, Kubelet, alive, free_port
+from trainguard.cli import main
+from trainguard.kube.api import KubeApi, NotFound
+
+UNHEALTHY = {"sagemaker.amazonaws.com/node-health-status": "Unschedulable"}
+JOB_TIMEOUT = 120.0
+
+
+@dataclass
+class Cluster:
+    root: Path
+    server: ApiServer
+    api: KubeApi
+    kubelet: Kubelet
+    kubeconfig: Path
+    operator: subprocess.Popen[bytes]
+    metrics_port: int
+
+    def tg(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """The ``trainguard`` CLI against this cluster, in this process (no interpreter start)."""
+        out, err = io.StringIO(), io.StringIO()
+        argv = [*args, "--kubeconfig", str(self.kubeconfig)]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+        return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+    def submit(self, name: str, command: list[str], **spec: Any) -> None:
+        path = self.root / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(job_manifest(name, command, **spec)))
+        done = self.tg("submit", "-f", str(path))
+        assert done.returncode == 0, done.stderr
+
+    def status(self, name: str) -> dict[str, Any]:
+        return dict(self.api.get_job("default", name).get("status") or {})
+
+    def wait_phase(self, name: str, *phases: str, timeout: float = JOB_TIMEOUT) -> dict[str, Any]:
+        wait_for(lambda: self.status(name).get("phase") in phases, timeout)
+        return self.status(name)
+
+    def describe(self, name: str) -> dict[str, Any]:
+        done = self.tg("describe", "--kube", name, "-o", "json")
+        assert done.returncode == 0, done.stderr
+        data: dict[str, Any] = json.loads(done.stdout)
+        return data
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return str(response.read().decode())
+
+
+def job_manifest(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "trainguard.dev/v1",
+        "kind": "TrainingJob",
+        "metadata": {"name": name},
+        "spec": {
+            "nprocPerNode": 2,
+            "replicaSpecs": [
+                {
+                    "name": "pods",
+                    "replicas": 2,
+                    "template": {
+                        "spec": {
+                            "containers": [
+                                {
+                                    "name": "trainer",
+                                    "image": "trainguard:test",
+                                    "command": command,
+                                    "workingDir": str(REPO),
+                                }
+                            ]
+                        }
+                    },
+                }
+            ],
+            "trainguard": {"pollIntervalSeconds": 0.3, "stopGracePeriodSeconds": 3},
+            **spec,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One API server, kubelet and operator for the module (jobs have distinct names)."""
+    root = tmp_path_factory.mktemp("cluster")
+    server = ApiServer()
+    kubeconfig = server.write_kubeconfig(root / "kubeconfig")
+    api = KubeApi.connect(str(kubeconfig))
+    nodes = {"node-a": {}, "node-b": {}, "node-c": {}, "node-d": {}, "sick": UNHEALTHY}
+    kubelet = Kubelet(server, api, root, nodes)
+    metrics_port = free_port()
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "TRAINGUARD_AGENT_PORT": str(free_port()),
+        "TRAINGUARD_RENDEZVOUS_PORT_BASE": str(free_port()),
+        "TRAINGUARD_POD_LOG_DIR": str(root / "agent-logs"),
+        "TRAINGUARD_POD_MEMORY_ROOT": str(root / "shm"),
+        "TRAINGUARD_POD_JOB_ROOT": str(root / "jobs"),
+        "TRAINGUARD_METRICS_PORT": str(metrics_port),
+    }
+    with open(root / "operator.log", "wb") as log:
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "trainguard.kube.operator", "--namespace", "default"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    cluster = Cluster(root, server, api, kubelet, kubeconfig, operator, metrics_port)
+    try:
+        yield cluster
+    finally:
+        operator.terminate()
+        try:
+            operator.wait(30)
+        except subprocess.TimeoutExpired:
+            operator.kill()
+            operator.wait()
+        kubelet.stop()
+        server.stop()
+
+
+def fake(out: Path, *args: str) -> list[str]:
+    return ["python", str(FAKE_WORKER), "--out", str(out), *args]
+
+
+def record(out: Path, rank: int, attempt: int) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((out / f"rank-{rank}-attempt-{attempt}.json").read_text())
+    return data
+
+
+def reasons(described: dict[str, Any]) -> list[str]:
+    return [e["reason"] for e in described["events"]]
+
+
+def test_jobs_run_to_completion_on_healthy_nodes_and_expire(cluster: Cluster) -> None:
+    out, quick = cluster.root / "out-ok", cluster.root / "out-ttl"
+    cluster.submit("fake-ok", fake(out, "--sleep", "2"), runPolicy={"cleanPodPolicy": "None"})
+    cluster.submit("fake-ttl", fake(quick), runPolicy={"ttlSecondsAfterFinished": 1})
+    status = cluster.wait_phase("fake-ok", "Succeeded", "Failed")
+    assert status["phase"] == "Succeeded", status
+    # 2 pods x 2 processes, with the torchrun contract, on healthy nodes only.
+    envs = [record(out, rank, 0)["env"] for rank in range(4)]
+    assert sorted(e["RANK"] for e in envs) == ["0", "1", "2", "3"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"}
+    pods = status["nodes"]
+    assert len(pods) == 2
+    assert "sick" not in {p["hostNode"] for p in pods}  # labelled Unschedulable
+    assert len({p["hostNode"] for p in pods}) == 2
+    assert {e["MASTER_ADDR"] for e in envs} == {pods[0]["podIP"]}
+    assert [c["type"] for c in status["conditions"] if c["status"] == "True"] == [
+        "Created",
+        "PodsRunning",
+        "Succeeded",
+    ]
+    described = cluster.describe("fake-ok")
+    assert reasons(described) == ["JobStarted", "AttemptStarted", "AttemptEnded", "JobSucceeded"]
+    listed = cluster.tg("list", "--kube")
+    assert "fake-ok" in listed.stdout and "Succeeded" in listed.stdout, listed
+    logs = cluster.tg("logs", "--kube", "fake-ok", "--rank", "3")
+    assert logs.returncode == 0, logs.stderr
+    assert logs.stdout.splitlines() == [
+        "[rank3]: hello from rank 3 attempt 0",
+        "[rank3]: stderr line from rank 3",
+        "[rank3]: rank 3 done",
+    ]
+    assert "trainguard_jobs_succeeded_total" in cluster.metrics()
+
+    # The other job ran too, and was deleted (with its pods) a second after it ended.
+    assert (quick / "rank-3-attempt-0.json").exists()
+
+    def expired() -> bool:
+        try:
+            cluster.api.get_job("default", "fake-ttl")
+        except NotFound:
+            return True
+        return False
+
+    wait_for(expired, JOB_TIMEOUT)
+    assert cluster.api.list_pods("default", {"trainguard.dev/job": "fake-ttl"}) == []
+
+
+def test_worker_and_pod_faults_recover_then_delete_stops_everything(cluster: Cluster) -> None:
+    out = cluster.root / "out-faults"
+    cluster.submit(
+        "fake-faults",
+        fake(out, "--sleep", "300"),
+        runPolicy={"jobMaxRetryCount": 3},
+    )
+    wait_for(lambda: (out / "rank-3-attempt-0.json").exists(), JOB_TIMEOUT)
+    first_pods = [n["pod"] for n in cluster.status("fake-faults")["nodes"]]
+
+    # A killed worker: process-level restart inside the same pods.
+    os.kill(record(out, 1, 0)["pid"], 9)
+    wait_for(lambda: (out / "rank-3-attempt-1.json").exists(), JOB_TIMEOUT)
+    wait_for(lambda: cluster.status("fake-faults")["attempt"] == 1, JOB_TIMEOUT)
+    status = cluster.status("fake-faults")
+    assert [n["pod"] for n in status["nodes"]] == first_pods
+    assert status["restartCount"] == 1
+    assert status["restartStatus"] == {"restartCount": 1, "fullJobRestartCount": 0}
+    faulty = status["latestFaultyPodInstanceList"]
+    assert faulty == {"restartType": "PLR", "faultyPodList": [first_pods[0]], "faultyRankList": [1]}
+
+    # A killed pod (its agent and workers): full restart on new pods.
+    cluster.kubelet.kill_pod(first_pods[1])
+    wait_for(lambda: (out / "rank-3-attempt-2.json").exists(), JOB_TIMEOUT)
+    wait_for(lambda: cluster.status("fake-faults")["attempt"] == 2, JOB_TIMEOUT)
+    status = cluster.status("fake-faults")
+    new_pods = [n["pod"] for n in status["nodes"]]
+    assert not set(new_pods) & set(first_pods)
+    assert status["restartStatus"] == {"restartCount": 1, "fullJobRestartCount": 1}
+    assert status["latestFaultyPodInstanceList"]["restartType"] == "JLR"
+    assert status["latestFaultyPodInstanceList"]["faultyPodList"] == [first_pods[1]]
+    described = cluster.describe("fake-faults")
+    messages = [e["message"] for e in described["events"] if e["reason"] == "RestartScheduled"]
+    assert len(messages) == 2
+    assert "process-level restart 1 of 3" in messages[0]
+    assert "job-level restart 2 of 3" in messages[1]
+    assert [e["type"] for e in described["events"] if e["reason"] == "Fault"] == ["Warning"] * 2
+    metrics = cluster.metrics()
+    assert 'trainguard_jobs_restarted_total{scope="process"} 1' in metrics
+    assert 'trainguard_jobs_restarted_total{scope="job"} 1' in metrics
+
+    # Deletion: the job, its pods and every process are gone.
+    done = cluster.tg("delete", "--kube", "fake-faults", "--timeout", "60")
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(NotFound):
+        cluster.api.get_job("default", "fake-faults")
+    assert cluster.api.list_pods("default", {"trainguard.dev/job": "fake-faults"}) == []
+    pids = cluster.kubelet.all_pids("fake-faults-")
+    assert len(pids) >= 2 * 3  # agents and workers of the pods seen
+    wait_for(lambda: not [p for p in pids if alive(p)], 30)
+
+
+def test_bad_spec_is_refused_on_submit_and_fails_in_the_operator(cluster: Cluster) -> None:
+    path = cluster.root / "bad.yaml"
+    manifest = job_manifest("bad", ["python", "x.py"])
+    manifest["spec"]["replicaSpecs"][0]["replicas"] = 0
+    path.write_text(yaml.safe_dump(manifest))
+    done = cluster.tg("submit", "-f", str(path))
+    assert done.returncode == 2
+    assert f"{path}: spec.replicaSpecs[0].replicas: " in done.stderr
+    # Straight to the API (as kubectl would): the operator fails it, naming the field.
+    manifest["metadata"]["namespace"] = "default"
+    cluster.api.create_job("default", manifest)
+    status = cluster.wait_phase("bad", "Failed")
+    assert "spec.replicaSpecs[0].replicas" in status["reason"]
+
+
+@pytest.mark.e2e
+def test_gpt_example_trains_on_two_pods(cluster: Cluster) -> None:
+    checkpoints = cluster.root / "ckpt"
+    command = [
+        "python",
+        "examples/gpt/train.py",
+        "--steps",
+        "30",
+        "--ckpt-every",
+        "10",
+        "--ckpt-dir",
+        str(checkpoints),
+        "--n-layer",
+        "1",
+    ]
+    cluster.submit("gpt", command, runPolicy={"cleanPodPolicy": "None"})
+    status = cluster.wait_phase("gpt", "Succeeded", "Failed", timeout=240)
+    assert status["phase"] == "Succeeded", status
+    logs = cluster.tg("logs", "--kube", "gpt", "--rank", "0").stdout
+    assert "Batch 30 " in logs or "Batch 29 " in logs, logs[-2000:]
