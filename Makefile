@@ -4,6 +4,7 @@ PY := $(VENV)/bin/python
 # Dev and CI pin the CPU build (on local disk here); pyproject keeps a range for users.
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: install demo test unit e2e lint format bench clean
 
@@ -28,9 +29,10 @@ unit: install
 e2e: install
 	$(VENV)/bin/pytest -q -m e2e $(PYTEST_ARGS)
 
-# Benchmarks: each measured against its baseline in the same run (see README).
+# Benchmarks: each scenario against its baselines in the same run; writes bench/results.json
+# and bench/results.md (see README). BENCH_ARGS="--only recovery,hang" or "--quick" to develop.
 bench: install
-	$(PY) -m bench.checkpoint --sizes 256,1024 --repeats 5 --out bench/out/checkpoint.json
+	$(PY) -m bench $(BENCH_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check src tests examples bench

@@ -1,0 +1,324 @@
+"""The scenarios of ``make bench``: each runs trainguard and its baselines, side by side.
+
+Every scenario function takes the :class:`Settings` and a work directory and returns
+its part of ``results.json``: the trainguard figures under ``trainguard``, each
+baseline's under a key starting with ``baseline``, and ``ratio`` (trainguard / baseline,
+medians). Repetitions interleave the variants, so slow spells on a shared machine hit
+every side alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench.clean import CleanRecord, torchrun_clean, trainguard_clean
+from bench.goodput import GOODPUT_VARIANTS, GoodputSetup
+from bench.recovery import (
+    HANG_RULE_SECONDS,
+    HANG_VARIANTS,
+    RECOVERY_VARIANTS,
+    FaultRecord,
+    FaultSetup,
+    Variant,
+)
+from bench.report import ratio, summary
+from bench.runs import NNODES, NPROC_PER_NODE, REPO, TrainArgs
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Step counts and repetitions: :data:`FULL` for ``make bench``, :data:`QUICK` to develop."""
+
+    repeats: int = 3
+    # The injectors see steps late (trainguard polls its agents every 0.5 s, which tail the
+    # logs): steps of 0.1 s and 40 steps after the fault leave room for that on a busy machine.
+    fault_args: TrainArgs = field(default_factory=lambda: TrainArgs(steps=60, step_sleep=0.1))
+    fault_step: int = 25  # mid-way between two checkpoints (every 10 steps)
+    cap: float = 30.0  # how long a baseline that may never recover gets after the fault
+    # Runs of torchrun after a hang: nothing can notice a stopped rank before gloo's
+    # collective timeout, so every run waits out the cap; more runs only re-measure it.
+    capped_baseline_repeats: int = 1
+    clean_args: TrainArgs = field(default_factory=lambda: TrainArgs(steps=300, step_sleep=0.0))
+    goodput_args: TrainArgs = field(
+        default_factory=lambda: TrainArgs(steps=1_000_000, step_sleep=0.05)
+    )
+    goodput_seconds: float = 180.0
+    goodput_interval: float = 30.0
+    checkpoint_sizes: tuple[int, ...] = (256, 1024)
+    checkpoint_repeats: int = 3
+    scale_nodes: tuple[int, ...] = (256, 1024, 4096)
+    run_timeout: float = 300.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+FULL = Settings()
+QUICK = replace(
+    FULL,
+    repeats=1,
+    clean_args=TrainArgs(steps=100, step_sleep=0.0),
+    cap=30.0,
+    goodput_seconds=50.0,
+    goodput_interval=20.0,
+    checkpoint_sizes=(64,),
+    checkpoint_repeats=2,
+    scale_nodes=(16, 64),
+)
+
+
+CAPPED_BASELINES = ("baseline_torchrun",)  # in the hang scenario
+
+
+@dataclass
+class Context:
+    settings: Settings
+    workdir: Path
+    log: Callable[[str], None]
+    clean: dict[str, list[CleanRecord]] = field(default_factory=dict)
+
+
+def _fault_scenario(
+    ctx: Context, name: str, variants: Sequence[tuple[str, Variant]], what: str
+) -> dict[str, Any]:
+    s = ctx.settings
+    records: dict[str, list[FaultRecord]] = {v: [] for v, _ in variants}
+    for rep in range(s.repeats):
+        step = s.fault_step
+        for variant, fn in variants:
+            if variant in CAPPED_BASELINES and rep >= s.capped_baseline_repeats:
+                continue
+            setup = FaultSetup(
+                ctx.workdir / name / f"{variant}-{rep}",
+                s.fault_args,
+                step,
+                timeout=s.run_timeout,
+                cap=s.cap,
+            )
+            record = fn(setup)
+            ctx.log(f"{name} {rep + 1}/{s.repeats} {variant}: {_brief(record)}")
+            records[variant].append(record)
+            if variant == "trainguard" and record.step_at_fault is not None:
+                # The baselines are hit at the step trainguard's injector actually hit.
+                step = record.step_at_fault
+    result: dict[str, Any] = {
+        "setup": {
+            "nodes": NNODES,
+            "nproc_per_node": NPROC_PER_NODE,
+            "fault": what,
+            "checkpoint_every_steps": s.fault_args.ckpt_every,
+            "step_sleep_s": s.fault_args.step_sleep,
+            "repeats": s.repeats,
+            "cap_s": s.cap,
+            "capped_baseline_repeats": s.capped_baseline_repeats,
+        }
+    }
+    metrics = ("stall_s", "lost_steps", "detect_s")
+    for variant, recs in records.items():
+        result[variant] = {m: summary([getattr(r, m) for r in recs]) for m in metrics}
+        result[variant]["recovered"] = sum(r.recovered for r in recs)
+        result[variant]["runs"] = [r.to_json() for r in recs]
+    result["ratio"] = paired_ratios(result, metrics)
+    return result
+
+
+def paired_ratios(result: dict[str, Any], metrics: Sequence[str]) -> dict[str, float | None]:
+    """trainguard / baseline, medians over the repetitions where both have the figure.
+
+    Repetition i of every variant was faulted at the same step, so a baseline that
+    recovered only sometimes is compared with trainguard in those repetitions only.
+    """
+    ratios: dict[str, float | None] = {}
+    ours = result["trainguard"]["runs"]
+    for name in [k for k in result if k.startswith("baseline")]:
+        theirs = result[name]["runs"]
+        for m in metrics:
+            pairs = [
+                (a[m], b[m])
+                for a, b in zip(ours, theirs, strict=False)
+                if a[m] is not None and b[m] is not None
+            ]
+            ratios[f"{m}_vs_{name}"] = ratio(
+                summary([a for a, _ in pairs]), summary([b for _, b in pairs])
+            )
+    return ratios
+
+
+def recovery(ctx: Context) -> dict[str, Any]:
+    what = f"SIGKILL of rank 3 at step {ctx.settings.fault_step}"
+    return _fault_scenario(ctx, "recovery", RECOVERY_VARIANTS, what)
+
+
+def hang(ctx: Context) -> dict[str, Any]:
+    s = ctx.settings
+    what = f"SIGSTOP of rank 3 at step {s.fault_step}"
+    result = _fault_scenario(ctx, "hang", HANG_VARIANTS, what)
+    result["setup"] |= {
+        "hang_rule_s": HANG_RULE_SECONDS,
+    }
+    for key in ("detect_s", "stall_s"):
+        ours, theirs = result["trainguard"][key], result["baseline_torchrun"][key]
+        if ours["max"] is not None and ours["max"] < s.cap and theirs["n"] == 0:
+            # The baseline got nowhere within the cap, trainguard always did: an upper bound.
+            result["ratio"][f"{key}_vs_baseline_torchrun_at_most"] = ours["median"] / s.cap
+    return result
+
+
+def _clean_runs(ctx: Context) -> dict[str, list[CleanRecord]]:
+    if not ctx.clean:
+        s = ctx.settings
+        ctx.clean = {"trainguard": [], "baseline_torchrun": []}
+        for rep in range(s.repeats):
+            for name, fn in (
+                ("trainguard", trainguard_clean),
+                ("baseline_torchrun", torchrun_clean),
+            ):
+                record = fn(ctx.workdir / "clean" / f"{name}-{rep}", s.clean_args, s.run_timeout)
+                ctx.log(f"clean run {rep + 1}/{s.repeats} {name}: {record}")
+                ctx.clean[name].append(record)
+    return ctx.clean
+
+
+def _clean_scenario(ctx: Context, metric: str) -> dict[str, Any]:
+    runs = _clean_runs(ctx)
+    result: dict[str, Any] = {
+        "setup": {
+            "nodes": NNODES,
+            "nproc_per_node": NPROC_PER_NODE,
+            "steps": ctx.settings.clean_args.steps,
+            "repeats": ctx.settings.repeats,
+        }
+    }
+    for name, recs in runs.items():
+        result[name] = {
+            metric: summary([getattr(r, metric) for r in recs]),
+            "completed": sum(r.completed for r in recs),
+        }
+    result["ratio"] = _ratios(result, (metric,))
+    return result
+
+
+def overhead(ctx: Context) -> dict[str, Any]:
+    return _clean_scenario(ctx, "steps_per_s")
+
+
+def startup(ctx: Context) -> dict[str, Any]:
+    return _clean_scenario(ctx, "first_step_s")
+
+
+def goodput(ctx: Context) -> dict[str, Any]:
+    s = ctx.settings
+    result: dict[str, Any] = {
+        "setup": {
+            "nodes": NNODES,
+            "nproc_per_node": NPROC_PER_NODE,
+            "duration_s": s.goodput_seconds,
+            "kill_every_s": s.goodput_interval,
+            "checkpoint_every_steps": s.goodput_args.ckpt_every,
+        }
+    }
+    for name, fn in GOODPUT_VARIANTS:
+        setup = GoodputSetup(
+            ctx.workdir / "goodput" / name, s.goodput_args, s.goodput_seconds, s.goodput_interval
+        )
+        record = fn(setup)
+        ctx.log(f"goodput {name}: {record.goodput:.3f} with {record.faults} kills")
+        result[name] = {"goodput": summary([record.goodput]), "runs": [record.to_json()]}
+    result["ratio"] = _ratios(result, ("goodput",))
+    return result
+
+
+def checkpoint(ctx: Context) -> dict[str, Any]:
+    """``bench/checkpoint.py`` in its own process (gigabytes of state, a gloo group)."""
+    s = ctx.settings
+    out = ctx.workdir / "checkpoint.json"
+    sizes = ",".join(str(n) for n in s.checkpoint_sizes)
+    argv = ["--sizes", sizes, "--repeats", str(s.checkpoint_repeats), "--out", str(out)]
+    _python_module("bench.checkpoint", argv)
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def scale(ctx: Context) -> dict[str, Any]:
+    """``bench/scale.py`` once per N, each in a fresh process (its memory is measured)."""
+    figures: dict[str, dict[str, Any]] = {}
+    for n in ctx.settings.scale_nodes:
+        out = ctx.workdir / "scale" / f"{n}.json"
+        workdir = ctx.workdir / "scale" / str(n)
+        _python_module(
+            "bench.scale", ["--nodes", str(n), "--workdir", str(workdir), "--out", str(out)]
+        )
+        figures[str(n)] = json.loads(out.read_text())
+        ctx.log(f"scale {n}: {figures[str(n)]}")
+    return scale_results(figures)
+
+
+SCALED = ("start_s", "stop_s", "stop_broadcast_s", "poll_cycle_s", "controller_rss_mib")
+
+
+def scale_results(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The figures per N, linear growth from the smallest N as the baseline, the ratios."""
+    sizes = sorted(figures, key=int)
+    small = sizes[0]
+    linear = {
+        n: {k: figures[small][k] * int(n) / int(small) for k in SCALED if figures[small][k]}
+        for n in sizes
+    }
+    ratios = {
+        n: {k: figures[n][k] / linear[n][k] for k in linear[n] if linear[n][k]} for n in sizes
+    }
+    growth: dict[str, float | None] = {}
+    big = sizes[-1]
+    for k in SCALED:
+        a, b = figures[small].get(k), figures[big].get(k)
+        if a and b and a > 0 and b > 0 and big != small:
+            growth[k] = math.log(b / a) / math.log(int(big) / int(small))
+        else:
+            growth[k] = None
+    return {
+        "setup": {"nproc_per_node": 8, "nodes": [int(n) for n in sizes]},
+        "trainguard": figures,
+        f"baseline_linear_from_{small}": linear,
+        "ratio": ratios,
+        "growth_exponent": growth,
+    }
+
+
+SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "recovery": recovery,
+    "hang": hang,
+    "checkpoint": checkpoint,
+    "goodput": goodput,
+    "overhead": overhead,
+    "scale": scale,
+    "startup": startup,
+}
+
+
+def _ratios(result: dict[str, Any], metrics: Sequence[str]) -> dict[str, float | None]:
+    ours = result["trainguard"]
+    return {
+        f"{m}_vs_{name}": ratio(ours[m], result[name][m])
+        for name in result
+        if name.startswith("baseline")
+        for m in metrics
+    }
+
+
+def _python_module(module: str, argv: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"python -m {module} {' '.join(argv)} exited {done.returncode}")
+
+
+def _brief(record: FaultRecord) -> str:
+    if not record.recovered:
+        return f"not recovered: {record.note}"
+    return f"stall {record.stall_s:.1f}s, lost {record.lost_steps}, detect {record.detect_s}"

@@ -1,0 +1,131 @@
+"""The benchmarks' training script: a small MLP with DDP on gloo, CPU only.
+
+The same file runs under torchrun and under trainguard; only ``--ckpt`` differs:
+
+- ``torch``: rank 0 ``torch.save``s model and optimizer every ``--ckpt-every`` steps into
+  ``--ckpt-dir`` (tmp file + rename), and every rank resumes from it at start;
+- ``trainguard``: ``trainguard.checkpoint.Checkpointer`` (configured by the job), saved
+  every step (the job's ``memoryEverySteps`` picks which steps are snapshotted);
+- ``none``: no checkpoint.
+
+It is deterministic: the data of (step, rank) comes from a generator seeded by both.
+Rank 0 appends one line per completed step to ``<out>/steps.txt``::
+
+    <incarnation> <step> <start time> <end time>
+
+where the incarnation (``TORCHELASTIC_RUN_ID.TORCHELASTIC_RESTART_COUNT``) tells the
+launches and restarts apart, and the step's time spans its simulated compute
+(``--step-sleep``), forward, backward (with the all-reduce) and optimizer step, not
+the checkpoint. Every rank keeps ``<out>/pids/rank<R>.json`` (pid, incarnation) current,
+so the benchmark can signal a rank of the current incarnation.
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+BATCH = 32
+FEATURES = 64
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="simulated compute, s")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--ckpt", choices=("torch", "trainguard", "none"), default="none")
+    parser.add_argument("--ckpt-every", type=int, default=10)
+    parser.add_argument("--ckpt-dir", type=Path, default=None)
+    parser.add_argument("--out", type=Path, required=True)
+    return parser.parse_args()
+
+
+def publish(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    incarnation = (
+        f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}."
+        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    )
+    (args.out / "pids").mkdir(parents=True, exist_ok=True)
+    publish(args.out / "pids" / f"rank{rank}.json", {"pid": os.getpid(), "inc": incarnation})
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, args.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.hidden, args.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.hidden, 1),
+    )
+    model = DistributedDataParallel(net)
+    optim = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def state(step: int) -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
+
+    start = 1
+    ckpt: Any = None
+    ckpt_file = (args.ckpt_dir or args.out) / "checkpoint.pt"
+    if args.ckpt == "trainguard":
+        from trainguard.checkpoint import Checkpointer
+
+        ckpt = Checkpointer()
+        restored_state = state(0)
+        restored = ckpt.load_latest(restored_state)
+        if restored is not None:
+            optim.load_state_dict(restored_state["optim"])
+            start = restored + 1
+    elif args.ckpt == "torch" and ckpt_file.exists():
+        saved = torch.load(ckpt_file, weights_only=True)
+        model.load_state_dict(saved["model"])
+        optim.load_state_dict(saved["optim"])
+        start = int(saved["step"]) + 1
+
+    steps_path = args.out / "steps.txt" if rank == 0 else Path(os.devnull)
+    with open(steps_path, "a", encoding="utf-8") as steps_file:
+        for step in range(start, args.steps + 1):
+            t0 = time.time()
+            gen = torch.Generator().manual_seed(step * world + rank)
+            x = torch.randn(BATCH, FEATURES, generator=gen)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            loss = model(x).pow(2).mean()
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            t1 = time.time()
+            steps_file.write(f"{incarnation} {step} {t0:.6f} {t1:.6f}\n")
+            steps_file.flush()
+            if rank == 0:
+                speed = BATCH * world / max(t1 - t0, 1e-9)
+                line = f"Batch {step} Loss: {loss.item():.5f}, Speed: {speed:.1f} samples/sec"
+                print(line, flush=True)
+            if args.ckpt == "trainguard":
+                ckpt.save(step, state(step))
+            elif args.ckpt == "torch" and step % args.ckpt_every == 0 and rank == 0:
+                tmp = ckpt_file.with_name(".checkpoint.pt.tmp")
+                torch.save(state(step), tmp)
+                os.replace(tmp, ckpt_file)
+    if ckpt is not None:
+        ckpt.close()
+    dist.barrier()  # every rank done before any tears its group down (gloo aborts otherwise)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

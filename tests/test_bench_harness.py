@@ -1,0 +1,208 @@
+"""The benchmark harness's fast parts: step arithmetic, results and tables, the scale scenario.
+
+No torch training here; the scale scenario runs for real at a few nodes (the real
+LocalRunner, JobController and agent client against fleets of simulated agents).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainguard.spec import TrainingJob, resolve_plan
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # the bench package lives at the top of the repository
+    sys.path.insert(0, str(REPO))
+
+from bench.recovery import FaultRecord, log_rules  # noqa: E402
+from bench.report import markdown, summary  # noqa: E402
+from bench.runs import TrainArgs, TrainguardJob, process_tree  # noqa: E402
+from bench.scale import measure  # noqa: E402
+from bench.steps import StepRecord, goodput, read_steps, recovery_after, throughput  # noqa: E402
+from bench.suite import _ratios, paired_ratios, scale_results  # noqa: E402
+
+
+def steps(incarnation: str, first: int, last: int, t0: float, dt: float = 1.0) -> list[StepRecord]:
+    return [
+        StepRecord(incarnation, s, t0 + (s - first) * dt, t0 + (s - first + 1) * dt)
+        for s in range(first, last + 1)
+    ]
+
+
+def test_recovery_is_the_next_step_of_a_later_incarnation() -> None:
+    # Steps 1..25 end at 1..25; the fault at 25.5; step 26 of the faulted incarnation was
+    # in flight and still completed; the restart resumes from the checkpoint at 20.
+    records = steps("a.0", 1, 26, 0.0) + steps("a.1", 21, 30, 40.0)
+    recovery = recovery_after(records, 25.5)
+    assert recovery is not None
+    assert (recovery.fault_step, recovery.resumed_step, recovery.lost_steps) == (26, 20, 6)
+    assert recovery.stall_s == pytest.approx(41.0 - 25.5)
+    assert recovery_after(steps("a.0", 1, 26, 0.0), 25.5) is None  # never recovered
+
+
+def test_goodput_counts_each_kept_step_once() -> None:
+    # 10 one-second steps, a fault, steps 6..10 redone: 10 useful seconds in a 20 s window.
+    records = steps("a.0", 1, 10, 0.0) + steps("a.1", 6, 10, 15.0)
+    assert goodput(records, 0.0, 20.0) == pytest.approx(10 / 20)
+    assert throughput(steps("a.0", 1, 20, 0.0, dt=0.5), skip=5) == pytest.approx(2.0)
+
+
+def test_step_file_tolerates_a_torn_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "steps.txt"
+    path.write_text("x.0 1 1.0 2.0\nx.0 2 2.0 3.0\nx.0 3 3.")
+    assert [r.step for r in read_steps(path)] == [1, 2]
+    assert read_steps(tmp_path / "missing.txt") == []
+
+
+def fault_side(records: list[FaultRecord]) -> dict[str, Any]:
+    metrics = ("stall_s", "lost_steps", "detect_s")
+    side: dict[str, Any] = {m: summary([getattr(r, m) for r in records]) for m in metrics}
+    side["recovered"] = sum(r.recovered for r in records)
+    side["runs"] = [r.to_json() for r in records]
+    return side
+
+
+def results_fixture() -> dict[str, Any]:
+    ok = [FaultRecord(True, 25, 20, 8.0 + i, 5, 0.5) for i in range(3)]
+    relaunch = [FaultRecord(True, 25, 20, 12.0 + i, 5, 2.0) for i in range(3)]
+    failed = [FaultRecord(False, 25, note="did not recover: connectFullMesh failed")] * 3
+    recovery: dict[str, Any] = {
+        "trainguard": fault_side(ok),
+        "baseline_relaunch": fault_side(relaunch),
+        "baseline_torchrun_max_restarts": fault_side(failed),
+    }
+    recovery["ratio"] = paired_ratios(recovery, ("stall_s", "lost_steps"))
+    hang: dict[str, Any] = {
+        "setup": {"cap_s": 30.0},
+        "trainguard": fault_side(ok),
+        "baseline_torchrun": fault_side([FaultRecord(False, 25, note="> 30 s")]),
+    }
+    hang["ratio"] = paired_ratios(hang, ("detect_s", "stall_s"))
+    hang["ratio"] |= {"detect_s_vs_baseline_torchrun_at_most": 0.5 / 30}
+    overhead: dict[str, Any] = {
+        "trainguard": {"steps_per_s": summary([45.0, 47.0, 46.0])},
+        "baseline_torchrun": {"steps_per_s": summary([50.0, 49.0, 51.0])},
+    }
+    overhead["ratio"] = _ratios(overhead, ("steps_per_s",))
+    figures = {
+        str(n): {
+            "start_s": 0.01 * n,
+            "stop_s": 0.002 * n,
+            "stop_broadcast_s": 0.001 * n,
+            "poll_cycle_s": 0.5 + 0.004 * n,
+            "controller_rss_mib": 0.01 * n,
+            "controller_rss_peak_mib": 40 + 0.01 * n,
+        }
+        for n in (256, 1024)
+    }
+    return {
+        "machine": {"cpu": "test cpu", "cores": 2, "ram_gib": 8, "torch": "x", "python": "3"},
+        "recovery": recovery,
+        "hang": hang,
+        "overhead": overhead,
+        "scale": scale_results(figures),
+    }
+
+
+def test_results_have_trainguard_baselines_and_ratios() -> None:
+    results = results_fixture()
+    recovery = results["recovery"]
+    assert recovery["ratio"]["stall_s_vs_baseline_relaunch"] == pytest.approx(9.0 / 13.0)
+    assert recovery["ratio"]["stall_s_vs_baseline_torchrun_max_restarts"] is None
+    scale = results["scale"]
+    assert set(scale) >= {"trainguard", "baseline_linear_from_256", "ratio"}
+    assert scale["growth_exponent"]["start_s"] == pytest.approx(1.0)
+
+
+def test_table_says_where_trainguard_loses_and_what_failed() -> None:
+    text = markdown(results_fixture())
+    lines = text.splitlines()
+    assert "test cpu, 2 cores" in text
+    [slower] = [line for line in lines if line.startswith("| overhead")]
+    assert "**trainguard worse**" in slower and "0.92x" in slower
+    [relaunch] = [line for line in lines if "stall" in line and "relaunch" in line]
+    assert "trainguard better" in relaunch and "9.0 s (8.0 s-10.0 s)" in relaunch
+    assert any("did not recover (0/3 runs)" in line for line in lines)
+    assert any("none within the 30 s cap" in line and "< 0.02x" in line for line in lines)
+    assert "connectFullMesh" in text  # the failed baseline's reason is in the notes
+    assert "| 1024 |" in text and "N^1.00" in text
+
+
+def test_table_only_rebuilds_the_report_and_bad_scenarios_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results_fixture()))
+    run = [sys.executable, "-m", "bench"]
+    done = subprocess.run(
+        [*run, "--table-only", str(path)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == markdown(results_fixture())
+    bad = subprocess.run(
+        [*run, "--only", "recovery,speed"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "speed" in bad.stderr
+
+
+def test_the_benchmark_job_is_a_valid_training_job(tmp_path: Path) -> None:
+    job = TrainguardJob("bench-test", retries=3, log_rules=log_rules())
+    spec = job.spec(TrainArgs(steps=10), tmp_path / "out")
+    plan = resolve_plan(TrainingJob.model_validate(spec), "bench")
+    assert (plan.nnodes, plan.nproc_per_node, plan.max_restarts) == (2, 2, 3)
+    assert (
+        "--ckpt" in spec["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]["command"]
+    )
+
+
+def test_process_tree_signals_only_the_processes_it_saw(tmp_path: Path) -> None:
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess,sys,time; subprocess.Popen(['sleep','60']); time.sleep(60)",
+        ],
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(tree := process_tree(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tree[0].pid == parent.pid and len(tree) == 2
+        for proc in tree:
+            proc.signal(signal.SIGKILL)
+        assert parent.wait(30) == -signal.SIGKILL
+        tree[0].signal(signal.SIGKILL)  # gone: a no-op, not an error
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_scale_scenario_drives_the_real_runner_at_a_few_nodes(tmp_path: Path) -> None:
+    figures = measure(6, tmp_path, nproc=2)
+    assert figures["phase"] == "Failed", figures
+    assert "rank 6 exited with signal SIGKILL" in figures["reason"]
+    for key in ("start_s", "detect_s", "stop_s", "stop_broadcast_s", "poll_cycle_s"):
+        assert figures[key] >= 0, (key, figures)
+    assert figures["stop_s"] >= figures["detect_s"]
+    assert figures["controller_rss_peak_mib"] > 0
+
+
+def test_a_baseline_that_recovered_sometimes_is_compared_in_those_runs_only() -> None:
+    ours = [FaultRecord(True, 25, 20, stall, 0, 0.5) for stall in (8.0, 9.0, 7.0)]
+    theirs = [FaultRecord(False, 25), FaultRecord(False, 25), FaultRecord(True, 25, 20, 10.5, 0)]
+    res: dict[str, Any] = {"trainguard": fault_side(ours), "baseline_torchrun": fault_side(theirs)}
+    res["ratio"] = paired_ratios(res, ("stall_s", "lost_steps"))
+    assert res["ratio"]["stall_s_vs_baseline_torchrun"] == pytest.approx(7.0 / 10.5)
+    assert res["ratio"]["lost_steps_vs_baseline_torchrun"] == 1.0  # 0 lost on both sides
+    lines = markdown({"recovery": res}).splitlines()
+    [stall] = [line for line in lines if "stall" in line]
+    assert "10.5 s [1/3 runs]" in stall and "0.67x" in stall and "recovered in 1/3" in stall
+    [lost] = [line for line in lines if "steps lost" in line]
+    assert "| even" in lost
