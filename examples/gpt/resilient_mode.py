@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import trainguard.resilient as resilient
@@ -26,16 +25,15 @@ from trainguard.checkpoint import Checkpointer
 # isort: split
 from model import GPT, GPTConfig
 from train import (
-    GRAD_CLIP,
     Topology,
     default_data_dir,
     global_mean,
-    lr_at,
     ordered_allreduce_hook,
     save_checkpoint,
+    train_step,
 )
 
-from data import MarkovSpec, ensure_token_file, get_batch, open_tokens
+from data import MarkovSpec, ensure_token_file, open_tokens
 
 
 def run_resilient(args: argparse.Namespace, local_rank: int, device: torch.device) -> None:
@@ -86,24 +84,7 @@ def run_resilient(args: argparse.Namespace, local_rank: int, device: torch.devic
             )
         for completed in range(run.start_step, args.steps):
             step = completed + 1  # train.py numbers steps from 1
-            torch.manual_seed(args.seed * 1_000_003 + step * 101 + run.rank)  # dropout, if any
-            x, y = get_batch(
-                tokens,
-                step=step,
-                rank=run.rank,
-                world_size=run.world_size,
-                batch_size=args.batch_size,
-                block_size=args.block_size,
-                seed=args.seed,
-            )
-            lr = lr_at(step, args)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            _, loss = ddp(x.to(device), y.to(device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-            optimizer.step()
+            lr, loss = train_step(args, step, topo, tokens, ddp, model, optimizer, device)
             run.completed(completed)
             if args.step_sleep:
                 time.sleep(args.step_sleep)

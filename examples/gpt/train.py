@@ -285,6 +285,39 @@ def global_mean(value: torch.Tensor, topo: Topology) -> float:
     return float(v.item()) / topo.world_size
 
 
+def train_step(
+    args: argparse.Namespace,
+    step: int,
+    topo: Topology,
+    tokens: torch.Tensor,
+    ddp: nn.Module,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+) -> tuple[float, torch.Tensor]:
+    """One optimizer step (1-based ``step``): its batch, lr and seed depend on the step and
+    rank only. Returns the lr and this rank's loss."""
+    torch.manual_seed(args.seed * 1_000_003 + step * 101 + topo.rank)  # dropout, if any
+    x, y = get_batch(
+        tokens,
+        step=step,
+        rank=topo.rank,
+        world_size=topo.world_size,
+        batch_size=args.batch_size,
+        block_size=args.block_size,
+        seed=args.seed,
+    )
+    lr = lr_at(step, args)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    _, loss = ddp(x.to(device), y.to(device))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+    optimizer.step()
+    return lr, loss
+
+
 def train(args: argparse.Namespace, topo: Topology, device: torch.device) -> None:
     cfg = GPTConfig(
         args.vocab_size, args.block_size, args.n_layer, args.n_head, args.d_model, args.dropout
@@ -334,24 +367,7 @@ def train(args: argparse.Namespace, topo: Topology, device: torch.device) -> Non
     interval_start, interval_steps = time.perf_counter(), 0
     while step < args.steps:
         step += 1
-        torch.manual_seed(args.seed * 1_000_003 + step * 101 + topo.rank)  # dropout, if any
-        x, y = get_batch(
-            tokens,
-            step=step,
-            rank=topo.rank,
-            world_size=topo.world_size,
-            batch_size=args.batch_size,
-            block_size=args.block_size,
-            seed=args.seed,
-        )
-        lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        _, loss = ddp(x.to(device), y.to(device))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        optimizer.step()
+        lr, loss = train_step(args, step, topo, tokens, ddp, model, optimizer, device)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         interval_steps += 1
