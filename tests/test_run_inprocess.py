@@ -79,6 +79,33 @@ def test_a_killed_rank_is_taken_over_by_the_hot_spare_and_survivors_keep_their_p
     assert info["faults"][0]["scope"] == "in-process"
 
 
+def test_a_used_spare_is_replaced_so_the_next_crash_finds_one_too(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    def kill_twice() -> None:
+        wait_for(lambda: all(records(tmp_path, r) for r in range(4)), timeout=120)
+        os.kill(records(tmp_path, 1)[0]["pid"], signal.SIGKILL)
+        # Every rank joined attempt 1, then node-0 starts a new spare (the second one).
+        wait_for(lambda: all(len(records(tmp_path, r)) == 2 for r in range(4)), timeout=120)
+        wait_for(lambda: list(tg.state_dir.glob("jobs/*/logs/attempt-1/spare-1")), timeout=60)
+        os.kill(records(tmp_path, 1)[-1]["pid"], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_twice, daemon=True)
+    killer.start()
+    info = run(tg, job(tmp_path, "--steps", "200", "--step-sleep", "0.05"))
+    killer.join()
+    taken = records(tmp_path, 1)
+    assert [(r["kind"], r["attempt"]) for r in taken] == [
+        ("worker", 0),
+        ("spare", 1),
+        ("spare", 2),
+    ]
+    assert len({r["pid"] for r in taken}) == 3
+    assert len({r["pid"] for r in records(tmp_path, 0)}) == 1
+    scopes = [e["data"]["scope"] for e in info["events"] if e["kind"] == "RestartScheduled"]
+    assert scopes == ["in-process", "in-process"]
+
+
 def test_without_a_spare_a_new_process_takes_the_rank(tg: Trainguard, tmp_path: Path) -> None:
     killer = kill_when_running(tmp_path, 3)
     info = run(tg, job(tmp_path, spares=0))

@@ -20,7 +20,10 @@ controller decides; :meth:`ResilientGroup.rejoin` then starts the next attempt i
    same attempt; it takes its state from a peer;
 4. each worker acknowledges (``ack-rank-<R>.json``) once it has joined and synced. A
    worker that has not within the barrier timeout is killed and reported as having
-   missed the barrier, which makes the controller fall back to a process-level restart.
+   missed the barrier, which makes the controller fall back to a process-level restart;
+5. once every rank has acknowledged, the node starts new spares for the ones used up
+   (each with a fresh spare id), so the next fault finds a warm standby too. They start
+   after the barrier, not during the recovery, which their imports would slow down.
 
 Workers are started directly (``subprocess``) through the exec shim, each in its own
 process group; their output goes to the same per-attempt files as other workers', and a
@@ -103,6 +106,7 @@ class ResilientGroup:
         self._reap_timeout = reap_timeout
         self._workers: dict[int, _Process] = {}  # local rank -> its current process
         self._spares: dict[int, _Process] = {}  # idle spares by spare id
+        self._next_spare = 0  # spare ids are never reused (spare-<k>.json stays behind)
         self._exitcodes: dict[int, int] = {}  # local rank -> exit of its current process
         self._missed: dict[int, str] = {}  # local rank -> why it was killed at the barrier
         self._barrier: tuple[int, float] | None = None  # (attempt, deadline) awaiting acks
@@ -120,11 +124,7 @@ class ResilientGroup:
         envs = worker_envs(a, self._env(a))
         for local, rank in self.ranks.items():
             self._workers[local] = self._spawn(envs[local], self._layout.rank_dir(a.attempt, rank))
-        for k in range(a.hot_spares):
-            env = {key: v for key, v in envs[0].items() if key not in _SPARE_UNSET}
-            env[SPARE_ID_ENV] = str(k)
-            spare_dir = self._layout.attempt_dir(a.attempt) / f"spare-{k}"
-            self._spares[k] = self._spawn(env, spare_dir)
+        self._replenish_spares()
         return self.pids()
 
     def pids(self) -> dict[int, int]:
@@ -271,6 +271,7 @@ class ResilientGroup:
         ]
         if not waiting:
             self._barrier = None
+            self._replenish_spares()
             return []
         if time.monotonic() < deadline:
             return []
@@ -295,6 +296,18 @@ class ResilientGroup:
         except ValueError:
             return False
         return ack is not None and ack.attempt >= attempt
+
+    def _replenish_spares(self) -> None:
+        """Start spares until the node has ``hot_spares`` idle ones."""
+        a = self.assignment
+        while len(self._spares) < a.hot_spares:
+            k, self._next_spare = self._next_spare, self._next_spare + 1
+            env = worker_envs(a, self._env(a))[0]
+            env = {key: v for key, v in env.items() if key not in _SPARE_UNSET}
+            env[SPARE_ID_ENV] = str(k)
+            self._spares[k] = self._spawn(env, self._layout.attempt_dir(a.attempt) / f"spare-{k}")
+            if a.attempt > 0:
+                logger.info("started hot spare %d (attempt %d)", k, a.attempt)
 
     def _attempt_file(self, a: NodeAssignment) -> Attempt:
         return Attempt(a.attempt, a.master_addr, a.master_port, a.world_size, a.barrier_timeout)

@@ -12,9 +12,20 @@ collective raises ``RuntimeError`` ("Connection reset by peer") within ~30 ms. A
 SIGSTOPped peer it blocks until the collective timeout; ``ProcessGroup.abort()`` returns
 at once and changes nothing (the collective even completes afterwards), and
 ``_abort_process_group()`` does not unblock the calling process's own collective either:
-it drops the group, so the next collective fails and the peers blocked on this rank see
-"Connection closed by peer". A collective blocked on a hung peer ends when that peer is
-killed, which is the agent's job.
+it drops the group, so the next collective fails, but while DDP holds the group its
+sockets stay open and a peer blocked on this rank keeps waiting. :meth:`AttemptGroup.abort`
+therefore also shuts the group's connections down (:mod:`trainguard.resilient.sockets`):
+this rank's own blocked collective fails, and so do its peers' within milliseconds. A
+collective blocked on a hung (stopped) peer ends the same way once any rank aborts.
+
+An aborted group must not be destroyed right away. ``~ProcessGroupGloo`` joins its
+worker threads while the destroying thread holds the GIL, and a worker thread that is
+destroying a failed work needs the GIL (the work's thread-local state holds a Python
+object): seen here as a survivor hanging forever when the failed step's traceback, and
+with it the DDP reducer holding the group's last reference, was released. So
+:meth:`AttemptGroup.abort` keeps every aborted group alive until the next attempt's group
+is up; by then their worker threads have drained their queues (every work fails at once
+on the shut-down connections, while this thread waits without the GIL) and are idle.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from trainguard.resilient.protocol import Attempt
+from trainguard.resilient.sockets import Connections, open_sockets
 
 __all__ = ["AttemptGroup", "AttemptInterrupted", "BarrierTimeout", "is_collective_failure"]
 
@@ -68,6 +80,8 @@ class AttemptGroup:
         self._hosted: tuple[str, int, dist.TCPStore] | None = None
         self._client: dist.TCPStore | None = None
         self._joined: int | None = None
+        self._connections: Connections | None = None  # the joined group's sockets
+        self._retired: list[object] = []  # aborted groups, kept alive (see the module doc)
 
     def join(
         self,
@@ -99,27 +113,34 @@ class AttemptGroup:
                 )
             time.sleep(self._poll)
         with self._lock:
+            before = open_sockets()
             dist.init_process_group(
                 store=prefixed,
                 rank=rank,
                 world_size=attempt.world_size,
                 timeout=timedelta(seconds=_remaining(deadline, attempt)),
             )
+            self._connections = Connections.opened_since(before, attempt.master_port)
             distributed_c10d._set_pg_timeout(self._collective_timeout)
             self._joined = attempt.attempt
+            self._retired.clear()  # their worker threads are idle by now
 
     def abort(self, attempt: int | None = None) -> None:
         """Drop the current process group (only if it is ``attempt``'s, when given).
 
-        Safe from any thread; does not wait for the peers. The group's sockets close once
-        no collective uses it, so peers blocked on this rank fail instead of waiting out
-        their timeout.
+        Safe from any thread; does not wait for the peers. Shuts the group's connections
+        down first, so a collective blocked in this process fails, and so do the peers
+        blocked on this rank, instead of waiting out their timeout.
         """
         with self._lock:
             if attempt is not None and attempt != self._joined:
                 return
             self._joined = None
+            if self._connections is not None:
+                self._connections.shutdown()
+                self._connections = None
             if dist.is_initialized():
+                self._retired.extend(distributed_c10d._world.pg_map)
                 distributed_c10d._abort_process_group()
 
     def leave(self) -> None:
@@ -130,6 +151,8 @@ class AttemptGroup:
                 dist.barrier()
                 dist.destroy_process_group()
             self._joined = None
+            self._connections = None
+            self._retired.clear()
         self._client = None
         self._hosted = None
 
