@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,3 +162,30 @@ def test_run_counts_steps_and_stops_at_a_newer_attempt() -> None:
     with pytest.raises(AttemptInterrupted):
         run.completed(5)
     assert progress.steps == 6
+
+
+def test_rejoining_keeps_one_rank_prefix_on_uncaught_errors(tmp_path: Path) -> None:
+    # torch wraps sys.excepthook in a "[rankN]: " prefixer at every init_process_group;
+    # after three attempts a traceback must still carry the prefix once per line.
+    script = """
+import socket, sys, time
+from trainguard.resilient.group import AttemptGroup
+from trainguard.resilient.protocol import Attempt
+
+def port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+group = AttemptGroup(0.02, 60.0)
+for n in range(3):
+    group.join(Attempt(n, "127.0.0.1", port(), 1, 60.0), 0, time.monotonic() + 60, lambda: False)
+    group.abort()
+raise RuntimeError("boom")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1
+    assert "[rank0]: RuntimeError: boom" in done.stderr, done.stderr
+    assert "[rank0]: [rank0]:" not in done.stderr

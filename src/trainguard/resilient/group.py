@@ -31,6 +31,7 @@ on the shut-down connections, while this thread waits without the GIL) and are i
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +83,7 @@ class AttemptGroup:
         self._joined: int | None = None
         self._connections: Connections | None = None  # the joined group's sockets
         self._retired: list[object] = []  # aborted groups, kept alive (see the module doc)
+        self._hooked = False  # torch's excepthook is installed (by the first join)
 
     def join(
         self,
@@ -113,7 +115,7 @@ class AttemptGroup:
                 )
             time.sleep(self._poll)
         with self._lock:
-            before = open_sockets()
+            before, hook = open_sockets(), sys.excepthook
             dist.init_process_group(
                 store=prefixed,
                 rank=rank,
@@ -121,6 +123,9 @@ class AttemptGroup:
                 timeout=timedelta(seconds=_remaining(deadline, attempt)),
             )
             self._connections = Connections.opened_since(before, attempt.master_port)
+            if self._hooked:  # torch wraps sys.excepthook in a "[rankN]: " prefixer per init
+                sys.excepthook = hook
+            self._hooked = True
             distributed_c10d._set_pg_timeout(self._collective_timeout)
             self._joined = attempt.attempt
             self._retired.clear()  # their worker threads are idle by now
