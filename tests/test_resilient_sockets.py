@@ -97,6 +97,22 @@ def test_a_descriptor_reused_by_another_socket_is_left_alone() -> None:
         second_peer.close()
 
 
+def test_a_descriptor_reused_by_a_file_is_left_alone(tmp_path: Path) -> None:
+    with listening() as peer:
+        before = open_sockets()
+        first, first_peer = connect(peer)
+        connections = Connections.opened_since(before, store_port=0)
+        numbers = {first.fileno(), first_peer.fileno()}
+        first.close()
+        first_peer.close()
+        files = [open(tmp_path / f"f{i}", "w") for i in range(2)]  # noqa: SIM115
+        assert numbers == {f.fileno() for f in files}  # the numbers now name files
+        assert connections.shutdown() == 0
+        for f in files:
+            f.write("ok")
+            f.close()
+
+
 @pytest.mark.e2e
 def test_abort_frees_a_survivor_blocked_on_a_live_peer(tmp_path: Path) -> None:
     # 4 ranks of DDP with small buckets; rank 3 is SIGKILLed mid-step. Without the abort,

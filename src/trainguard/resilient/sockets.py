@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -75,11 +76,21 @@ class Connections:
             dup = os.dup(fd)
         except OSError:
             return 0  # closed since
-        with socket.socket(fileno=dup) as sock:  # closes the duplicate only
+        try:
+            info = os.fstat(dup)
+            if not stat.S_ISSOCK(info.st_mode) or info.st_ino != inode:
+                os.close(dup)  # the number now names another file or socket
+                return 0
+            sock = socket.socket(fileno=dup)  # closing it closes the duplicate only
+        except OSError:
+            os.close(dup)
+            return 0
+        with sock:
             try:
-                if os.fstat(dup).st_ino != inode or sock.type != socket.SOCK_STREAM:
-                    return 0
-                if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                if sock.type != socket.SOCK_STREAM or sock.family not in (
+                    socket.AF_INET,
+                    socket.AF_INET6,
+                ):
                     return 0
                 try:
                     peer_port = sock.getpeername()[1]
