@@ -65,16 +65,20 @@ def run(tg: Trainguard, spec: Path, *inject: str) -> tuple[str, dict[int, tuple[
     return output, restored
 
 
-def test_killed_rank_restores_from_memory_bit_identical(tg: Trainguard, tmp_path: Path) -> None:
-    output, restored = run(tg, job(tmp_path, durableEverySteps=10), "kill:rank=3@step=15")
-    assert re.search(r"Restored step \d+ from memory", output)
-    assert restored[0][0] >= 10
+def test_rank_killed_right_after_save_restores_from_memory_bit_identical(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    # Rank 2 SIGKILLs itself as soon as save(12) returns: no wait(), no background commit.
+    spec = job(tmp_path, "--die-after-save", "2@12", durableEverySteps=10)
+    output, restored = run(tg, spec)
+    assert {step for step, _ in restored.values()} == {12}
+    assert re.search(r"Restored step 12 from memory", output)
     # Each restore is an event of the job's timeline, with its tier and time.
     job_info = tg.only_job()
     events = [e for e in job_info["events"] if e["kind"] == "CheckpointRestored"]
     assert sorted(e["rank"] for e in events) == [0, 1, 2, 3]
     assert {e["data"]["tier"] for e in events} == {"memory"}
-    assert {e["data"]["step"] for e in events} == {restored[0][0]}
+    assert {e["data"]["step"] for e in events} == {12}
     # The agents persisted the steps the controller picked (multiples of 10), and the
     # final step before the job ended; memory saves are events too.
     kinds = {e["kind"] for e in job_info["events"]}
@@ -95,9 +99,3 @@ def test_lost_node_restores_from_a_peer_replica_bit_identical(
     assert restored[0][0] >= 5
     agent_log = (Path(tg.only_job()["job_dir"]) / "agents" / "node-1.log").read_text()
     assert "memory tier of node-1 restored from node-0's replica" in agent_log
-
-
-def test_rank_killed_right_after_save_is_restored(tg: Trainguard, tmp_path: Path) -> None:
-    # Rank 2 SIGKILLs itself as soon as save(12) returns: no wait(), no background commit.
-    _, restored = run(tg, job(tmp_path, "--die-after-save", "2@12"))
-    assert {step for step, _ in restored.values()} == {12}

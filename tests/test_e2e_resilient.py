@@ -17,7 +17,8 @@ import torch
 
 from conftest import Trainguard, write_job
 
-pytestmark = pytest.mark.e2e
+# Hang and throughput rules time the job: no other test may share the cores.
+pytestmark = [pytest.mark.e2e, pytest.mark.exclusive]
 
 STEPS = 60
 HANG_SECONDS = 8
