@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.baseline import Relaunch, signal_at_times
-from bench.recovery import FAULTY_RANK, log_rules
+from bench.recovery import FAULTY_RANK, checkpointless_job, log_rules
 from bench.runs import Run, TrainArgs, TrainguardJob, TrainguardRun, event_times
 from bench.steps import StepRecord, goodput, median_step_seconds, recovery_after
 
@@ -53,7 +53,17 @@ GoodputVariant = Callable[[GoodputSetup], GoodputRecord]
 
 
 def trainguard_goodput(setup: GoodputSetup) -> GoodputRecord:
+    """Process-level restarts from the memory tier."""
     job = TrainguardJob("bench-goodput", retries=1000, log_rules=log_rules())
+    return _trainguard(setup, job)
+
+
+def checkpointless_goodput(setup: GoodputSetup) -> GoodputRecord:
+    """In-process restarts: each kill is taken over by a hot spare, state from a peer."""
+    return _trainguard(setup, checkpointless_job("bench-goodput-checkpointless", retries=1000))
+
+
+def _trainguard(setup: GoodputSetup, job: TrainguardJob) -> GoodputRecord:
     run = TrainguardRun(setup.workdir, setup.args, job)
     end = 0.0
     try:
@@ -91,6 +101,7 @@ def relaunch_goodput(setup: GoodputSetup) -> GoodputRecord:
 
 GOODPUT_VARIANTS: list[tuple[str, GoodputVariant]] = [
     ("trainguard", trainguard_goodput),
+    ("trainguard_checkpointless", checkpointless_goodput),
     ("baseline_relaunch", relaunch_goodput),
 ]
 

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.baseline import POLL_SECONDS, Relaunch, free_port, signal_at_step
-from bench.runs import Run, TorchrunRun, TrainArgs, TrainguardJob, TrainguardRun, event_times
+from bench.runs import (
+    NNODES,
+    Run,
+    TorchrunRun,
+    TrainArgs,
+    TrainguardJob,
+    TrainguardRun,
+    event_times,
+)
 from bench.steps import StepRecord, recovery_after
 
 FAULTY_RANK = 3  # node 1, local rank 1: not the rank that hosts trainguard's store
@@ -113,6 +121,26 @@ def trainguard_kill(setup: FaultSetup) -> FaultRecord:
     return trainguard_fault(run, f"kill:rank={FAULTY_RANK}@step={setup.step}", setup.timeout)
 
 
+def checkpointless_job(name: str, retries: int) -> TrainguardJob:
+    """A job whose script runs in ``@restartable`` (``--ckpt resilient``), with
+    ``inProcessRestart`` and a hot spare on every node: a killed rank is taken over by
+    its node's spare, which gets its state from a peer, while the others keep their
+    processes."""
+    return TrainguardJob(
+        name,
+        retries=retries,
+        log_rules=log_rules(),
+        ckpt="resilient",
+        spec_fields={"trainguard": {"inProcessRestart": True, "hotSpares": NNODES}},
+    )
+
+
+def checkpointless_kill(setup: FaultSetup) -> FaultRecord:
+    """``--inject kill:rank=3@step=S`` with in-process restarts and hot spares."""
+    run = TrainguardRun(setup.workdir, setup.args, checkpointless_job("bench-checkpointless", 3))
+    return trainguard_fault(run, f"kill:rank={FAULTY_RANK}@step={setup.step}", setup.timeout)
+
+
 def relaunch_kill(setup: FaultSetup) -> FaultRecord:
     """SIGKILL under torchrun; when torchrun has exited, launch it again (resumes from disk)."""
     relaunch = Relaunch(setup.workdir, setup.args, max_launches=3)
@@ -162,6 +190,7 @@ def torchrun_restart_kill(setup: FaultSetup) -> FaultRecord:
 
 RECOVERY_VARIANTS: list[tuple[str, Variant]] = [
     ("trainguard", trainguard_kill),
+    ("trainguard_checkpointless", checkpointless_kill),
     ("baseline_relaunch", relaunch_kill),
     ("baseline_torchrun_max_restarts", torchrun_restart_kill),
 ]

@@ -182,9 +182,10 @@ class TrainguardJob:
     log_rules: list[dict[str, Any]] = field(default_factory=list)
     memory_every_steps: int = 10
     spec_fields: dict[str, Any] = field(default_factory=dict)  # more of ``spec`` (a variant's)
+    ckpt: str = "trainguard"  # the script's --ckpt
 
     def spec(self, args: TrainArgs, out: Path) -> dict[str, Any]:
-        command = ["python", str(TRAIN), *args.argv(out, "trainguard")]
+        command = ["python", str(TRAIN), *args.argv(out, self.ckpt)]
         job: dict[str, Any] = {
             "apiVersion": "trainguard.dev/v1",
             "kind": "TrainingJob",

@@ -1,7 +1,8 @@
 """The scenarios of ``make bench``: each runs trainguard and its baselines, side by side.
 
 Every scenario function takes the :class:`Settings` and a work directory and returns
-its part of ``results.json``: the trainguard figures under ``trainguard``, each
+its part of ``results.json`` (laid out as :mod:`bench.layout` says): the trainguard
+figures under ``trainguard`` (another configuration under ``trainguard_<name>``), each
 baseline's under a key starting with ``baseline``, and ``ratio`` (trainguard / baseline,
 medians). Repetitions interleave the variants, so slow spells on a shared machine hit
 every side alike.
@@ -20,6 +21,7 @@ from typing import Any
 
 from bench.clean import CleanRecord, torchrun_clean, trainguard_clean
 from bench.goodput import GOODPUT_VARIANTS, GoodputSetup
+from bench.layout import ratio_key, sides
 from bench.recovery import (
     HANG_RULE_SECONDS,
     HANG_VARIANTS,
@@ -130,24 +132,26 @@ def _fault_scenario(
 
 
 def paired_ratios(result: dict[str, Any], metrics: Sequence[str]) -> dict[str, float | None]:
-    """trainguard / baseline, medians over the repetitions where both have the figure.
+    """Each trainguard variant / each baseline, medians over the repetitions where both
+    have the figure.
 
     Repetition i of every variant was faulted at the same step, so a baseline that
     recovered only sometimes is compared with trainguard in those repetitions only.
     """
     ratios: dict[str, float | None] = {}
-    ours = result["trainguard"]["runs"]
-    for name in [k for k in result if k.startswith("baseline")]:
-        theirs = result[name]["runs"]
-        for m in metrics:
-            pairs = [
-                (a[m], b[m])
-                for a, b in zip(ours, theirs, strict=False)
-                if a[m] is not None and b[m] is not None
-            ]
-            ratios[f"{m}_vs_{name}"] = ratio(
-                summary([a for a, _ in pairs]), summary([b for _, b in pairs])
-            )
+    for variant in sides(result, "trainguard"):
+        ours = result[variant]["runs"]
+        for name in sides(result, "baseline"):
+            theirs = result[name]["runs"]
+            for m in metrics:
+                pairs = [
+                    (a[m], b[m])
+                    for a, b in zip(ours, theirs, strict=False)
+                    if a[m] is not None and b[m] is not None
+                ]
+                ratios[ratio_key(variant, m, name)] = ratio(
+                    summary([a for a, _ in pairs]), summary([b for _, b in pairs])
+                )
     return ratios
 
 
@@ -303,11 +307,10 @@ SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
 
 
 def _ratios(result: dict[str, Any], metrics: Sequence[str]) -> dict[str, float | None]:
-    ours = result["trainguard"]
     return {
-        f"{m}_vs_{name}": ratio(ours[m], result[name][m])
-        for name in result
-        if name.startswith("baseline")
+        ratio_key(variant, m, name): ratio(result[variant][m], result[name][m])
+        for variant in sides(result, "trainguard")
+        for name in sides(result, "baseline")
         for m in metrics
     }
 

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from bench.layout import ratio_key, sides, variant_label
+
 Fmt = Callable[[float], str]
 
 
@@ -69,6 +71,12 @@ def _name(key: str) -> str:
     return key.removeprefix("baseline_").replace("_", " ")
 
 
+def _labelled(metric: str, variant: str) -> str:
+    """The metric's label, naming the trainguard variant unless it is plain ``trainguard``."""
+    label = variant_label(variant)
+    return f"{metric} ({label})" if label else metric
+
+
 # (metric key, label, format, lower is better)
 _FAULT_METRICS: dict[str, list[tuple[str, str, Fmt, bool]]] = {
     "recovery": [
@@ -84,33 +92,47 @@ _FAULT_METRICS: dict[str, list[tuple[str, str, Fmt, bool]]] = {
 
 def fault_rows(scenario: str, res: dict[str, Any]) -> list[Row]:
     rows = []
-    ours = res["trainguard"]
-    cap = res.get("setup", {}).get("cap_s")
     for key, label, fmt, lower in _FAULT_METRICS[scenario]:
-        for name in [k for k in res if k.startswith("baseline")]:
-            theirs = res[name]
-            r = res["ratio"].get(f"{key}_vs_{name}")
-            at_most = res["ratio"].get(f"{key}_vs_{name}_at_most")
-            if theirs[key]["n"]:
-                their_cell, ratio_cell, v = cell(theirs[key], fmt), _x(r), verdict(r, lower)
-                if theirs[key]["n"] < theirs[key]["runs"]:
-                    v += f"; the baseline recovered in {theirs[key]['n']}/{theirs[key]['runs']}"
-            elif at_most is not None:
-                their_cell = f"none within the {cap:g} s cap"
-                ratio_cell, v = f"< {at_most:.2f}x", "trainguard better"
-            elif cap is not None and scenario == "hang":
-                their_cell = f"none within the {cap:g} s cap"
-                ratio_cell, v = "—", "inconclusive (trainguard took longer than the cap)"
-            elif not theirs["recovered"]:
-                their_cell = f"did not recover (0/{len(theirs['runs'])} runs)"
-                ratio_cell = "—"
-                v = "trainguard better" if ours["recovered"] else "neither recovered"
-            else:
-                their_cell, ratio_cell, v = "—", "—", "—"
-            rows.append(
-                Row(scenario, label, cell(ours[key], fmt), _name(name), their_cell, ratio_cell, v)
-            )
+        for variant in sides(res, "trainguard"):
+            for name in sides(res, "baseline"):
+                theirs, ratio_cell, v = _fault_cells(scenario, res, variant, name, key, fmt, lower)
+                ours = cell(res[variant][key], fmt)
+                rows.append(
+                    Row(
+                        scenario,
+                        _labelled(label, variant),
+                        ours,
+                        _name(name),
+                        theirs,
+                        ratio_cell,
+                        v,
+                    )
+                )
     return rows
+
+
+def _fault_cells(
+    scenario: str, res: dict[str, Any], variant: str, name: str, key: str, fmt: Fmt, lower: bool
+) -> tuple[str, str, str]:
+    """The baseline's cell, the ratio's and the verdict's, for one metric of one pair."""
+    ours, theirs = res[variant], res[name]
+    cap = res.get("setup", {}).get("cap_s")
+    r = res["ratio"].get(ratio_key(variant, key, name))
+    at_most = res["ratio"].get(ratio_key(variant, key, name) + "_at_most")
+    if theirs[key]["n"]:
+        v = verdict(r, lower)
+        if theirs[key]["n"] < theirs[key]["runs"]:
+            v += f"; the baseline recovered in {theirs[key]['n']}/{theirs[key]['runs']}"
+        return cell(theirs[key], fmt), _x(r), v
+    if at_most is not None:
+        return f"none within the {cap:g} s cap", f"< {at_most:.2f}x", "trainguard better"
+    if cap is not None and scenario == "hang":
+        inconclusive = "inconclusive (trainguard took longer than the cap)"
+        return f"none within the {cap:g} s cap", "—", inconclusive
+    if not theirs["recovered"]:
+        v = "trainguard better" if ours["recovered"] else "neither recovered"
+        return f"did not recover (0/{len(theirs['runs'])} runs)", "—", v
+    return "—", "—", "—"
 
 
 def checkpoint_rows(res: dict[str, Any]) -> list[Row]:
@@ -158,19 +180,20 @@ _SIMPLE = {
 def simple_rows(scenario: str, res: dict[str, Any]) -> list[Row]:
     key, label, fmt, lower = _SIMPLE[scenario]
     rows = []
-    for name in [k for k in res if k.startswith("baseline")]:
-        r = res["ratio"].get(f"{key}_vs_{name}")
-        rows.append(
-            Row(
-                scenario,
-                label,
-                cell(res["trainguard"][key], fmt),
-                _name(name),
-                cell(res[name][key], fmt),
-                _x(r),
-                verdict(r, lower),
+    for variant in sides(res, "trainguard"):
+        for name in sides(res, "baseline"):
+            r = res["ratio"].get(ratio_key(variant, key, name))
+            rows.append(
+                Row(
+                    scenario,
+                    _labelled(label, variant),
+                    cell(res[variant][key], fmt),
+                    _name(name),
+                    cell(res[name][key], fmt),
+                    _x(r),
+                    verdict(r, lower),
+                )
             )
-        )
     return rows
 
 

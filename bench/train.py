@@ -6,6 +6,10 @@ The same file runs under torchrun and under trainguard; only ``--ckpt`` differs:
   ``--ckpt-dir`` (tmp file + rename), and every rank resumes from it at start;
 - ``trainguard``: ``trainguard.checkpoint.Checkpointer`` (configured by the job), saved
   every step (the job's ``memoryEverySteps`` picks which steps are snapshotted);
+- ``resilient``: checkpointless recovery: the loop runs in ``trainguard.resilient``'s
+  ``@restartable`` (a job with ``inProcessRestart``), so a crashed rank is replaced in
+  place and takes its state from a peer; the memory tier (``Checkpointer``) is the
+  fallback when no rank holds state;
 - ``none``: no checkpoint.
 
 It is deterministic: the data of (step, rank) comes from a generator seeded by both.
@@ -13,11 +17,11 @@ Rank 0 appends one line per completed step to ``<out>/steps.txt``::
 
     <incarnation> <step> <start time> <end time>
 
-where the incarnation (``TORCHELASTIC_RUN_ID.TORCHELASTIC_RESTART_COUNT``) tells the
-launches and restarts apart, and the step's time spans its simulated compute
-(``--step-sleep``), forward, backward (with the all-reduce) and optimizer step, not
-the checkpoint. Every rank keeps ``<out>/pids/rank<R>.json`` (pid, incarnation) current,
-so the benchmark can signal a rank of the current incarnation.
+where the incarnation (``TORCHELASTIC_RUN_ID.TORCHELASTIC_RESTART_COUNT``, or the attempt
+in ``resilient`` mode) tells the launches and restarts apart, and the step's time spans
+its simulated compute (``--step-sleep``), forward, backward (with the all-reduce) and
+optimizer step, not the checkpoint. Every rank keeps ``<out>/pids/rank<R>.json`` (pid,
+incarnation) current, so the benchmark can signal a rank of the current incarnation.
 """
 
 import argparse
@@ -40,7 +44,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--step-sleep", type=float, default=0.0, help="simulated compute, s")
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--ckpt", choices=("torch", "trainguard", "none"), default="none")
+    parser.add_argument(
+        "--ckpt", choices=("torch", "trainguard", "resilient", "none"), default="none"
+    )
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--ckpt-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, required=True)
@@ -53,17 +59,8 @@ def publish(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def main() -> None:
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, argparse.Namespace]:
     args = parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    incarnation = (
-        f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}."
-        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    )
-    (args.out / "pids").mkdir(parents=True, exist_ok=True)
-    publish(args.out / "pids" / f"rank{rank}.json", {"pid": os.getpid(), "inc": incarnation})
-
     torch.manual_seed(0)
     net = torch.nn.Sequential(
         torch.nn.Linear(FEATURES, args.hidden),
@@ -72,8 +69,61 @@ def main() -> None:
         torch.nn.ReLU(),
         torch.nn.Linear(args.hidden, 1),
     )
+    return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9), args
+
+
+class Recorder:
+    """Rank 0's step records and log line; every rank's pid file."""
+
+    def __init__(self, out: Path, rank: int, world: int, incarnation: str) -> None:
+        self.rank, self.world, self.incarnation = rank, world, incarnation
+        (out / "pids").mkdir(parents=True, exist_ok=True)
+        publish(out / "pids" / f"rank{rank}.json", {"pid": os.getpid(), "inc": incarnation})
+        path = out / "steps.txt" if rank == 0 else Path(os.devnull)
+        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+
+    def step(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer,
+        step_sleep: float,
+    ) -> None:
+        """One training step (its data comes from (step, rank)), recorded."""
+        t0 = time.time()
+        gen = torch.Generator().manual_seed(step * self.world + self.rank)
+        x = torch.randn(BATCH, FEATURES, generator=gen)
+        if step_sleep:
+            time.sleep(step_sleep)
+        loss = model(x).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        t1 = time.time()
+        self.file.write(f"{self.incarnation} {step} {t0:.6f} {t1:.6f}\n")
+        self.file.flush()
+        if self.rank == 0:
+            speed = BATCH * self.world / max(t1 - t0, 1e-9)
+            line = f"Batch {step} Loss: {loss.item():.5f}, Speed: {speed:.1f} samples/sec"
+            print(line, flush=True)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def main() -> None:
+    net, optim, args = build()
+    if args.ckpt == "resilient":
+        main_resilient(net, optim, args)
+        return
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    incarnation = (
+        f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}."
+        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    )
+    recorder = Recorder(args.out, rank, world, incarnation)
     model = DistributedDataParallel(net)
-    optim = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def state(step: int) -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
@@ -96,35 +146,62 @@ def main() -> None:
         optim.load_state_dict(saved["optim"])
         start = int(saved["step"]) + 1
 
-    steps_path = args.out / "steps.txt" if rank == 0 else Path(os.devnull)
-    with open(steps_path, "a", encoding="utf-8") as steps_file:
-        for step in range(start, args.steps + 1):
-            t0 = time.time()
-            gen = torch.Generator().manual_seed(step * world + rank)
-            x = torch.randn(BATCH, FEATURES, generator=gen)
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
-            loss = model(x).pow(2).mean()
-            optim.zero_grad()
-            loss.backward()
-            optim.step()
-            t1 = time.time()
-            steps_file.write(f"{incarnation} {step} {t0:.6f} {t1:.6f}\n")
-            steps_file.flush()
-            if rank == 0:
-                speed = BATCH * world / max(t1 - t0, 1e-9)
-                line = f"Batch {step} Loss: {loss.item():.5f}, Speed: {speed:.1f} samples/sec"
-                print(line, flush=True)
-            if args.ckpt == "trainguard":
-                ckpt.save(step, state(step))
-            elif args.ckpt == "torch" and step % args.ckpt_every == 0 and rank == 0:
-                tmp = ckpt_file.with_name(".checkpoint.pt.tmp")
-                torch.save(state(step), tmp)
-                os.replace(tmp, ckpt_file)
+    for step in range(start, args.steps + 1):
+        recorder.step(step, model, optim, args.step_sleep)
+        if args.ckpt == "trainguard":
+            ckpt.save(step, state(step))
+        elif args.ckpt == "torch" and step % args.ckpt_every == 0 and rank == 0:
+            tmp = ckpt_file.with_name(".checkpoint.pt.tmp")
+            torch.save(state(step), tmp)
+            os.replace(tmp, ckpt_file)
+    recorder.close()
     if ckpt is not None:
         ckpt.close()
     dist.barrier()  # every rank done before any tears its group down (gloo aborts otherwise)
     dist.destroy_process_group()
+
+
+def main_resilient(net: torch.nn.Module, optim: torch.optim.Optimizer, args: Any) -> None:
+    """``--ckpt resilient``: the same steps in ``@restartable``; an attempt is an incarnation."""
+    import trainguard.resilient as resilient
+    from trainguard.checkpoint import Checkpointer
+
+    checkpointers: list[Checkpointer] = []  # made once the rank is known (a spare learns it late)
+
+    def checkpointer() -> Checkpointer:
+        if not checkpointers:
+            checkpointers.append(Checkpointer())
+        return checkpointers[0]
+
+    def snapshot(steps: int) -> dict[str, Any]:
+        return {"model": net.state_dict(), "optim": optim.state_dict(), "steps": steps}
+
+    def from_checkpoint() -> int | None:
+        saved = snapshot(0)
+        steps: int | None = checkpointer().load_latest(saved)
+        if steps is not None:
+            net.load_state_dict(saved["model"])
+            optim.load_state_dict(saved["optim"])
+        return steps
+
+    @resilient.restartable(resilient.TrainState(net, optim), fallback=from_checkpoint)
+    def train(run: resilient.Run) -> None:
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        recorder = Recorder(args.out, run.rank, run.world_size, f"{run_id}.{run.attempt}")
+        model = DistributedDataParallel(net)  # a new one per attempt: a new process group
+        try:
+            for completed in range(run.start_step, args.steps):
+                step = completed + 1  # steps are numbered from 1 here, from 0 in run
+                recorder.step(step, model, optim, args.step_sleep)
+                run.completed(completed)
+                checkpointer().save(step, snapshot(step))
+        finally:
+            recorder.close()
+        dist.barrier()  # every rank done before any tears its group down
+
+    train()
+    if checkpointers:
+        checkpointers[0].close()
 
 
 if __name__ == "__main__":

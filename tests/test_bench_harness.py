@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # the bench package lives at the top of the repository
     sys.path.insert(0, str(REPO))
 
-from bench.recovery import FaultRecord, log_rules  # noqa: E402
+from bench.recovery import FaultRecord, checkpointless_job, log_rules  # noqa: E402
 from bench.report import markdown, summary  # noqa: E402
 from bench.runs import TrainArgs, TrainguardJob, process_tree  # noqa: E402
 from bench.scale import measure  # noqa: E402
@@ -74,8 +74,10 @@ def results_fixture() -> dict[str, Any]:
     ok = [FaultRecord(True, 25, 20, 8.0 + i, 5, 0.5) for i in range(3)]
     relaunch = [FaultRecord(True, 25, 20, 12.0 + i, 5, 2.0) for i in range(3)]
     failed = [FaultRecord(False, 25, note="did not recover: connectFullMesh failed")] * 3
+    in_process = [FaultRecord(True, 25, 25, 0.7 + i / 10, 0, 0.5) for i in range(3)]
     recovery: dict[str, Any] = {
         "trainguard": fault_side(ok),
+        "trainguard_checkpointless": fault_side(in_process),
         "baseline_relaunch": fault_side(relaunch),
         "baseline_torchrun_max_restarts": fault_side(failed),
     }
@@ -117,6 +119,8 @@ def test_results_have_trainguard_baselines_and_ratios() -> None:
     recovery = results["recovery"]
     assert recovery["ratio"]["stall_s_vs_baseline_relaunch"] == pytest.approx(9.0 / 13.0)
     assert recovery["ratio"]["stall_s_vs_baseline_torchrun_max_restarts"] is None
+    ratio = recovery["ratio"]["trainguard_checkpointless_stall_s_vs_baseline_relaunch"]
+    assert ratio == pytest.approx(0.8 / 13.0)
     scale = results["scale"]
     assert set(scale) >= {"trainguard", "baseline_linear_from_256", "ratio"}
     assert scale["growth_exponent"]["start_s"] == pytest.approx(1.0)
@@ -128,8 +132,10 @@ def test_table_says_where_trainguard_loses_and_what_failed() -> None:
     assert "test cpu, 2 cores" in text
     [slower] = [line for line in lines if line.startswith("| overhead")]
     assert "**trainguard worse**" in slower and "0.92x" in slower
-    [relaunch] = [line for line in lines if "stall" in line and "relaunch" in line]
+    relaunch, in_process = [line for line in lines if "stall" in line and "relaunch" in line]
     assert "trainguard better" in relaunch and "9.0 s (8.0 s-10.0 s)" in relaunch
+    assert "(checkpointless)" in in_process and "0.80 s (0.70 s-0.90 s)" in in_process
+    assert "0.06x" in in_process
     assert any("did not recover (0/3 runs)" in line for line in lines)
     assert any("none within the 30 s cap" in line and "< 0.02x" in line for line in lines)
     assert "connectFullMesh" in text  # the failed baseline's reason is in the notes
@@ -159,6 +165,17 @@ def test_the_benchmark_job_is_a_valid_training_job(tmp_path: Path) -> None:
     assert (
         "--ckpt" in spec["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]["command"]
     )
+
+
+def test_the_checkpointless_job_restarts_in_process_with_a_spare_on_every_node(
+    tmp_path: Path,
+) -> None:
+    spec = checkpointless_job("bench-test", retries=3).spec(TrainArgs(steps=10), tmp_path)
+    job = TrainingJob.model_validate(spec)
+    assert job.spec.trainguard.in_process_restart
+    assert job.spec.trainguard.hot_spares == 2  # one on each of the 2 nodes
+    command = spec["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--ckpt") + 1] == "resilient"
 
 
 def test_process_tree_signals_only_the_processes_it_saw(tmp_path: Path) -> None:
