@@ -11,8 +11,8 @@ third stayed blocked until a peer process exited.
 blocked send or receive fails, and every peer connected to it sees the connection
 closed and fails too, so one rank's error reaches the whole group within milliseconds.
 gloo's descriptors stay open (gloo closes them itself), so none is closed twice or
-reused under gloo. The listening socket is left alone:
-gloo's listener thread aborts the process when its ``accept`` fails.
+reused under gloo. The listening socket is left alone: gloo's listener thread aborts the
+process when its ``accept`` fails.
 
 The group's connections are the TCP sockets that appeared while it was initialised,
 minus those to or from the rendezvous store's port. Linux only (``/proc/self/fd``);
@@ -76,13 +76,12 @@ class Connections:
             dup = os.dup(fd)
         except OSError:
             return 0  # closed since
-        try:
+        sock: socket.socket | None = None
+        with contextlib.suppress(OSError):
             info = os.fstat(dup)
-            if not stat.S_ISSOCK(info.st_mode) or info.st_ino != inode:
-                os.close(dup)  # the number now names another file or socket
-                return 0
-            sock = socket.socket(fileno=dup)  # closing it closes the duplicate only
-        except OSError:
+            if stat.S_ISSOCK(info.st_mode) and info.st_ino == inode:
+                sock = socket.socket(fileno=dup)  # closing it closes the duplicate only
+        if sock is None:  # the number now names another file or socket
             os.close(dup)
             return 0
         with sock:
