@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -161,3 +163,37 @@ def test_corrupt_checkpoint_is_a_clear_error(
     assert f"checkpoint {bad}" in result.stderr
     assert "Traceback" not in result.stderr
     assert "Starting training" not in result.stdout
+
+
+def load_train_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpt_train", TRAIN)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FailedWork:
+    """A work whose all_gather failed, as gloo reports a dead peer."""
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        future.set_exception(RuntimeError("Connection closed by peer"))
+        return future
+
+
+class Bucket:
+    def buffer(self) -> torch.Tensor:
+        return torch.ones(4)
+
+
+def test_comm_hook_fails_the_step_when_the_all_gather_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed gather must not become a gradient (it once did: NaN weights after a kill)."""
+    train = load_train_module()
+    monkeypatch.setattr(train.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(train.dist, "all_gather", lambda *_a, **_k: FailedWork())
+    future = train.ordered_allreduce_hook(None, Bucket())
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        future.wait()

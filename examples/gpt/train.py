@@ -262,6 +262,10 @@ def ordered_allreduce_hook(
     sums an element in an order that depends on its offset in the bucket. A resumed
     process would then round differently from an uninterrupted one (seen at 4 ranks).
     Gathering and summing in rank order makes every element's result layout-independent.
+
+    ``then`` runs its callback also when the all_gather fails (a peer died), and the
+    chained future then succeeds with whatever the callback returns: ``reduce`` must
+    re-raise the failure, or DDP applies a step summed from unfilled buffers.
     """
     buffer = bucket.buffer()
     world_size = dist.get_world_size()
@@ -269,7 +273,8 @@ def ordered_allreduce_hook(
     work = dist.all_gather(gathered, buffer, async_op=True)
     assert work is not None
 
-    def reduce(_: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    def reduce(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        done.wait()  # raises the all_gather's error
         total = gathered[0].clone()
         for grad in gathered[1:]:
             total += grad
