@@ -87,7 +87,9 @@ def test_a_used_spare_is_replaced_so_the_next_crash_finds_one_too(
         os.kill(records(tmp_path, 1)[0]["pid"], signal.SIGKILL)
         # Every rank joined attempt 1, then node-0 starts a new spare (the second one).
         wait_for(lambda: all(len(records(tmp_path, r)) == 2 for r in range(4)), timeout=120)
-        wait_for(lambda: list(tg.state_dir.glob("jobs/*/logs/attempt-1/spare-1")), timeout=60)
+        wait_for(
+            lambda: list(tg.state_dir.glob("jobs/*/logs/attempt-1/node-0-spare-1")), timeout=60
+        )
         os.kill(records(tmp_path, 1)[-1]["pid"], signal.SIGKILL)
 
     killer = threading.Thread(target=kill_twice, daemon=True)

@@ -27,8 +27,9 @@ controller decides; :meth:`ResilientGroup.rejoin` then starts the next attempt i
 
 Workers are started directly (``subprocess``) through the exec shim, each in its own
 process group; their output goes to the same per-attempt files as other workers', and a
-spare's to ``attempt-<n>/spare-<k>/``. Call everything from the supervisor thread (the
-workers' parent-death signal is tied to the thread that forked them).
+spare's to ``attempt-<n>/<node>-spare-<k>/`` (spare ids count per node). Call everything
+from the supervisor thread (the workers' parent-death signal is tied to the thread that
+forked them).
 """
 
 from __future__ import annotations
@@ -305,7 +306,8 @@ class ResilientGroup:
             env = worker_envs(a, self._env(a))[0]
             env = {key: v for key, v in env.items() if key not in _SPARE_UNSET}
             env[SPARE_ID_ENV] = str(k)
-            self._spares[k] = self._spawn(env, self._layout.attempt_dir(a.attempt) / f"spare-{k}")
+            log_dir = self._layout.attempt_dir(a.attempt) / f"{a.node_id}-spare-{k}"
+            self._spares[k] = self._spawn(env, log_dir)
             if a.attempt > 0:
                 logger.info("started hot spare %d (attempt %d)", k, a.attempt)
 
