@@ -32,6 +32,7 @@ from trainguard.resilient.group import (
     AttemptGroup,
     AttemptInterrupted,
     BarrierTimeout,
+    end_default_group,
     is_collective_failure,
 )
 from trainguard.resilient.identity import Identity, attempt_from_env, resolve_identity
@@ -110,8 +111,7 @@ def _run_once(train: TrainFunction, state: Stateful, fallback: Fallback | None) 
         )
     )
     if owns_group:
-        dist.barrier()
-        dist.destroy_process_group()
+        end_default_group()
 
 
 class _Supervisor:
