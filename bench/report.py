@@ -111,6 +111,12 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         t.summary,
     ]
+    if "| goal |" in t.summary:
+        lines[-1:-1] = [
+            "A `goal` row compares a figure with the control plane's goal for it, the most "
+            "it may be on this machine (ratio = figure / goal).",
+            "",
+        ]
     if t.scale:
         lines += ["", t.scale]
     notes = _notes(results)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench import agent_cost
 from bench.clean import CleanRecord, torchrun_clean, trainguard_clean
 from bench.goodput import GOODPUT_VARIANTS, GoodputSetup
 from bench.layout import ratio_key, sides
@@ -55,7 +56,8 @@ class Settings:
     goodput_interval: float = 30.0
     checkpoint_sizes: tuple[int, ...] = (256, 1024)
     checkpoint_repeats: int = 3
-    scale_nodes: tuple[int, ...] = (256, 1024, 4096)
+    scale_nodes: tuple[int, ...] = (256, 1024, 4096, 16384)
+    agent_repeats: int = 5
     run_timeout: float = 300.0
 
     def to_json(self) -> dict[str, Any]:
@@ -73,7 +75,24 @@ QUICK = replace(
     checkpoint_sizes=(64,),
     checkpoint_repeats=2,
     scale_nodes=(16, 64),
+    agent_repeats=3,
 )
+
+
+# The control plane's goals (the scale figures at GOAL_NODES nodes x 8 ranks, on the
+# benchmark machine). The summary table compares the figures with them.
+GOAL_NODES = 4096
+SCALE_GOALS: dict[str, float] = {
+    "start_s": 2.0,  # assign ranks + /start to every node
+    "stop_s": 1.0,  # a worker's death -> the last node's /stop
+    "poll_cycle_s": 1.0,  # one status poll of every node
+    "controller_rss_peak_mb": 200.0,  # the controller process's peak resident memory
+}
+GROWTH_GOAL = 1.1
+"""The scale figures may grow at most as N^1.1 from the smallest N to GOAL_NODES."""
+AGENT_GOALS: dict[str, float] = {"start_s": 0.5, "rss_peak_mb": 100.0}
+DETECT_GOAL_S = 0.15
+"""SIGKILL of a rank -> the controller's fault decision (the recovery scenario)."""
 
 
 CAPPED_BASELINES = ("baseline_torchrun",)  # in the hang scenario
@@ -157,7 +176,9 @@ def paired_ratios(result: dict[str, Any], metrics: Sequence[str]) -> dict[str, f
 
 def recovery(ctx: Context) -> dict[str, Any]:
     what = f"SIGKILL of rank 3 at step {ctx.settings.fault_step}"
-    return _fault_scenario(ctx, "recovery", RECOVERY_VARIANTS, what)
+    result = _fault_scenario(ctx, "recovery", RECOVERY_VARIANTS, what)
+    result["goals"] = {"detect_s": DETECT_GOAL_S}
+    return result
 
 
 def hang(ctx: Context) -> dict[str, Any]:
@@ -251,48 +272,109 @@ def checkpoint(ctx: Context) -> dict[str, Any]:
 
 
 def scale(ctx: Context) -> dict[str, Any]:
-    """``bench/scale.py`` once per N, each in a fresh process (its memory is measured)."""
+    """``bench/scale.py`` once per N, each in a fresh process (its memory is measured).
+
+    A size that fails (the largest may outgrow the machine) is reported as failed; the
+    others still make the results."""
     figures: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
     for n in ctx.settings.scale_nodes:
         out = ctx.workdir / "scale" / f"{n}.json"
         workdir = ctx.workdir / "scale" / str(n)
-        _python_module(
-            "bench.scale", ["--nodes", str(n), "--workdir", str(workdir), "--out", str(out)]
-        )
+        try:
+            _python_module(
+                "bench.scale", ["--nodes", str(n), "--workdir", str(workdir), "--out", str(out)]
+            )
+        except RuntimeError as exc:
+            failed[str(n)] = str(exc)
+            ctx.log(f"scale {n}: failed: {exc}")
+            continue
         figures[str(n)] = json.loads(out.read_text())
         ctx.log(f"scale {n}: {figures[str(n)]}")
-    return scale_results(figures)
+    if not figures:
+        raise RuntimeError(f"every scale size failed: {failed}")
+    result = scale_results(figures)
+    if failed:
+        result["failed"] = failed
+    return result
 
 
 SCALED = ("start_s", "stop_s", "stop_broadcast_s", "poll_cycle_s", "controller_rss_mib")
 
 
-def scale_results(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The figures per N, linear growth from the smallest N as the baseline, the ratios."""
-    sizes = sorted(figures, key=int)
-    small = sizes[0]
-    linear = {
-        n: {k: figures[small][k] * int(n) / int(small) for k in SCALED if figures[small][k]}
-        for n in sizes
-    }
-    ratios = {
-        n: {k: figures[n][k] / linear[n][k] for k in linear[n] if linear[n][k]} for n in sizes
-    }
+def growth_exponents(
+    figures: dict[str, dict[str, Any]], small: str, big: str
+) -> dict[str, float | None]:
+    """``log(f(big) / f(small)) / log(big / small)`` of each scaled figure (1: linear)."""
     growth: dict[str, float | None] = {}
-    big = sizes[-1]
     for k in SCALED:
         a, b = figures[small].get(k), figures[big].get(k)
         if a and b and a > 0 and b > 0 and big != small:
             growth[k] = math.log(b / a) / math.log(int(big) / int(small))
         else:
             growth[k] = None
-    return {
+    return growth
+
+
+def scale_results(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The figures per N, linear growth from the smallest N as the baseline, the ratios,
+    the growth exponents (to the largest N, and to :data:`GOAL_NODES`), the goals."""
+    sizes = sorted(figures, key=int)
+    small, big = sizes[0], sizes[-1]
+    linear = {
+        n: {k: figures[small][k] * int(n) / int(small) for k in SCALED if figures[small].get(k)}
+        for n in sizes
+    }
+    ratios = {
+        n: {k: figures[n][k] / linear[n][k] for k in linear[n] if figures[n].get(k) is not None}
+        for n in sizes
+    }
+    result: dict[str, Any] = {
         "setup": {"nproc_per_node": 8, "nodes": [int(n) for n in sizes]},
         "trainguard": figures,
         f"baseline_linear_from_{small}": linear,
         "ratio": ratios,
-        "growth_exponent": growth,
+        "growth_exponent": growth_exponents(figures, small, big),
+        "goals": {
+            "nodes": GOAL_NODES,
+            **SCALE_GOALS,
+            "growth_from": int(small),
+            "growth_exponent": GROWTH_GOAL,
+        },
     }
+    goal = str(GOAL_NODES)
+    if goal in figures and goal not in (small, big):
+        result["growth_exponent_to_goal"] = growth_exponents(figures, small, goal)
+    return result
+
+
+def agent(ctx: Context) -> dict[str, Any]:
+    """``bench/agent_cost.py``: the real node agent's start and memory, and ``import
+    torch``'s (what an agent importing torch pays at least), interleaved."""
+    s = ctx.settings
+    runs = agent_cost.measure(ctx.workdir / "agent", s.agent_repeats)
+    result: dict[str, Any] = {
+        "setup": {
+            "repeats": s.agent_repeats,
+            "agent": "python -m trainguard.agent ... -- true (spawn -> port file)",
+            "baseline": "python -c 'import torch'",
+        },
+        "goals": AGENT_GOALS,
+    }
+    for name, costs in runs.items():
+        result[name] = agent_figures(costs)
+        ctx.log(f"agent {name}: {[c.to_json() for c in costs]}")
+    result["ratio"] = _ratios(result, agent_cost.METRICS)
+    return result
+
+
+def agent_figures(costs: Sequence[agent_cost.Cost]) -> dict[str, Any]:
+    """Summaries of one side's repetitions, and the runs."""
+    figures: dict[str, Any] = {
+        m: summary([getattr(c, m) for c in costs]) for m in (*agent_cost.METRICS, "rss_mib")
+    }
+    figures["runs"] = [c.to_json() for c in costs]
+    return figures
 
 
 SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
@@ -303,6 +385,7 @@ SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "overhead": overhead,
     "scale": scale,
     "startup": startup,
+    "agent": agent,
 }
 
 

@@ -46,6 +46,17 @@ def gbps(v: float) -> str:
     return f"{v:.1f} GB/s"
 
 
+def mib(v: float) -> str:
+    return f"{v:.0f} MiB"
+
+
+def mb(v: float) -> str:
+    return f"{v:.0f} MB"
+
+
+MB_PER_MIB = 1.048576
+
+
 def cell(stats: dict[str, Any] | None, fmt: Fmt) -> str:
     """``median (min-max)``; ``[n/runs]`` when some runs had no value."""
     if not stats or stats.get("median") is None:
@@ -67,6 +78,36 @@ def verdict(r: float | None, lower_is_better: bool) -> str:
     return "trainguard better" if better else "**trainguard worse**"
 
 
+def goal_row(
+    scenario: str,
+    metric: str,
+    stats: dict[str, Any] | float | None,
+    goal: float,
+    fmt: Fmt,
+    scale: float = 1.0,
+) -> Row:
+    """Our figure (a summary's median, or a value; times ``scale``) against a goal it
+    must not exceed."""
+    if isinstance(stats, dict):
+        ours_cell = cell(_scaled(stats, scale), fmt)
+        value = stats.get("median")
+    else:
+        value = stats
+        ours_cell = "—" if value is None else fmt(value * scale)
+    if value is None:
+        return Row(scenario, metric, ours_cell, "goal", f"<= {fmt(goal)}", "—", "—")
+    r = value * scale / goal
+    met = "meets the goal" if r <= 1 else "**misses the goal**"
+    return Row(scenario, metric, ours_cell, "goal", f"<= {fmt(goal)}", _x(r), met)
+
+
+def _scaled(stats: dict[str, Any], scale: float) -> dict[str, Any]:
+    if scale == 1.0:
+        return stats
+    keys = ("median", "min", "max")
+    return {k: v * scale if k in keys and v is not None else v for k, v in stats.items()}
+
+
 def _name(key: str) -> str:
     return key.removeprefix("baseline_").replace("_", " ")
 
@@ -82,6 +123,7 @@ _FAULT_METRICS: dict[str, list[tuple[str, str, Fmt, bool]]] = {
     "recovery": [
         ("stall_s", "stall: fault -> next completed step", seconds, True),
         ("lost_steps", "steps lost (redone)", count, True),
+        ("detect_s", "SIGKILL -> fault decision", millis, True),
     ],
     "hang": [
         ("detect_s", "fault -> detected", seconds, True),
@@ -90,11 +132,24 @@ _FAULT_METRICS: dict[str, list[tuple[str, str, Fmt, bool]]] = {
 }
 
 
+# Metrics only some baselines measure (torchrun restarting its workers itself says
+# nothing of when it noticed): compared with those baselines alone, and with the goal.
+_ONLY_WHERE_MEASURED = {("recovery", "detect_s")}
+
+
 def fault_rows(scenario: str, res: dict[str, Any]) -> list[Row]:
     rows = []
+    goals = res.get("goals") or {}
     for key, label, fmt, lower in _FAULT_METRICS[scenario]:
         for variant in sides(res, "trainguard"):
+            if key not in res[variant]:
+                continue  # results of an older harness
+            if key in goals:
+                stats = res[variant][key]
+                rows.append(goal_row(scenario, _labelled(label, variant), stats, goals[key], fmt))
             for name in sides(res, "baseline"):
+                if (scenario, key) in _ONLY_WHERE_MEASURED and not res[name][key]["n"]:
+                    continue
                 theirs, ratio_cell, v = _fault_cells(scenario, res, variant, name, key, fmt, lower)
                 ours = cell(res[variant][key], fmt)
                 rows.append(
@@ -197,16 +252,110 @@ def simple_rows(scenario: str, res: dict[str, Any]) -> list[Row]:
     return rows
 
 
-def scale_rows(res: dict[str, Any]) -> list[Row]:
-    """The largest N against linear growth from the smallest."""
-    sizes = sorted(res["trainguard"], key=int)
-    if len(sizes) < 2:
-        return []
-    big = sizes[-1]
+# (metric key, label, format): the agent against ``import torch``, lower is better.
+_AGENT_METRICS: list[tuple[str, str, Fmt]] = [
+    ("start_s", "node agent: spawn -> serving", seconds),
+    ("cpu_s", "node agent: CPU time to serve", seconds),
+    ("rss_peak_mib", "node agent: peak memory", mib),
+]
+
+
+def agent_rows(res: dict[str, Any]) -> list[Row]:
+    """The agent's start and memory against ``import torch``, and against the goals."""
     rows = []
+    goals = res.get("goals") or {}
+    for key, label, fmt in _AGENT_METRICS:
+        for variant in sides(res, "trainguard"):
+            ours = res[variant][key]
+            if key == "start_s" and "start_s" in goals:
+                rows.append(goal_row("agent", _labelled(label, variant), ours, goals[key], fmt))
+            if key == "rss_peak_mib" and "rss_peak_mb" in goals:
+                rows.append(
+                    goal_row(
+                        "agent",
+                        _labelled(label, variant),
+                        ours,
+                        goals["rss_peak_mb"],
+                        mb,
+                        MB_PER_MIB,
+                    )
+                )
+            for name in sides(res, "baseline"):
+                r = res["ratio"].get(ratio_key(variant, key, name))
+                rows.append(
+                    Row(
+                        "agent",
+                        _labelled(label, variant),
+                        cell(ours, fmt),
+                        "python -c 'import torch'" if "torch" in name else _name(name),
+                        cell(res[name][key], fmt),
+                        _x(r),
+                        verdict(r, True),
+                    )
+                )
+    return rows
+
+
+# (figure key, label, format, factor to the goal's unit, goal key)
+_SCALE_GOALS: list[tuple[str, str, Fmt, float, str]] = [
+    ("start_s", "assign + start all", seconds, 1.0, "start_s"),
+    ("stop_s", "fault -> last /stop", seconds, 1.0, "stop_s"),
+    ("poll_cycle_s", "status poll cycle", seconds, 1.0, "poll_cycle_s"),
+    ("controller_rss_peak_mib", "controller peak memory", mb, MB_PER_MIB, "controller_rss_peak_mb"),
+]
+_GROWTH_LABELS = {
+    "start_s": "assign + start all",
+    "stop_s": "fault -> last /stop",
+    "poll_cycle_s": "status poll cycle",
+    "controller_rss_mib": "controller memory",
+}
+
+
+def scale_goal_rows(res: dict[str, Any]) -> list[Row]:
+    """The figures at the goals' N, and their growth to it, against the goals."""
+    goals = res.get("goals") or {}
+    n = str(goals.get("nodes"))
+    figures = res["trainguard"].get(n)
+    if figures is None:
+        return []
+    rows = [
+        goal_row("scale", f"{label}, {n} nodes", figures.get(key), goals[goal], fmt, factor)
+        for key, label, fmt, factor, goal in _SCALE_GOALS
+        if goal in goals
+    ]
+    sizes = sorted(res["trainguard"], key=int)
+    growth = res.get("growth_exponent_to_goal")
+    if growth is None and sizes[-1] == n and sizes[0] != n:
+        growth = res.get("growth_exponent")
+    limit = goals.get("growth_exponent")
+    if growth and limit:
+        for key, label in _GROWTH_LABELS.items():
+            value = growth.get(key)
+            r = None if value is None else value / limit
+            rows.append(
+                Row(
+                    "scale",
+                    f"growth of {label}, {sizes[0]} -> {n} nodes",
+                    "—" if value is None else f"N^{value:.2f}",
+                    "goal",
+                    f"<= N^{limit:.2f}",
+                    _x(r),
+                    "—" if r is None else "meets the goal" if r <= 1 else "**misses the goal**",
+                )
+            )
+    return rows
+
+
+def scale_rows(res: dict[str, Any]) -> list[Row]:
+    """The goals, and the largest N against linear growth from the smallest."""
+    sizes = sorted(res["trainguard"], key=int)
+    rows = scale_goal_rows(res)
+    if len(sizes) < 2:
+        return rows
+    big = sizes[-1]
     for key, label in (("start_s", "assign + start all"), ("stop_s", "fault -> last /stop")):
         r = res["ratio"][big].get(key)
-        growth = "—" if r is None else "**faster than linear**" if r > 1 else "linear or slower"
+        growth = "—" if r is None else "**slower than linear**" if r > 1 else "linear or better"
         rows.append(
             Row(
                 "scale",
@@ -223,7 +372,16 @@ def scale_rows(res: dict[str, Any]) -> list[Row]:
 
 def summary_rows(results: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
-    for scenario in ("recovery", "hang", "checkpoint", "goodput", "overhead", "startup", "scale"):
+    for scenario in (
+        "recovery",
+        "hang",
+        "checkpoint",
+        "goodput",
+        "overhead",
+        "startup",
+        "agent",
+        "scale",
+    ):
         res = results.get(scenario)
         if not res:
             continue
@@ -231,6 +389,8 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
             rows += fault_rows(scenario, res)
         elif scenario == "checkpoint":
             rows += checkpoint_rows(res)
+        elif scenario == "agent":
+            rows += agent_rows(res)
         elif scenario == "scale":
             rows += scale_rows(res)
         else:
@@ -243,22 +403,57 @@ def scale_table(res: dict[str, Any] | None) -> str:
     if not res:
         return ""
     lines = [
-        "| nodes (x8 ranks) | assign + start all | fault -> last /stop | stop broadcast "
-        "| status poll cycle | controller memory |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| nodes (x8 ranks) | assign + start all | fault -> decision (first /stop) "
+        "| fault -> last /stop "
+        "| stop broadcast | status poll cycle | controller memory |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def opt(f: dict[str, Any], key: str, fmt: Fmt) -> str:
+        value = f.get(key)
+        return "—" if value is None else fmt(value)
+
     for n in sorted(res["trainguard"], key=int):
         f = res["trainguard"][n]
         lines.append(
-            f"| {n} | {seconds(f['start_s'])} | {seconds(f['stop_s'])} "
-            f"| {seconds(f['stop_broadcast_s'])} | {seconds(f['poll_cycle_s'])} "
+            f"| {n} | {seconds(f['start_s'])} | {_decision(f)} "
+            f"| {seconds(f['stop_s'])} | {seconds(f['stop_broadcast_s'])} "
+            f"| {opt(f, 'poll_cycle_s', seconds)} "
             f"| +{f['controller_rss_mib']:.0f} MiB (peak {f['controller_rss_peak_mib']:.0f} MiB) |"
         )
+    for n, why in sorted((res.get("failed") or {}).items(), key=lambda item: int(item[0])):
+        lines.append(f"| {n} | failed: {why} | | | | | |")
+    sizes = sorted(res["trainguard"], key=int)
+    notes = []
+    goals = res.get("goals") or {}
+    to_goal = res.get("growth_exponent_to_goal")
+    if to_goal:
+        notes.append(f"{sizes[0]} -> {goals.get('nodes')} nodes: {_exponents(to_goal)}")
     growth = res.get("growth_exponent") or {}
-    if growth:
-        parts = ", ".join(f"{k} N^{v:.2f}" for k, v in growth.items() if v is not None)
-        lines += ["", f"Growth from the smallest to the largest N (1.00 = linear): {parts}."]
+    if growth and len(sizes) > 1:
+        notes.append(f"{sizes[0]} -> {sizes[-1]} nodes: {_exponents(growth)}")
+    if notes:
+        limit = goals.get("growth_exponent")
+        goal = f"; goal: at most N^{limit:.2f}" if limit else ""
+        lines += ["", f"Growth (1.00 = linear{goal}): " + "; ".join(notes) + "."]
     return "\n".join(lines)
+
+
+def _decision(f: dict[str, Any]) -> str:
+    """The Fault event's time after the failure, and the first ``/stop``'s (in brackets)."""
+    if f.get("detect_s") is None:
+        return "—"
+    first = f.get("first_stop_s")
+    text = _ms_or_s(f["detect_s"])
+    return text if first is None else f"{text} ({_ms_or_s(first)})"
+
+
+def _ms_or_s(v: float) -> str:
+    return millis(v) if abs(v) < 1 else seconds(v)
+
+
+def _exponents(growth: dict[str, float | None]) -> str:
+    return ", ".join(f"{k} N^{v:.2f}" for k, v in growth.items() if v is not None)
 
 
 def _x(r: float | None) -> str:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainguard.agent.client import AgentClient, AgentError
-from trainguard.agent.status import AgentStatus
-from trainguard.control.assignment import NodeAssignment
+from trainguard.wire.requests import AttemptRequest, NodeAssignment, StopRequest
+from trainguard.wire.status import NodeStatus
 
 TOKEN = "test-token-0123456789"
 STARTUP_TIMEOUT = 60.0  # s; the agent imports torch (~2 s, far more on a busy machine)
@@ -105,14 +105,25 @@ def make_assignment(
         job_id=job_id,
         node_id=node_id,
         attempt=attempt,
-        node_rank=node_rank,
         nnodes=nnodes,
+        node_rank=node_rank,
         nproc_per_node=nproc_per_node,
         master_addr="127.0.0.1",
         master_port=master_port,
         restart_count=attempt,
         max_restarts=3,
         extra_env={"FAKE_ACTIONS": actions},
+    )
+
+
+def start(assignment: NodeAssignment, peers: dict[str, str] | None = None) -> AttemptRequest:
+    """The ``/start`` (or ``/rejoin``) body of ``assignment``."""
+    return AttemptRequest(assignment=assignment, peers=peers or {})
+
+
+def stop(attempt: int | None = None, mode: str = "graceful", timeout: float = 10.0) -> StopRequest:
+    return StopRequest.model_validate(
+        {"attempt": attempt, "mode": mode, "timeout": timeout}, strict=False
     )
 
 
@@ -185,10 +196,10 @@ class AgentProcess:
 
     def wait_state(
         self, *states: str, attempt: int | None = None, timeout: float = STATE_TIMEOUT
-    ) -> AgentStatus:
+    ) -> NodeStatus:
         """Poll ``/status`` until the state is one of ``states`` (for ``attempt``, if given)."""
         deadline = time.monotonic() + timeout
-        status: AgentStatus | None = None
+        status: NodeStatus | None = None
         while time.monotonic() < deadline:
             with contextlib.suppress(AgentError):
                 status = self.client.status()
@@ -280,5 +291,5 @@ def spawn_agent(
     return AgentProcess(proc, node_id, port, token, log_dir, console_path, stderr_path)
 
 
-def worker_pids(status: AgentStatus) -> list[int]:
+def worker_pids(status: NodeStatus) -> list[int]:
     return [w.pid for w in status.workers if w.pid is not None]

@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -208,8 +209,14 @@ class Kubelet:
         raise KeyError(name)
 
     def kill_pod(self, name: str) -> None:
-        """SIGKILL every process of the pod, as when its container or node dies."""
+        """SIGKILL every process of the pod at once, as when its container or node dies.
+
+        Every process is frozen (SIGSTOP) first: none of them sees another die, so the
+        agent cannot report its workers' deaths before its own, just as in a pod whose
+        processes a container runtime kills together.
+        """
         pod = self.process(name)
+        _kill_tree(pod.process.pid, signal.SIGSTOP)
         _kill_tree(pod.process.pid, signal.SIGKILL)
 
     def all_pids(self, prefix: str = "") -> set[int]:
@@ -472,6 +479,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def quiet_port_base(count: int = 16) -> int:
+    """The first of ``count`` ports free on every address and below the ephemeral range.
+
+    Rank 0's store binds the rendezvous port on every address, late; an ephemeral port
+    (what :func:`free_port` returns) may meanwhile be the local end of any connection on
+    this machine, and the store then fails with EADDRINUSE. Below the range only a
+    listener can take a port.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, max(10001, low - count))
+        if all(_bindable(port) for port in range(base, base + count)):
+            return base
+    raise RuntimeError("no free port range below the ephemeral ports")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def alive(pid: int) -> bool:

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from agent_harness import TOKEN, AgentProcess, free_port, make_assignment, spawn_agent
+from agent_harness import TOKEN, AgentProcess, free_port, make_assignment, spawn_agent, start
 from trainguard.agent.client import AgentClient, AgentError, AgentUnreachable
-from trainguard.agent.status import AgentStatus
+from trainguard.wire.status import NodeStatus
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,9 @@ def test_status_has_exactly_the_documented_fields(agent: AgentProcess) -> None:
     assert code == 200
     assert set(reply) == {
         "node_id",
+        "incarnation",
         "pid",
+        "seq",
         "state",
         "attempt",
         "reason",
@@ -90,7 +92,7 @@ def test_status_has_exactly_the_documented_fields(agent: AgentProcess) -> None:
     assert reply["node_id"] == "node-0" and reply["pid"] == agent.proc.pid
     assert reply["state"] == "ready" and reply["attempt"] is None and reply["workers"] == []
     assert isinstance(reply["updated_at"], float)
-    assert AgentStatus.from_json(reply).to_json() == reply
+    assert NodeStatus.from_json(reply).to_json() == reply
 
 
 def test_unknown_paths_and_methods(agent: AgentProcess) -> None:
@@ -151,7 +153,7 @@ def test_bad_stop_bodies_get_400(agent: AgentProcess, body: bytes, names: str) -
 
 def test_client_reports_refusals_with_the_message(agent: AgentProcess) -> None:
     with pytest.raises(AgentError) as refused:
-        agent.client.start(make_assignment(node_id="node-9"))
+        agent.client.start(start(make_assignment(node_id="node-9")))
     assert refused.value.status == 400
     assert "assignment.node_id" in str(refused.value)
     assert not isinstance(refused.value, AgentUnreachable)

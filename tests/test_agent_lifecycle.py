@@ -20,6 +20,7 @@ from agent_harness import (
     make_assignment,
     pid_gone,
     spawn_agent,
+    start,
     wait_for_port_file,
     wait_for_text,
     wait_pids_gone,
@@ -30,7 +31,7 @@ from trainguard.agent.logs import LogLayout
 
 def start_sleepers(agent: AgentProcess) -> list[int]:
     """Start two sleeping workers; returns their pids once they have exec'd the command."""
-    agent.client.start(make_assignment(actions="*=sleep"))
+    agent.client.start(start(make_assignment(actions="*=sleep")))
     status = agent.wait_state("running")
     for rank in (0, 1):
         wait_for_text(LogLayout(agent.log_dir).stdout(0, rank), "sleeping")

@@ -44,10 +44,10 @@ def persisted(persister: DurablePersister, step: int) -> dict[str, Any]:
 
     def settled() -> bool:
         status = persister.status()
-        return step in status["committed"] or str(step) in status["failed"]
+        return step in status.committed or step in status.failed
 
     wait_for(settled, timeout=60)
-    return persister.status()
+    return persister.status().to_json()
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -66,7 +66,7 @@ def test_a_requested_step_is_written_committed_and_restorable(
     save_steps(memory, [4, 5, 6], memory_keep=3)
     persister = DurablePersister(memory, settings)
     try:
-        status = persister.status()
+        status = persister.status().to_json()
         assert status["memory_steps"] == {
             str(s): {"ranks": [0, 1], "force": False} for s in (4, 5, 6)
         }

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from agent_harness import AgentProcess, make_assignment, spawn_agent
+from agent_harness import AgentProcess, make_assignment, spawn_agent, start
 from conftest import wait_for
 from trainguard.agent.replicas import ReplicaStore, replica_peers
 from trainguard.checkpoint.memory import MemoryTier
@@ -41,10 +40,12 @@ def agent_for(tmp_path: Path, node_id: str, worker: str = WRITER) -> AgentProces
 def replicate(tmp_path: Path) -> tuple[AgentProcess, AgentProcess, Path, Path]:
     """node-0 saves a checkpoint; wait until node-1 holds its replica."""
     a, b = agent_for(tmp_path, "node-0"), agent_for(tmp_path, "node-1")
-    peers = {"node-0": a.url, "node-1": b.url}
+    urls = {"node-0": a.url, "node-1": b.url}
     for rank, agent in enumerate((a, b)):
         assignment = make_assignment(agent.node_id, nproc_per_node=1, nnodes=2, node_rank=rank)
-        agent.client.start(replace(assignment, peers=peers))
+        other = "node-1" if rank == 0 else "node-0"  # the ring of two: each other's replica
+        assignment = assignment.model_copy(update={"replica_peers": (other,)})
+        agent.client.start(start(assignment, {other: urls[other]}))
     memory = tmp_path / "shm" / "node-0" / "memory"
     replica = tmp_path / "shm" / "node-1" / "replicas" / "node-0"
 
@@ -66,7 +67,8 @@ def restart_node_0(tmp_path: Path, b: AgentProcess, memory: Path) -> None:
     a2 = agent_for(tmp_path, "node-0", worker="pass")
     try:
         assignment = make_assignment("node-0", attempt=1, nproc_per_node=1, nnodes=2)
-        a2.client.start(replace(assignment, peers={"node-0": a2.url, "node-1": b.url}))
+        assignment = assignment.model_copy(update={"replica_peers": ("node-1",)})
+        a2.client.start(start(assignment, {"node-1": b.url}))
         a2.wait_state("completed", attempt=1)
     finally:
         a2.close()

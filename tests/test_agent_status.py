@@ -1,4 +1,4 @@
-"""Status wire format and the exec shim (both stdlib-only)."""
+"""Status wire format and the exec shim (both without torch)."""
 
 from __future__ import annotations
 
@@ -10,32 +10,51 @@ from typing import Any
 
 import pytest
 
-from trainguard.agent.status import AgentState, AgentStatus, WorkerState, WorkerStatus
+from trainguard.wire.base import WireError
+from trainguard.wire.status import NodeState, NodeStatus, WorkerState, WorkerStatus
 
 
-def sample() -> AgentStatus:
-    return AgentStatus(
+def sample() -> NodeStatus:
+    return NodeStatus(
         node_id="node-1",
+        incarnation="node-1.2",
         pid=42,
-        state=AgentState.FAULTED,
+        seq=7,
+        state=NodeState.FAULTED,
         attempt=3,
         reason="rank 5 exited with signal SIGKILL",
         updated_at=1700000000.5,
         workers=(
-            WorkerStatus(0, 4, 100, WorkerState.STOPPED, -15, "SIGTERM"),
-            WorkerStatus(1, 5, 101, WorkerState.FAILED, -9, "SIGKILL"),
+            WorkerStatus(
+                local_rank=0, rank=4, pid=100, state=WorkerState.STOPPED, exitcode=-15,
+                signal="SIGTERM",
+            ),
+            WorkerStatus(
+                local_rank=1, rank=5, pid=101, state=WorkerState.FAILED, exitcode=-9,
+                signal="SIGKILL",
+            ),
         ),
-    )
+    )  # fmt: skip
 
 
 def test_status_round_trips_through_json() -> None:
-    assert AgentStatus.from_json(sample().to_json()) == sample()
+    assert NodeStatus.from_json(sample().to_json()) == sample()
+    assert NodeStatus.model_validate_json(sample().model_dump_json()) == sample()
 
 
 def test_describe_exit() -> None:
-    worker = WorkerStatus(1, 5, 101, WorkerState.FAILED, 3, None, "ValueError: x")
+    worker = WorkerStatus(
+        local_rank=1, rank=5, pid=101, state=WorkerState.FAILED, exitcode=3, error="ValueError: x"
+    )
     assert worker.describe_exit() == "rank 5 exited with exit code 3: ValueError: x"
     assert sample().workers[1].describe_exit() == "rank 5 exited with signal SIGKILL"
+
+
+def test_quiescent_means_no_worker_runs() -> None:
+    assert sample().quiescent
+    running = sample().workers[0].model_copy(update={"state": WorkerState.RUNNING})
+    assert not sample().model_copy(update={"workers": (running,)}).quiescent
+    assert not sample().model_copy(update={"state": NodeState.STOPPING, "workers": ()}).quiescent
 
 
 @pytest.mark.parametrize(
@@ -46,11 +65,12 @@ def test_describe_exit() -> None:
         ({"updated_at": None}, "status.updated_at"),
         ({"workers": {}}, "status.workers"),
         ({"workers": [{"local_rank": 0}]}, "status.workers[0].rank"),
+        ({"colour": "blue"}, "status.colour: unknown field"),
     ],
 )
 def test_bad_status_names_the_field(change: dict[str, Any], field: str) -> None:
-    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
-        AgentStatus.from_json(sample().to_json() | change)
+    with pytest.raises(WireError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        NodeStatus.from_json(sample().to_json() | change, "status")
 
 
 def shim(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

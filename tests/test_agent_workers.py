@@ -16,6 +16,8 @@ from agent_harness import (
     make_assignment,
     pid_gone,
     spawn_agent,
+    start,
+    stop,
     wait_for_text,
     wait_pids_gone,
     worker_pids,
@@ -42,7 +44,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
 def attempt(agent: AgentProcess) -> Iterator[int]:
     """A fresh attempt number; whatever the test left running is killed afterwards."""
     yield next(_attempts)
-    agent.client.stop(None, mode="process")
+    agent.client.stop(stop(None, mode="process"))
     agent.wait_state("stopped")
 
 
@@ -53,7 +55,7 @@ def layout(agent: AgentProcess) -> LogLayout:
 def test_workers_get_torchrun_env_and_their_output_is_logged(
     agent: AgentProcess, attempt: int
 ) -> None:
-    agent.client.start(make_assignment(attempt=attempt))
+    agent.client.start(start(make_assignment(attempt=attempt)))
     status = agent.wait_state("completed", attempt=attempt)
 
     assert [(w.local_rank, w.rank, w.state.value, w.exitcode) for w in status.workers] == [
@@ -102,26 +104,37 @@ def test_workers_get_torchrun_env_and_their_output_is_logged(
 
 
 def test_one_worker_per_node_gets_no_omp_default(agent: AgentProcess, attempt: int) -> None:
-    agent.client.start(make_assignment(attempt=attempt, nproc_per_node=1))
+    agent.client.start(start(make_assignment(attempt=attempt, nproc_per_node=1)))
     agent.wait_state("completed", attempt=attempt)
     stdout = layout(agent).stdout(attempt, 0).read_text()
     assert "env WORLD_SIZE=1\n" in stdout
     assert "env OMP_NUM_THREADS=<unset>\n" in stdout  # torchrun sets it only for nproc > 1
 
 
-def test_nonzero_exit_faults_the_node_and_stops_peers(agent: AgentProcess, attempt: int) -> None:
-    agent.client.start(make_assignment(attempt=attempt, actions="0=sleep,1=exit3"))
+def test_nonzero_exit_is_reported_at_once_and_peers_run_until_the_stop(
+    agent: AgentProcess, attempt: int
+) -> None:
+    agent.client.start(start(make_assignment(attempt=attempt, actions="0=sleep,1=exit3")))
     status = agent.wait_state("faulted", attempt=attempt)
 
     assert status.reason == "rank 1 exited with exit code 3"
     by_rank = {w.rank: w for w in status.workers}
     assert (by_rank[1].state.value, by_rank[1].exitcode, by_rank[1].signal) == ("failed", 3, None)
-    assert (by_rank[0].state.value, by_rank[0].signal) == ("stopped", "SIGTERM")
+    # Report first: the peer runs on; whether it stops or rejoins is the controller's call.
+    assert by_rank[0].state.value == "running" and not pid_gone(by_rank[0].pid or 0)
+    with pytest.raises(AgentError) as refused:  # workers still run: stop first
+        agent.client.start(start(make_assignment(attempt=attempt + 1000)))
+    assert refused.value.status == 409
+    agent.client.stop(stop(attempt, mode="process"))
+    status = agent.wait_state("stopped", attempt=attempt)
+    by_rank = {w.rank: w for w in status.workers}
+    assert (by_rank[0].state.value, by_rank[0].signal) == ("stopped", "SIGKILL")
+    assert by_rank[1].state.value == "failed"
     assert wait_pids_gone(worker_pids(status)) == []
 
 
 def test_sigkilled_worker_faults_with_the_signal(agent: AgentProcess, attempt: int) -> None:
-    agent.client.start(make_assignment(attempt=attempt, actions="*=sleep"))
+    agent.client.start(start(make_assignment(attempt=attempt, actions="*=sleep")))
     status = agent.wait_state("running", attempt=attempt)
     wait_for_text(layout(agent).stdout(attempt, 1), "sleeping")
     os.kill(status.workers[1].pid or 0, signal.SIGKILL)
@@ -130,11 +143,11 @@ def test_sigkilled_worker_faults_with_the_signal(agent: AgentProcess, attempt: i
     assert status.reason == "rank 1 exited with signal SIGKILL"
     assert (status.workers[1].state.value, status.workers[1].exitcode) == ("failed", -9)
     assert status.workers[1].signal == "SIGKILL"
-    assert status.workers[0].state.value == "stopped"
+    assert status.workers[0].state.value == "running"
 
 
 def test_error_file_message_is_reported(agent: AgentProcess, attempt: int) -> None:
-    agent.client.start(make_assignment(attempt=attempt, actions="0=error,1=sleep"))
+    agent.client.start(start(make_assignment(attempt=attempt, actions="0=error,1=sleep")))
     status = agent.wait_state("faulted", attempt=attempt)
     assert status.workers[0].error == "RuntimeError: boom"
     assert status.reason == "rank 0 exited with exit code 1: RuntimeError: boom"
@@ -144,44 +157,44 @@ def test_error_file_message_is_reported(agent: AgentProcess, attempt: int) -> No
 def test_stop_kills_workers_then_next_attempt_starts(
     agent: AgentProcess, attempt: int, mode: str
 ) -> None:
-    agent.client.start(make_assignment(attempt=attempt, actions="*=sleep"))
+    agent.client.start(start(make_assignment(attempt=attempt, actions="*=sleep")))
     status = agent.wait_state("running", attempt=attempt)
     pids = worker_pids(status)
     wait_for_text(layout(agent).stdout(attempt, 0), "sleeping")
 
     with pytest.raises(AgentError) as refused:
-        agent.client.start(make_assignment(attempt=attempt + 1000))
+        agent.client.start(start(make_assignment(attempt=attempt + 1000)))
     assert refused.value.status == 409
 
-    agent.client.stop(attempt, mode=mode, timeout=10)
+    agent.client.stop(stop(attempt, mode=mode, timeout=10))
     status = agent.wait_state("stopped", attempt=attempt)
     expected_signal = "SIGTERM" if mode == "graceful" else "SIGKILL"
     assert [(w.state.value, w.signal) for w in status.workers] == [("stopped", expected_signal)] * 2
     assert wait_pids_gone(pids) == []
 
-    agent.client.start(make_assignment(attempt=attempt + 1000))
+    agent.client.start(start(make_assignment(attempt=attempt + 1000)))
     status = agent.wait_state("completed", attempt=attempt + 1000)
     assert all(w.exitcode == 0 for w in status.workers)
 
 
 def test_graceful_stop_escalates_to_sigkill(agent: AgentProcess, attempt: int) -> None:
-    agent.client.start(make_assignment(attempt=attempt, actions="*=ignore-term"))
+    agent.client.start(start(make_assignment(attempt=attempt, actions="*=ignore-term")))
     agent.wait_state("running", attempt=attempt)
     for rank in (0, 1):  # both now ignore SIGTERM
         wait_for_text(layout(agent).stdout(attempt, rank), "sleeping")
-    agent.client.stop(attempt, mode="graceful", timeout=0.5)
+    agent.client.stop(stop(attempt, mode="graceful", timeout=0.5))
     status = agent.wait_state("stopped", attempt=attempt)
     assert [w.signal for w in status.workers] == ["SIGKILL", "SIGKILL"]
 
 
 def test_graceful_stop_continues_a_stopped_worker_first(agent: AgentProcess, attempt: int) -> None:
-    agent.client.start(make_assignment(attempt=attempt, actions="*=handle-term"))
+    agent.client.start(start(make_assignment(attempt=attempt, actions="*=handle-term")))
     status = agent.wait_state("running", attempt=attempt)
     for rank in (0, 1):
         wait_for_text(layout(agent).stdout(attempt, rank), "sleeping")
     stopped_pid = worker_pids(status)[1]
     os.kill(stopped_pid, signal.SIGSTOP)  # a hung worker
-    agent.client.stop(attempt, mode="graceful", timeout=30)
+    agent.client.stop(stop(attempt, mode="graceful", timeout=30))
     status = agent.wait_state("stopped", attempt=attempt)
     # Its SIGTERM handler ran (it was continued), instead of a SIGKILL after the grace.
     assert "got SIGTERM" in wait_for_text(layout(agent).stdout(attempt, 1), "got SIGTERM")
@@ -189,12 +202,12 @@ def test_graceful_stop_continues_a_stopped_worker_first(agent: AgentProcess, att
 
 
 def test_stop_of_another_attempt_leaves_the_current_one(agent: AgentProcess, attempt: int) -> None:
-    agent.client.stop(None)  # nothing runs: fine
+    agent.client.stop(stop(None))  # nothing runs: fine
     agent.wait_state("stopped")
-    agent.client.start(make_assignment(attempt=attempt, actions="*=sleep"))
+    agent.client.start(start(make_assignment(attempt=attempt, actions="*=sleep")))
     status = agent.wait_state("running", attempt=attempt)
-    agent.client.stop(attempt + 1000, mode="process")
-    agent.client.stop(attempt + 2000, mode="process")
+    agent.client.stop(stop(attempt + 1000, mode="process"))
+    agent.client.stop(stop(attempt + 2000, mode="process"))
     assert agent.wait_state("running", attempt=attempt).workers == status.workers
     assert not any(pid_gone(pid) for pid in worker_pids(status))
 

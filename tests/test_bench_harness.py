@@ -22,12 +22,20 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # the bench package lives at the top of the repository
     sys.path.insert(0, str(REPO))
 
+from bench.agent_cost import Cost, measure_agent, parse_cpu_seconds, parse_status  # noqa: E402
 from bench.recovery import FaultRecord, checkpointless_job, log_rules  # noqa: E402
 from bench.report import markdown, summary  # noqa: E402
 from bench.runs import TrainArgs, TrainguardJob, process_tree  # noqa: E402
 from bench.scale import measure  # noqa: E402
 from bench.steps import StepRecord, goodput, read_steps, recovery_after, throughput  # noqa: E402
-from bench.suite import _ratios, paired_ratios, scale_results  # noqa: E402
+from bench.suite import (  # noqa: E402
+    AGENT_GOALS,
+    DETECT_GOAL_S,
+    _ratios,
+    agent_figures,
+    paired_ratios,
+    scale_results,
+)
 
 
 def steps(incarnation: str, first: int, last: int, t0: float, dt: float = 1.0) -> list[StepRecord]:
@@ -81,7 +89,7 @@ def results_fixture() -> dict[str, Any]:
         "baseline_relaunch": fault_side(relaunch),
         "baseline_torchrun_max_restarts": fault_side(failed),
     }
-    recovery["ratio"] = paired_ratios(recovery, ("stall_s", "lost_steps"))
+    recovery["ratio"] = paired_ratios(recovery, ("stall_s", "lost_steps", "detect_s"))
     hang: dict[str, Any] = {
         "setup": {"cap_s": 30.0},
         "trainguard": fault_side(ok),
@@ -105,8 +113,16 @@ def results_fixture() -> dict[str, Any]:
         }
         for n in (256, 1024)
     }
+    agent: dict[str, Any] = {
+        "goals": AGENT_GOALS,
+        "trainguard": agent_figures([Cost(0.3, 0.2, 36.0, 35.0), Cost(0.4, 0.2, 37.0, 36.0)]),
+        "baseline_import_torch": agent_figures([Cost(3.0, 2.0, 625.0), Cost(2.8, 1.9, 626.0)]),
+    }
+    agent["ratio"] = _ratios(agent, ("start_s", "cpu_s", "rss_peak_mib"))
+    recovery["goals"] = {"detect_s": DETECT_GOAL_S}
     return {
         "machine": {"cpu": "test cpu", "cores": 2, "ram_gib": 8, "torch": "x", "python": "3"},
+        "agent": agent,
         "recovery": recovery,
         "hang": hang,
         "overhead": overhead,
@@ -140,6 +156,43 @@ def test_table_says_where_trainguard_loses_and_what_failed() -> None:
     assert any("none within the 30 s cap" in line and "< 0.02x" in line for line in lines)
     assert "connectFullMesh" in text  # the failed baseline's reason is in the notes
     assert "| 1024 |" in text and "N^1.00" in text
+    [decision] = [line for line in lines if "fault decision | 500 ms | goal" in line]
+    assert "500 ms" in decision and "<= 150 ms" in decision and "**misses the goal**" in decision
+    relaunch_detect = [line for line in lines if "fault decision" in line and "relaunch" in line]
+    assert len(relaunch_detect) == 2  # plain and checkpointless; torchrun measures none
+    assert not [line for line in lines if "fault decision" in line and "max restarts" in line]
+    [serving_goal] = [line for line in lines if "spawn -> serving" in line and "goal" in line]
+    assert "0.35 s (0.30 s-0.40 s)" in serving_goal and "meets the goal" in serving_goal
+    [memory] = [line for line in lines if "peak memory" in line and "import torch" in line]
+    assert "36 MiB" in memory and "625 MiB" in memory and "0.06x" in memory
+
+
+def test_scale_goals_are_checked_at_4096_nodes_and_growth_from_256() -> None:
+    figures = {
+        str(n): {
+            "start_s": 0.001 * n,
+            "detect_s": 0.01,
+            "stop_s": 0.0001 * n * (n / 256) ** 0.2,
+            "stop_broadcast_s": 0.0001 * n,
+            "poll_cycle_s": 0.0002 * n,
+            "controller_rss_mib": 0.01 * n,
+            "controller_rss_peak_mib": 50 + 0.04 * n,
+        }
+        for n in (256, 1024, 4096, 16384)
+    }
+    scale = scale_results(figures)
+    assert scale["growth_exponent_to_goal"]["start_s"] == pytest.approx(1.0)
+    assert scale["growth_exponent_to_goal"]["stop_s"] == pytest.approx(1.2)
+    lines = markdown({"scale": scale}).splitlines()
+    [start] = [line for line in lines if line.startswith("| scale | assign + start all, 4096")]
+    assert "4.1 s" in start and "<= 2.0 s" in start and "**misses the goal**" in start
+    [memory] = [line for line in lines if "controller peak memory, 4096" in line]
+    assert "224 MB" in memory and "**misses the goal**" in memory  # 213.84 MiB
+    [growth] = [line for line in lines if "growth of fault -> last /stop, 256 -> 4096" in line]
+    assert "N^1.20" in growth and "<= N^1.10" in growth and "misses" in growth
+    [linear] = [line for line in lines if "assign + start all, 16384 nodes" in line]
+    assert "linear growth from 256 nodes" in linear and "linear or better" in linear
+    assert "| 16384 |" in "\n".join(lines) and "256 -> 4096 nodes:" in "\n".join(lines)
 
 
 def test_table_only_rebuilds_the_report_and_bad_scenarios_are_refused(tmp_path: Path) -> None:
@@ -205,10 +258,25 @@ def test_scale_scenario_drives_the_real_runner_at_a_few_nodes(tmp_path: Path) ->
     figures = measure(6, tmp_path, nproc=2)
     assert figures["phase"] == "Failed", figures
     assert "rank 6 exited with signal SIGKILL" in figures["reason"]
-    for key in ("start_s", "detect_s", "stop_s", "stop_broadcast_s", "poll_cycle_s"):
+    for key in ("start_s", "push_s", "stop_s", "stop_broadcast_s", "poll_cycle_s"):
         assert figures[key] >= 0, (key, figures)
+    # The Fault event is stamped with the loop turn's time, taken just before the turn
+    # reads the reports: it may precede the failure by that much.
+    assert figures["detect_s"] > -0.5, figures
     assert figures["stop_s"] >= figures["detect_s"]
+    assert len(figures["poll_cycles_s"]) >= 3  # full cycles of every node, all running
     assert figures["controller_rss_peak_mib"] > 0
+    assert figures["pushes"] >= 1 and not figures["push_failures"], figures
+
+
+def test_agent_cost_reads_proc_and_measures_the_real_agent(tmp_path: Path) -> None:
+    status = "Name:\tpython\nVmHWM:\t   36288 kB\nVmRSS:\t   35000 kB\nThreads:\t4\n"
+    assert parse_status(status) == {"VmHWM": 36288, "VmRSS": 35000}
+    stat = "123 (py (x) y) S 1 2 3 4 5 6 7 8 9 10 150 50 0 0 20 0 4 0 99"
+    assert parse_cpu_seconds(stat, 100) == pytest.approx(2.0)
+    cost = measure_agent(tmp_path)  # the agent imports no torch: well under a second
+    assert cost.start_s > 0 and cost.cpu_s >= 0
+    assert cost.rss_mib is not None and 0 < cost.rss_mib <= cost.rss_peak_mib
 
 
 def test_a_baseline_that_recovered_sometimes_is_compared_in_those_runs_only() -> None:

@@ -1,16 +1,18 @@
 """The job controller's state machine, driven by plain reports: no processes, no clock."""
 
+import control_helpers as h
 from trainguard.control.assignment import Endpoint
 from trainguard.control.controller import (
     ControlConfig,
     Finish,
     JobController,
     JobPhase,
+    LaunchNodes,
     StartNodes,
     StopNodes,
 )
 from trainguard.control.policy import PolicyConfig
-from trainguard.control.reports import NodeReport, NodeState, WorkerFailure
+from trainguard.control.reports import NodeReport, NodeState
 
 NODES = ("node-0", "node-1")
 
@@ -25,29 +27,27 @@ def make(max_restarts: int = 0, **kw: object) -> JobController:
         stop_slack_seconds=10,
         **kw,
     )  # type: ignore[arg-type]
-    return JobController(config, lambda attempt: Endpoint("127.0.0.1", 30000 + attempt))
+    return JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
 
 
 def reports(state: NodeState, attempt: int = 0, **per_node: NodeReport) -> dict[str, NodeReport]:
-    base = {n: NodeReport(n, True, state, attempt) for n in NODES}
-    base.update(per_node)
-    return base
+    return h.reports(NODES, state, attempt, **per_node)
 
 
-def crashed(attempt: int = 0, node: str = "node-1", rank: int = 3) -> NodeReport:
-    return NodeReport(
-        node,
-        True,
-        NodeState.FAULTED,
-        attempt,
-        "boom",
-        (WorkerFailure(rank, rank % 2, -9, "SIGKILL"),),
-    )
+def crashed(
+    attempt: int = 0, node: str = "node-1", rank: int = 3, peers: str = "running"
+) -> NodeReport:
+    return h.crashed(node, rank, attempt, peers=h.WorkerState(peers))
 
 
-def test_start_assigns_every_node_a_fresh_endpoint() -> None:
+def test_start_launches_the_nodes_then_assigns_a_fresh_endpoint_once_all_answer() -> None:
     c = make()
-    [action] = c.start(0.0)
+    [launch] = c.start(0.0)
+    assert launch == LaunchNodes(NODES, 0)
+    assert (
+        c.observe(0.5, {"node-0": h.ready(NODES)["node-0"], "node-1": NodeReport("node-1")}) == []
+    )
+    [action] = c.observe(1.0, h.ready(NODES))
     assert isinstance(action, StartNodes)
     assert action.attempt == 0
     assert [a.node_id for a in action.assignments] == list(NODES)
@@ -55,34 +55,42 @@ def test_start_assigns_every_node_a_fresh_endpoint() -> None:
     assert c.phase is JobPhase.RUNNING
 
 
+def test_a_node_that_never_comes_up_is_lost() -> None:
+    c = make(max_restarts=0, node_start_timeout=5.0)
+    c.start(0.0)
+    assert c.observe(4.0, {"node-0": h.ready(NODES)["node-0"]}) == []
+    [finish] = c.observe(5.0, {"node-0": h.ready(NODES)["node-0"]})
+    assert isinstance(finish, Finish) and finish.phase is JobPhase.FAILED
+    assert "node-1 lost: its agent was not ready within 5s" in finish.reason
+
+
 def test_all_nodes_completed_is_success() -> None:
     c = make()
-    c.start(0.0)
+    h.begin(c)
     assert c.observe(1.0, reports(NodeState.RUNNING)) == []
     [finish] = c.observe(2.0, reports(NodeState.COMPLETED))
     assert finish == Finish(JobPhase.SUCCEEDED, "all ranks completed")
     assert c.phase is JobPhase.SUCCEEDED
     kinds = [e.kind for e in c.drain_events()]
-    assert kinds == ["JobStarted", "AttemptStarted", "AttemptEnded", "JobSucceeded"]
+    assert kinds == [
+        "JobStarted",
+        "NodesLaunching",
+        "AttemptStarted",
+        "AttemptEnded",
+        "JobSucceeded",
+    ]
 
 
 def test_one_node_completed_is_not_yet_success() -> None:
     c = make()
-    c.start(0.0)
-    assert (
-        c.observe(
-            1.0,
-            reports(
-                NodeState.RUNNING, **{"node-0": NodeReport("node-0", True, NodeState.COMPLETED, 0)}
-            ),
-        )
-        == []
-    )
+    h.begin(c)
+    completed = h.report("node-0", NodeState.COMPLETED, 0)
+    assert c.observe(1.0, reports(NodeState.RUNNING, **{"node-0": completed})) == []
 
 
 def test_reports_about_an_older_attempt_are_ignored() -> None:
     c = make(max_restarts=1)
-    c.start(0.0)
+    h.begin(c)
     c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
     c.observe(2.0, reports(NodeState.STOPPED))  # attempt 1 starts
     # agents still say "faulted"/"completed" about attempt 0: neither a fault nor success
@@ -92,7 +100,7 @@ def test_reports_about_an_older_attempt_are_ignored() -> None:
 
 def test_a_crash_stops_every_node_at_once() -> None:
     c = make(max_restarts=1)
-    c.start(0.0)
+    h.begin(c)
     [stop] = c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
     assert isinstance(stop, StopNodes)
     assert stop.node_ids == NODES
@@ -104,10 +112,12 @@ def test_a_crash_stops_every_node_at_once() -> None:
 
 def test_restart_after_all_stopped_with_a_new_attempt_and_endpoint() -> None:
     c = make(max_restarts=1)
-    c.start(0.0)
+    h.begin(c)
     c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
     assert c.observe(1.5, reports(NodeState.STOPPING)) == []
-    [start] = c.observe(2.0, reports(NodeState.STOPPED, **{"node-1": crashed()}))
+    # A faulted node counts as stopped once none of its workers runs.
+    assert c.observe(1.8, reports(NodeState.STOPPED, **{"node-1": crashed()})) == []
+    [start] = c.observe(2.0, reports(NodeState.STOPPED, **{"node-1": crashed(peers="stopped")}))
     assert isinstance(start, StartNodes)
     assert start.attempt == 1
     assert {a.restart_count for a in start.assignments} == {1}
@@ -119,7 +129,7 @@ def test_restart_after_all_stopped_with_a_new_attempt_and_endpoint() -> None:
 
 def test_budget_exhausted_fails_with_the_cause() -> None:
     c = make(max_restarts=0)
-    c.start(0.0)
+    h.begin(c)
     c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
     [finish] = c.observe(2.0, reports(NodeState.STOPPED))
     assert isinstance(finish, Finish)
@@ -130,8 +140,8 @@ def test_budget_exhausted_fails_with_the_cause() -> None:
 
 def test_exit_code_failure_is_described() -> None:
     c = make()
-    c.start(0.0)
-    bad = NodeReport("node-0", True, NodeState.FAULTED, 0, None, (WorkerFailure(1, 1, 3),))
+    h.begin(c)
+    bad = h.crashed("node-0", 1, exitcode=3, signal=None, reason=None)
     c.observe(1.0, reports(NodeState.RUNNING, **{"node-0": bad}))
     [finish] = c.observe(2.0, reports(NodeState.STOPPED))
     assert "rank 1 exited with exit code 3" in finish.reason  # type: ignore[union-attr]
@@ -139,36 +149,62 @@ def test_exit_code_failure_is_described() -> None:
 
 def test_lost_node_gets_a_full_job_restart() -> None:
     c = make(max_restarts=3)
-    c.start(0.0)
-    [stop] = c.observe(1.0, reports(NodeState.RUNNING, **{"node-0": NodeReport("node-0", False)}))
+    h.begin(c)
+    [stop] = c.observe(1.0, reports(NodeState.RUNNING, **{"node-0": h.lost("node-0")}))
     assert isinstance(stop, StopNodes)
-    [start] = c.observe(2.0, reports(NodeState.STOPPED, **{"node-0": NodeReport("node-0", False)}))
+    [launch] = c.observe(2.0, reports(NodeState.STOPPED, **{"node-0": h.lost("node-0")}))
+    assert launch == LaunchNodes(NODES, 1)  # every node's agent is replaced
+    assert c.attempts[0].faults[0].message == ("node-0 lost: its agent process exited with code -9")
+    [start] = c.observe(3.0, h.ready(NODES))
     assert isinstance(start, StartNodes) and start.scope == "job"
-    assert c.attempts[0].faults[0].message == "node-0 lost: its agent does not answer"
+
+
+def test_a_node_lost_while_stopping_gets_the_full_restart_at_once() -> None:
+    # Its worker's death is reported first, then its agent (the machine) is gone.
+    c = make(max_restarts=3)
+    h.begin(c)
+    [stop] = c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
+    assert isinstance(stop, StopNodes)
+    [launch] = c.observe(2.0, reports(NodeState.STOPPED, **{"node-1": h.lost("node-1")}))
+    assert isinstance(launch, LaunchNodes)  # not a process-level restart first
+    assert [f.type for f in c.attempts[0].faults] == ["WorkerCrash", "NodeLost"]
+
+
+def test_a_node_that_never_takes_the_attempt_is_lost_after_the_start_timeout() -> None:
+    c = make(max_restarts=0, node_start_timeout=30.0)
+    h.begin(c)
+    idle = h.report("node-1", NodeState.READY, None)  # its /start never arrived
+    assert c.observe(29.0, reports(NodeState.RUNNING, **{"node-1": idle})) == []
+    [stop] = c.observe(30.0, reports(NodeState.RUNNING, **{"node-1": idle}))
+    assert isinstance(stop, StopNodes)
+    fault = c.attempts[0].faults[0]
+    assert (fault.type, fault.node) == ("NodeLost", "node-1")
+    assert fault.message == "node-1 did not take attempt 0 within 30s"
 
 
 def test_lost_node_without_budget_fails() -> None:
     c = make(max_restarts=0)
-    c.start(0.0)
-    c.observe(1.0, reports(NodeState.RUNNING, **{"node-0": NodeReport("node-0", False)}))
-    [finish] = c.observe(2.0, reports(NodeState.STOPPED, **{"node-0": NodeReport("node-0", False)}))
+    h.begin(c)
+    c.observe(1.0, reports(NodeState.RUNNING, **{"node-0": h.lost("node-0")}))
+    [finish] = c.observe(2.0, reports(NodeState.STOPPED, **{"node-0": h.lost("node-0")}))
     assert finish.phase is JobPhase.FAILED  # type: ignore[union-attr]
     assert "node-0 lost" in finish.reason  # type: ignore[union-attr]
 
 
 def test_stop_timeout_is_a_fault() -> None:
     c = make(max_restarts=3)
-    c.start(0.0)
+    h.begin(c)
     c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
-    assert c.observe(5.0, reports(NodeState.STOPPING)) == []
-    [start] = c.observe(12.0, reports(NodeState.STOPPING))  # 1 + 0 grace + 10 slack passed
-    assert isinstance(start, StartNodes) and start.scope == "job"  # its agent is replaced
+    assert c.observe(5.0, reports(NodeState.STOPPING)) == []  # the first look after the stop
+    assert c.observe(14.0, reports(NodeState.STOPPING)) == []
+    [launch] = c.observe(15.0, reports(NodeState.STOPPING))  # 5 + 0 grace + 10 slack passed
+    assert isinstance(launch, LaunchNodes)  # its agent is replaced: a full job restart
     assert any(f.type == "NodeStopTimeout" for f in c.attempts[0].faults)
 
 
 def test_cancel_stops_gracefully_then_finishes_stopped() -> None:
     c = make(max_restarts=5)
-    c.start(0.0)
+    h.begin(c)
     [stop] = c.cancel(1.0, "deleted by user")
     assert isinstance(stop, StopNodes) and stop.mode == "graceful" and stop.timeout == 5
     assert c.cancel(1.1, "again") == []
@@ -179,7 +215,7 @@ def test_cancel_stops_gracefully_then_finishes_stopped() -> None:
 
 def test_cancel_during_a_fault_stop_does_not_restart() -> None:
     c = make(max_restarts=5)
-    c.start(0.0)
+    h.begin(c)
     c.observe(1.0, reports(NodeState.RUNNING, **{"node-1": crashed()}))
     assert c.cancel(1.5, "interrupted (Ctrl-C)") == []
     [finish] = c.observe(2.0, reports(NodeState.STOPPED))
@@ -188,7 +224,7 @@ def test_cancel_during_a_fault_stop_does_not_restart() -> None:
 
 def test_active_deadline_fails_the_job() -> None:
     c = make(active_deadline_seconds=10.0)
-    c.start(0.0)
+    h.begin(c)
     assert c.observe(5.0, reports(NodeState.RUNNING)) == []
     [stop] = c.observe(11.0, reports(NodeState.RUNNING))
     assert isinstance(stop, StopNodes)
@@ -199,7 +235,7 @@ def test_active_deadline_fails_the_job() -> None:
 
 def test_nothing_happens_after_the_end() -> None:
     c = make()
-    c.start(0.0)
+    h.begin(c)
     c.observe(1.0, reports(NodeState.COMPLETED))
     assert c.observe(2.0, reports(NodeState.FAULTED)) == []
     assert c.cancel(3.0, "late") == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import control_helpers as h
 from trainguard.control.assignment import Endpoint
 from trainguard.control.controller import (
     ControlConfig,
@@ -11,7 +12,8 @@ from trainguard.control.controller import (
     PersistCheckpoint,
 )
 from trainguard.control.persist import CheckpointPlanner, DurableCadence
-from trainguard.control.reports import CheckpointReport, NodeReport, NodeState
+from trainguard.control.reports import NodeReport, NodeState, Refusal
+from trainguard.wire.status import CheckpointStatus, MemoryStep, WorkerState
 
 NODES = ("node-0", "node-1")  # x 2 ranks: node-0 has ranks 0, 1; node-1 has 2, 3
 
@@ -25,13 +27,16 @@ def node(
     committed: tuple[int, ...] = (),
     failed: dict[int, str] | None = None,
 ) -> NodeReport:
-    checkpoint = CheckpointReport(
-        memory_steps={s: frozenset(r) for s, r in steps.items()},
-        forced_steps=frozenset(forced),
+    checkpoint = CheckpointStatus(
+        memory_steps={s: MemoryStep(ranks=r, force=s in forced) for s, r in steps.items()},
         committed=committed,
         failed=failed or {},
     )
-    return NodeReport(node_id, True, state, 0, checkpoint=checkpoint)
+    done = state is NodeState.COMPLETED
+    workers = h.workers(
+        NODES.index(node_id), WorkerState.SUCCEEDED if done else WorkerState.RUNNING
+    )
+    return h.report(node_id, state, 0, checkpoint=checkpoint, workers=workers)
 
 
 def both(steps: list[int], **kw: object) -> dict[str, NodeReport]:
@@ -109,7 +114,7 @@ def test_memory_saves_are_events_at_most_every_interval() -> None:
 def test_unreachable_nodes_do_not_count() -> None:
     p = planner(every_steps=5)
     reports = both([5])
-    reports["node-1"] = NodeReport("node-1", False)
+    reports["node-1"] = h.lost("node-1")
     assert p.observe(1.0, NODES, reports)[0] == []
 
 
@@ -120,8 +125,8 @@ def controller(**cadence: object) -> JobController:
     config = ControlConfig(
         "job", NODES, 2, durable=DurableCadence(**cadence), final_persist_timeout=30.0
     )  # type: ignore[arg-type]
-    c = JobController(config, lambda attempt: Endpoint("127.0.0.1", 30000 + attempt))
-    c.start(0.0)
+    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    h.begin(c)
     return c
 
 
@@ -132,6 +137,17 @@ def test_the_controller_asks_for_due_steps_and_records_the_commit() -> None:
     assert c.observe(2.0, both([10, 11], committed=(10,))) == []
     kinds = [e.kind for e in c.drain_events()]
     assert kinds.count("CheckpointPersisting") == 1 and "CheckpointCommitted" in kinds
+
+
+def test_a_refused_persist_fails_the_step_at_once() -> None:
+    c = controller(every_steps=10)
+    [request] = c.observe(1.0, both([10]))
+    assert isinstance(request, PersistCheckpoint)
+    refused = Refusal("node-1", "persist", None, "409 this node has no durable tier")
+    assert c.observe(2.0, both([10, 11]), [refused]) == []
+    failed = [e for e in c.drain_events() if e.kind == "CheckpointPersistFailed"]
+    assert "node-1 refused it" in failed[0].message
+    assert not c.checkpoints.busy
 
 
 def test_success_waits_for_the_final_step_to_be_durable() -> None:

@@ -1,23 +1,23 @@
 """The controller's detection, escalation and timeline, driven by plain reports."""
 
+from math import nan
+
+import control_helpers as h
 from trainguard.control.assignment import Endpoint
 from trainguard.control.controller import (
     ControlConfig,
     Finish,
     JobController,
+    LaunchNodes,
+    RetireNodes,
     StartNodes,
     StopNodes,
 )
 from trainguard.control.events import FaultType
 from trainguard.control.policy import PolicyConfig
-from trainguard.control.reports import (
-    NodeReport,
-    NodeState,
-    RankProgress,
-    RuleActivity,
-    WorkerFailure,
-)
-from trainguard.monitor.rules import Detection, LogRuleSpec
+from trainguard.control.reports import NodeReport, NodeState
+from trainguard.monitor.rules import LogRuleSpec
+from trainguard.wire.status import Detection, Progress, RuleActivity, WorkerState
 
 NODES = ("node-0", "node-1")
 HANG = LogRuleSpec("JobHang", ".*Loss:.*", expected_recurring_frequency_in_seconds=10)
@@ -41,7 +41,9 @@ def make(max_restarts: int = 3, spares: tuple[str, ...] = (), **kw: object) -> J
         stop_slack_seconds=10,
         **kw,
     )  # type: ignore[arg-type]
-    return JobController(config, lambda attempt: Endpoint("127.0.0.1", 30000 + attempt))
+    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    h.begin(c)
+    return c
 
 
 def running(
@@ -51,37 +53,39 @@ def running(
     first: int | None = None,
     **extra: object,
 ) -> dict[str, NodeReport]:
-    progress = {}
+    progress = None
     if step is not None:
-        progress = {0: RankProgress(first if first is not None else step, t, step, t)}
-    reports = {
-        "node-0": NodeReport(
-            "node-0", True, NodeState.RUNNING, attempt, progress=progress, **extra
-        ),  # type: ignore[arg-type]
-        "node-1": NodeReport("node-1", True, NodeState.RUNNING, attempt),
+        first_step = first if first is not None else step
+        progress = Progress(first_step=first_step, first_time=t, step=step, time=t)
+    return {
+        "node-0": h.report(
+            "node-0", NodeState.RUNNING, attempt, workers=h.workers(0), progress=progress, **extra
+        ),
+        "node-1": h.report("node-1", NodeState.RUNNING, attempt, workers=h.workers(1)),
     }
-    return reports
 
 
 def stopped(attempt: int = 0, **extra: object) -> dict[str, NodeReport]:
     return {
-        n: NodeReport(n, True, NodeState.STOPPED, attempt, **extra)  # type: ignore[arg-type]
-        for n in NODES
+        n: h.report(
+            n, NodeState.STOPPED, attempt, workers=h.workers(i, WorkerState.STOPPED), **extra
+        )
+        for i, n in enumerate(NODES)
     }
 
 
 def crash(attempt: int = 0, node: str = "node-1") -> dict[str, NodeReport]:
     reports = running(attempt)
-    reports[node] = NodeReport(
-        node, True, NodeState.FAULTED, attempt, "boom", (WorkerFailure(3, 1, -9, "SIGKILL"),)
-    )
+    reports[node] = h.crashed(node, 3 if node == "node-1" else 1, attempt)
     return reports
 
 
 def test_slow_detection_from_an_agent_stops_all() -> None:
     c = make()
-    c.start(0.0)
-    d = Detection("LogSlow", "Speed", 0, 5.0, "Batch 9 Speed: 10 samples/sec", 10.0)
+    d = Detection(
+        kind="LogSlow", rule="Speed", rank=0, time=5.0,
+        line="Batch 9 Speed: 10 samples/sec", value=10.0,
+    )  # fmt: skip
     [stop] = c.observe(6.0, running(detections=(d,)))
     assert isinstance(stop, StopNodes) and not stop.capture_stacks
     fault = c.attempts[0].faults[0]
@@ -89,24 +93,23 @@ def test_slow_detection_from_an_agent_stops_all() -> None:
     assert fault.message.startswith("LogSlow_Speed")
     # The same detection reported again is not a second fault.
     c2 = make()
-    c2.start(0.0)
     c2.observe(1.0, running())
     assert len(c2.attempts[0].faults) == 0
 
 
 def test_nan_detection_is_its_own_fault_type() -> None:
     c = make()
-    c.start(0.0)
-    d = Detection("NaNMetric", "Loss", 0, 5.0, "Batch 9 Loss: nan", float("nan"))
+    d = Detection(
+        kind="NaNMetric", rule="Loss", rank=0, time=5.0, line="Batch 9 Loss: nan", value=nan
+    )
     c.observe(6.0, running(detections=(d,)))
     assert c.attempts[0].faults[0].type is FaultType.NAN_METRIC
 
 
 def test_job_wide_hang_is_detected_and_stacks_are_captured() -> None:
     c = make(log_rules=(HANG,))
-    c.start(0.0)
     # node-0 matched at t=5; node-1 never logs (only rank 0 does): no hang while in time.
-    activity = {"JobHang": RuleActivity(5.0)}
+    activity = {"JobHang": RuleActivity(last_match_at=5.0)}
     assert c.observe(14.0, running(rules=activity)) == []
     [stop] = c.observe(16.0, running(rules=activity))
     assert isinstance(stop, StopNodes) and stop.capture_stacks and stop.mode == "process"
@@ -118,7 +121,7 @@ def test_job_wide_hang_is_detected_and_stacks_are_captured() -> None:
         3: "pid 10 (python): state S (sleeping), wchan -\nThread 1 (active)",
     }
     [start] = c.observe(17.0, stopped(stacks=stacks))
-    assert isinstance(start, StartNodes)
+    assert isinstance(start, StartNodes)  # process scope: the same agents, at once
     evidence = c.attempts[0].faults[0].evidence
     assert evidence["stacks"] == {str(k): v for k, v in stacks.items()}
     assert evidence["stopped_ranks"] == [2]
@@ -127,13 +130,14 @@ def test_job_wide_hang_is_detected_and_stacks_are_captured() -> None:
 
 def test_stop_pattern_turns_the_hang_rule_off() -> None:
     c = make(log_rules=(HANG,))
-    c.start(0.0)
-    assert c.observe(100.0, running(rules={"JobHang": RuleActivity(5.0, stopped=True)})) == []
+    assert (
+        c.observe(100.0, running(rules={"JobHang": RuleActivity(last_match_at=5.0, stopped=True)}))
+        == []
+    )
 
 
 def test_heartbeat_timeout_names_the_rank() -> None:
     c = make(heartbeat_timeout=5.0)
-    c.start(0.0)
     assert c.observe(3.0, running(heartbeats={1: 2.0})) == []
     [stop] = c.observe(8.0, running(heartbeats={1: 2.0}))
     assert isinstance(stop, StopNodes) and stop.capture_stacks
@@ -143,14 +147,16 @@ def test_heartbeat_timeout_names_the_rank() -> None:
 
 def test_lost_node_gets_a_full_restart_on_a_spare() -> None:
     c = make(spares=("node-2",))
-    c.start(0.0)
     reports = running()
-    reports["node-1"] = NodeReport("node-1", False)
+    reports["node-1"] = h.lost("node-1")
     [stop] = c.observe(1.0, reports)
     assert isinstance(stop, StopNodes)
     after = stopped()
-    after["node-1"] = NodeReport("node-1", False)
-    [start] = c.observe(2.0, after)
+    after["node-1"] = h.lost("node-1")
+    [retire, launch] = c.observe(2.0, after)
+    assert retire == RetireNodes(("node-1",))  # replaced by the spare
+    assert launch == LaunchNodes(("node-0", "node-2"), 1)
+    [start] = c.observe(3.0, h.ready(("node-0", "node-2")))
     assert isinstance(start, StartNodes)
     assert start.scope == "job"
     assert [a.node_id for a in start.assignments] == ["node-0", "node-2"]
@@ -159,20 +165,20 @@ def test_lost_node_gets_a_full_restart_on_a_spare() -> None:
 
 def test_escalation_to_a_full_restart_after_process_restarts() -> None:
     c = make(max_restarts=5, escalate_after=2)
-    c.start(0.0)
     scopes = []
     for attempt in range(3):
         c.observe(10.0 * attempt + 1, crash(attempt))
-        [start] = c.observe(10.0 * attempt + 2, stopped(attempt))
-        assert isinstance(start, StartNodes)
-        scopes.append(start.scope)
+        [action] = c.observe(10.0 * attempt + 2, stopped(attempt))
+        if isinstance(action, LaunchNodes):  # a full restart brings new agents up first
+            [action] = c.observe(10.0 * attempt + 3, h.ready(NODES))
+        assert isinstance(action, StartNodes)
+        scopes.append(action.scope)
     assert scopes == ["process", "process", "job"]
     assert c.full_restarts == 1
 
 
 def test_budget_exhausted_after_restarts() -> None:
     c = make(max_restarts=1)
-    c.start(0.0)
     c.observe(1.0, crash(0))
     c.observe(2.0, stopped(0))
     c.observe(3.0, crash(1))
@@ -183,7 +189,6 @@ def test_budget_exhausted_after_restarts() -> None:
 
 def test_timeline_measures_recovery_and_lost_steps() -> None:
     c = make()
-    c.start(0.0)
     c.observe(1.0, running(step=50, t=0.9))
     c.note_injection(1.5, "kill:rank=3@step=50", 3, "node-1")
     c.observe(2.0, crash(0))

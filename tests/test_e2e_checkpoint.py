@@ -57,7 +57,8 @@ def run(tg: Trainguard, spec: Path, *inject: str) -> tuple[str, dict[int, tuple[
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     saved, restored = digests(output)
-    assert sorted(restored) == [0, 1, 2, 3], "every rank restores"
+    events = [line for line in output.splitlines() if line.startswith("[trainguard]")]
+    assert sorted(restored) == [0, 1, 2, 3], "every rank restores:\n" + "\n".join(events)
     steps = {step for step, _ in restored.values()}
     assert len(steps) == 1, f"ranks restored different steps: {restored}"
     for rank, (step, digest) in restored.items():

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from conftest import FAKE_WORKER, REPO, wait_for
-from kube_harness import ApiServer, Kubelet, alive, free_port
+from kube_harness import ApiServer, Kubelet, alive, free_port, quiet_port_base
 from trainguard.cli import main
 from trainguard.kube.api import KubeApi, NotFound
 
@@ -114,16 +114,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     api = KubeApi.connect(str(kubeconfig))
     nodes = {"node-a": {}, "node-b": {}, "node-c": {}, "node-d": {}, "sick": UNHEALTHY}
     kubelet = Kubelet(server, api, root, nodes)
-    metrics_port = free_port()
+    metrics_port, report_port = free_port(), free_port()
     env = {
         **os.environ,
         "KUBECONFIG": str(kubeconfig),
         "TRAINGUARD_AGENT_PORT": str(free_port()),
-        "TRAINGUARD_RENDEZVOUS_PORT_BASE": str(free_port()),
+        "TRAINGUARD_RENDEZVOUS_PORT_BASE": str(quiet_port_base()),
+        "TRAINGUARD_RENDEZVOUS_PORT_SPAN": "16",
         "TRAINGUARD_POD_LOG_DIR": str(root / "agent-logs"),
         "TRAINGUARD_POD_MEMORY_ROOT": str(root / "shm"),
         "TRAINGUARD_POD_JOB_ROOT": str(root / "jobs"),
         "TRAINGUARD_METRICS_PORT": str(metrics_port),
+        # The pods (local processes) push their reports to the operator on this machine.
+        "TRAINGUARD_REPORT_HOST": "127.0.0.1",
+        "TRAINGUARD_REPORT_PORT": str(report_port),
+        "TRAINGUARD_REPORT_URL": f"http://127.0.0.1:{report_port}",
     }
     with open(root / "operator.log", "wb") as log:
         operator = subprocess.Popen(
@@ -180,7 +185,13 @@ def test_jobs_run_to_completion_on_healthy_nodes_and_expire(cluster: Cluster) ->
         "Succeeded",
     ]
     described = cluster.describe("fake-ok")
-    assert reasons(described) == ["JobStarted", "AttemptStarted", "AttemptEnded", "JobSucceeded"]
+    assert reasons(described) == [
+        "JobStarted",
+        "NodesLaunching",
+        "AttemptStarted",
+        "AttemptEnded",
+        "JobSucceeded",
+    ]
     listed = cluster.tg("list", "--kube")
     assert "fake-ok" in listed.stdout and "Succeeded" in listed.stdout, listed
     logs = cluster.tg("logs", "--kube", "fake-ok", "--rank", "3")
@@ -213,7 +224,10 @@ def test_worker_and_pod_faults_recover_then_delete_stops_everything(cluster: Clu
         fake(out, "--sleep", "300"),
         runPolicy={"jobMaxRetryCount": 3},
     )
-    wait_for(lambda: (out / "rank-3-attempt-0.json").exists(), JOB_TIMEOUT)
+    # Every rank's record: rank 1's is read below (ranks start in any order).
+    wait_for(
+        lambda: all((out / f"rank-{r}-attempt-0.json").exists() for r in range(4)), JOB_TIMEOUT
+    )
     first_pods = [n["pod"] for n in cluster.status("fake-faults")["nodes"]]
 
     # A killed worker: process-level restart inside the same pods.

@@ -73,7 +73,7 @@ def test_snapshots_of_node_monitors_merge() -> None:
     node_b.on_line(3, "stdout", "Batch 1 Loss: 1.0", T0 + 200)
     watch = HangWatch([RECUR, START], started_at=T0)
     for node in (node_a, node_b):
-        watch.observe_snapshot(node.snapshot()["rules"])
+        watch.observe_snapshot(node.snapshot().rules)
     assert watch.check(T0 + 500) == []
     assert [h.rule for h in watch.check(T0 + 501)] == ["JobHangingDetection"]
 

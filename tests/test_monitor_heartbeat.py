@@ -110,7 +110,10 @@ def test_reader_skips_partial_and_garbage_files(tmp_path: Path) -> None:
     (tmp_path / "rank-7.tmp123").write_text('{"step": 1, "time": 1.0}')
     (tmp_path / "notes").write_text("x")
     (tmp_path / "rank-8").mkdir()
-    assert read_heartbeats(tmp_path) == {0: Beat(12, 1700000000.5), 4: Beat(None, 2.0)}
+    assert read_heartbeats(tmp_path) == {
+        0: Beat(step=12, time=1700000000.5),
+        4: Beat(step=None, time=2.0),
+    }
     assert read_heartbeats(tmp_path / "missing") == {}
 
 

@@ -32,11 +32,11 @@ def feed(monitor: NodeLogMonitor, rank: int, lines: list[str], t0: float = 1000.
 
 
 def kinds(monitor: NodeLogMonitor) -> list[tuple[str, str, int]]:
-    return [(d["kind"], d["rule"], d["rank"]) for d in monitor.snapshot()["detections"]]
+    return [(d["kind"], d["rule"], d["rank"]) for d in monitor.snapshot().to_json()["detections"]]
 
 
 def rule_view(monitor: NodeLogMonitor, name: str) -> dict[str, Any]:
-    view: dict[str, Any] = monitor.snapshot()["rules"][name]
+    view: dict[str, Any] = monitor.snapshot().to_json()["rules"][name]
     return view
 
 
@@ -85,7 +85,7 @@ def test_threshold_operator_states_the_bad_condition(
     for value in bad:
         monitor = NodeLogMonitor([rule])
         monitor.on_line(0, "stdout", batch(1, value), 1.0)
-        (detection,) = monitor.snapshot()["detections"]
+        (detection,) = monitor.snapshot().to_json()["detections"]
         assert detection["kind"] == "LogSlow"
         assert detection["value"] == value
         assert Detection.from_json(detection).reason == "LogSlow_speed"
@@ -143,10 +143,10 @@ def test_non_finite_metric_is_its_own_fault_whatever_the_operator(text: str) -> 
     rule = LogRuleSpec("loss", r".*Loss: (\S+),.*", metric_threshold=1e9, operator="gt")
     monitor = NodeLogMonitor([rule])
     feed(monitor, 2, [batch(1, loss=text), batch(2, loss=text)])
-    (detection,) = monitor.snapshot()["detections"]  # once per rank
+    (detection,) = monitor.snapshot().to_json()["detections"]  # once per rank
     assert (detection["kind"], detection["rank"]) == ("NaNMetric", 2)
     assert isinstance(detection["value"], str)  # strict JSON: no bare NaN/Infinity
-    json.dumps(monitor.snapshot(), allow_nan=False)
+    json.dumps(monitor.snapshot().to_json(), allow_nan=False)
     parsed = Detection.from_json(detection)
     assert parsed.value is not None and not math.isfinite(parsed.value)
     assert parsed.reason == "NaNMetric_loss"
@@ -275,11 +275,9 @@ def test_snapshot_has_progress_per_rank_and_is_json() -> None:
     monitor.on_line(0, "stdout", batch(7), 70.0)
     monitor.on_line(0, "stdout", "Completed checkpoint at step 7", 71.0)
     monitor.on_line(1, "stderr", "step: 6", 72.0)
-    snap = json.loads(json.dumps(monitor.snapshot(), allow_nan=False))
-    assert snap["progress"] == {
-        "0": {"first_step": 6, "first_time": 60.0, "step": 7, "time": 70.0},
-        "1": {"first_step": 6, "first_time": 72.0, "step": 6, "time": 72.0},
-    }
+    snap = json.loads(json.dumps(monitor.snapshot().to_json(), allow_nan=False))
+    # Both ranks together: the earliest first step (rank 0's, at 60 s), the latest step.
+    assert snap["progress"] == {"first_step": 6, "first_time": 60.0, "step": 7, "time": 70.0}
     assert snap["rules"]["loss"] == {"last_match_at": 70.0, "matches": 2, "stopped": False}
     assert snap["detections"] == []
 
@@ -289,7 +287,7 @@ def test_detections_are_bounded() -> None:
     monitor = NodeLogMonitor([rule])
     for rank in range(MAX_DETECTIONS + 20):
         monitor.on_line(rank, "stderr", "Error", float(rank))
-    detections = monitor.snapshot()["detections"]
+    detections = monitor.snapshot().to_json()["detections"]
     assert len(detections) == MAX_DETECTIONS
     assert detections[0]["rank"] == 0  # the first ones are kept
 
@@ -305,6 +303,6 @@ def test_on_line_and_snapshot_from_two_threads() -> None:
     thread = threading.Thread(target=tail)
     thread.start()
     while thread.is_alive():
-        json.dumps(monitor.snapshot())
+        json.dumps(monitor.snapshot().to_json())
     thread.join()
     assert rule_view(monitor, "loss")["matches"] == lines

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+import control_helpers as h
 from trainguard.control.assignment import Endpoint
 from trainguard.control.controller import ControlConfig, JobController
-from trainguard.control.reports import NodeReport, NodeState
+from trainguard.control.reports import NodeState
 from trainguard.monitor import worker_events
 from trainguard.monitor.worker_events import EVENT_DIR_ENV, read_events
 
@@ -37,10 +38,12 @@ def test_emit_is_a_no_op_outside_trainguard(
 
 
 def test_controller_adds_each_worker_event_once() -> None:
-    c = JobController(ControlConfig("job", ("n0",), 1), lambda a: Endpoint("127.0.0.1", 1))
-    c.start(0.0)
-    event = worker_events.WorkerEvent(0, 1, 0.5, "CheckpointRestored", "restored", {"step": 3})
-    report = {"n0": NodeReport("n0", True, NodeState.RUNNING, 0, worker_events=(event,))}
+    c = JobController(ControlConfig("job", ("n0",), 1), lambda a, n: Endpoint("127.0.0.1", 1))
+    h.begin(c)
+    event = worker_events.WorkerEvent(
+        rank=0, seq=1, time=0.5, kind="CheckpointRestored", message="restored", data={"step": 3}
+    )
+    report = {"n0": h.report("n0", NodeState.RUNNING, 0, events=(event,))}
     c.observe(1.0, report)
     c.observe(2.0, report)
     restored = [e for e in c.drain_events() if e.kind == "CheckpointRestored"]

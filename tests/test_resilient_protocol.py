@@ -32,13 +32,16 @@ def test_control_files_round_trip(tmp_path: Path) -> None:
     assert read_attempt(tmp_path) is None
     assert read_spare(tmp_path, 0) is None
     assert read_ack(tmp_path, 3) is None
-    attempt = Attempt(2, "127.0.0.1", 29500, 4, 30.0)
+    attempt = Attempt(
+        attempt=2, master_addr="127.0.0.1", master_port=29500, world_size=4,
+        barrier_timeout_seconds=30.0,
+    )  # fmt: skip
     write_attempt(tmp_path, attempt)
     write_spare(tmp_path, 1, SpareAssignment(rank=3, local_rank=1, attempt=2))
-    write_ack(tmp_path, 3, Ack(2, 1234, 17, "peer"))
+    write_ack(tmp_path, 3, Ack(attempt=2, pid=1234, step=17, state_source="peer"))
     assert read_attempt(tmp_path) == attempt
-    assert read_spare(tmp_path, 1) == SpareAssignment(3, 1, 2)
-    assert read_ack(tmp_path, 3) == Ack(2, 1234, 17, "peer")
+    assert read_spare(tmp_path, 1) == SpareAssignment(rank=3, local_rank=1, attempt=2)
+    assert read_ack(tmp_path, 3) == Ack(attempt=2, pid=1234, step=17, state_source="peer")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "ack-rank-3.json",
         "attempt.json",
@@ -50,18 +53,18 @@ def test_control_files_round_trip(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ("{not json", "not valid JSON"),
+        ("{not json", "malformed JSON"),
         ("[1, 2]", "expected a JSON object"),
-        ('{"attempt": 1}', "missing field 'master_addr'"),
+        ('{"attempt": 1}', "master_addr: missing"),
         (
             '{"attempt": "1", "master_addr": "h", "master_port": 1, "world_size": 1,'
             ' "barrier_timeout_seconds": 1}',
-            "field 'attempt' must be an integer",
+            "attempt: Input should be a valid integer",
         ),
         (
             '{"attempt": 1, "master_addr": "h", "master_port": 1, "world_size": 0,'
             ' "barrier_timeout_seconds": 1}',
-            "world_size must be >= 1",
+            "world_size: Input should be greater than or equal to 1",
         ),
     ],
 )
@@ -78,7 +81,7 @@ def test_bad_ack_state_source_is_rejected(tmp_path: Path) -> None:
     (tmp_path / "ack-rank-0.json").write_text(
         '{"attempt": 1, "pid": 1, "step": 0, "state_source": "disk"}'
     )
-    with pytest.raises(ProtocolError, match="state_source must be one of"):
+    with pytest.raises(ProtocolError, match="state_source: Input should be 'self', 'peer'"):
         read_ack(tmp_path, 0)
 
 
@@ -179,7 +182,11 @@ def port():
 
 group = AttemptGroup(0.02, 60.0)
 for n in range(3):
-    group.join(Attempt(n, "127.0.0.1", port(), 1, 60.0), 0, time.monotonic() + 60, lambda: False)
+    attempt = Attempt(
+        attempt=n, master_addr="127.0.0.1", master_port=port(), world_size=1,
+        barrier_timeout_seconds=60.0,
+    )
+    group.join(attempt, 0, time.monotonic() + 60, lambda: False)
     group.abort()
 raise RuntimeError("boom")
 """

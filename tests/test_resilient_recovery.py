@@ -60,7 +60,13 @@ class Job:
 
     def next_attempt(self) -> Attempt:
         self.attempt += 1
-        attempt = Attempt(self.attempt, "127.0.0.1", free_port(), self.world, self.barrier_timeout)
+        attempt = Attempt(
+            attempt=self.attempt,
+            master_addr="127.0.0.1",
+            master_port=free_port(),
+            world_size=self.world,
+            barrier_timeout_seconds=self.barrier_timeout,
+        )
         write_attempt(self.control, attempt)
         return attempt
 
@@ -111,7 +117,11 @@ class Job:
         self.spares[spare_id] = self._popen(f"spare-{spare_id}", env, list(args))
 
     def assign_spare(self, spare_id: int, rank: int) -> None:
-        write_spare(self.control, spare_id, SpareAssignment(rank, rank, self.attempt + 1))
+        write_spare(
+            self.control,
+            spare_id,
+            SpareAssignment(rank=rank, local_rank=rank, attempt=self.attempt + 1),
+        )
         self.procs[rank] = self.spares.pop(spare_id)
 
     def events(self, rank: int) -> list[dict[str, Any]]:

@@ -137,6 +137,20 @@ def test_a_rank_missing_the_barrier_falls_back_to_a_process_level_restart(
     assert [r["attempt"] for r in records(tmp_path, 2)] == [0, 2]
 
 
+def test_a_rank_giving_up_the_barrier_with_exit_75_falls_back_to_a_process_level_restart(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    # Rank 1 (on node-0, not the killed rank's node) exits 75 instead of joining attempt 1.
+    killer = kill_when_running(tmp_path, 3)
+    info = run(tg, job(tmp_path, "--give-up-rank", "1", spares=0))
+    killer.join()
+    scopes = [e["data"]["scope"] for e in info["events"] if e["kind"] == "RestartScheduled"]
+    assert scopes == ["in-process", "process"]
+    gave_up = [f for f in info["faults"] if f["type"] == "RestartBarrierGivenUp"]
+    assert gave_up and gave_up[0]["rank"] == 1 and gave_up[0]["evidence"]["exitcode"] == 75
+    assert [r["attempt"] for r in records(tmp_path, 1)] == [0, 2]
+
+
 def test_a_survivor_deadlocked_in_the_failed_attempt_is_replaced_in_place(
     tg: Trainguard, tmp_path: Path
 ) -> None:
@@ -147,5 +161,9 @@ def test_a_survivor_deadlocked_in_the_failed_attempt_is_replaced_in_place(
     assert scopes == ["in-process"]
     taken = records(tmp_path, 2)
     assert [r["attempt"] for r in taken] == [0, 1] and taken[0]["pid"] != taken[1]["pid"]
+    # The controller judged rank 2 stuck and told node-1's agent to replace it.
+    replaced = [e for e in info["events"] if e["kind"] == "StuckRanksReplaced"]
+    assert replaced and "rank 2 did not leave attempt 0 within 3 s" in replaced[0]["message"]
+    assert replaced[0]["node"] == "node-1"
     agent_log = (Path(info["job_dir"]) / "agents" / "node-1.log").read_text()
-    assert "rank 2 did not leave attempt 0 within 3 s" in agent_log
+    assert "ranks [2] are stuck in the failed attempt" in agent_log

@@ -7,23 +7,14 @@ waits for its spare-<k>.json; every worker acknowledges each attempt it joins), 
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-import trainguard
-
-# The protocol module alone: the trainguard.resilient package imports torch (seconds).
-_spec = importlib.util.spec_from_file_location(
-    "protocol", Path(trainguard.__file__).parent / "resilient" / "protocol.py"
-)
-assert _spec is not None and _spec.loader is not None
-protocol = importlib.util.module_from_spec(_spec)
-sys.modules["protocol"] = protocol  # dataclasses look their module up
-_spec.loader.exec_module(protocol)
+# The control-file protocol without torch (the trainguard.resilient package imports it).
+from trainguard.wire import control_files as protocol
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
@@ -37,6 +28,12 @@ parser.add_argument(
     type=int,
     default=-1,
     help="this rank's process of attempt 0 never leaves it (as if deadlocked in a collective)",
+)
+parser.add_argument(
+    "--give-up-rank",
+    type=int,
+    default=-1,
+    help="this rank exits 75 (gave up the restart barrier) instead of joining attempt 1",
 )
 args = parser.parse_args()
 
@@ -66,9 +63,13 @@ while step < args.steps:
         deadlocked = joined == 0 and rank == args.deadlock_rank
         if current.attempt == 1 and (rank == args.stuck_rank or deadlocked):
             time.sleep(600)  # neither leaves attempt 0 nor joins attempt 1
+        if current.attempt == 1 and rank == args.give_up_rank:
+            print(f"rank {rank} gives up joining attempt 1", file=sys.stderr, flush=True)
+            sys.exit(protocol.EXIT_BARRIER_TIMEOUT)
         joined = current.attempt
         record(role, joined)
-        protocol.write_ack(control, rank, protocol.Ack(joined, os.getpid(), step, "self"))
+        ack = protocol.Ack(attempt=joined, pid=os.getpid(), step=step, state_source="self")
+        protocol.write_ack(control, rank, ack)
     if rank == 0:
         print(f"Batch {step} attempt {joined}", flush=True)
     step += 1

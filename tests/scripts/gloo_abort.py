@@ -32,7 +32,13 @@ parser.add_argument("--no-abort", action="store_true")
 args = parser.parse_args()
 
 group = AttemptGroup(join_poll_interval=0.02, collective_timeout=600.0)
-attempt = Attempt(0, "127.0.0.1", args.port, args.world, barrier_timeout_seconds=120.0)
+attempt = Attempt(
+    attempt=0,
+    master_addr="127.0.0.1",
+    master_port=args.port,
+    world_size=args.world,
+    barrier_timeout_seconds=120.0,
+)
 group.join(attempt, args.rank, time.monotonic() + 120.0, lambda: False)
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])

@@ -2,9 +2,10 @@
 
     python -m trainguard.agent --node-id ID (--token-file FILE | --token-env VAR) --log-dir DIR
         [--host 127.0.0.1] [--port 0] [--port-file FILE] [--parent-pid PID]
-        [--cwd DIR] [--env KEY=VALUE]... -- WORKER_ARGV...
+        [--incarnation NAME] [--cwd DIR] [--env KEY=VALUE]... -- WORKER_ARGV...
 
-Arguments are checked before torch is imported, so a bad command line fails fast.
+Arguments are checked before the agent's own modules are imported, so a bad command line
+fails fast. The agent never imports torch: it supervises, its workers train.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import signal
 import sys
 import time
-import warnings
 from pathlib import Path
 
 from trainguard.agent.exec_worker import set_parent_death_signal
@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=0, help="port to bind (0: any free port)")
     parser.add_argument("--port-file", type=Path, help="write the bound port here once serving")
     parser.add_argument("--parent-pid", type=int, help="die with this parent (PR_SET_PDEATHSIG)")
+    parser.add_argument(
+        "--incarnation",
+        default="",
+        help="this agent process's name among the node's agents (in every status it reports)",
+    )
     parser.add_argument("--cwd", type=Path, help="working directory of the workers")
     parser.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="add to workers' env"
@@ -123,10 +128,6 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s agent {args.node_id} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # torch logs every stopped worker as "failed (exitcode: -15)"; the supervisor says
-    # what happened in its own words.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     return _serve(args, token, agent_env, worker_argv, parser)
 
 
@@ -137,11 +138,12 @@ def _serve(
     worker_argv: list[str],
     parser: argparse.ArgumentParser,
 ) -> int:
-    # Heavy imports (torch) only once the command line is known to be good.
+    # The agent's own modules only once the command line is known to be good.
     from trainguard.agent.logs import Console, LogLayout
+    from trainguard.agent.persist import MEMORY_DIR_ENV
     from trainguard.agent.replicas import ReplicaStore
     from trainguard.agent.server import AgentHTTPServer
-    from trainguard.agent.supervisor import MEMORY_DIR_ENV, AgentTimings, Supervisor
+    from trainguard.agent.supervisor import AgentTimings, Supervisor
     from trainguard.agent.workers import reserved_env_keys
 
     clashes = sorted(set(agent_env) & reserved_env_keys())
@@ -158,6 +160,7 @@ def _serve(
         console=Console(sys.stdout.buffer),
         timings=timings,
         token=token,
+        incarnation=args.incarnation,
     )
     memory_dir = agent_env.get(MEMORY_DIR_ENV)
     # Replicas of other nodes' memory tiers live beside this node's own (also in RAM).

@@ -1,17 +1,40 @@
-"""Typed client of the agent API (stdlib ``urllib`` only; no torch import)."""
+"""Client of the agent API: the wire models over kept-alive HTTP/1.1 connections.
+
+No torch. One :class:`AgentClient` per agent; it is safe to call from several threads at
+once (each call takes an idle connection from a small pool, or opens one).
+
+The HTTP is this module's own, on purpose, and only as much as the agent API needs: a
+request with a ``Content-Length`` body, a reply with a status line, headers and a
+``Content-Length`` body (both agent servers send nothing else; anything else is an
+:class:`AgentError`). ``http.client`` parses every reply's headers through the
+``email`` package, which made polling 4096 agents cost twice the CPU it does here.
+"""
 
 from __future__ import annotations
 
-import http.client
 import json
-import urllib.error
-import urllib.request
+import socket
+import threading
+import urllib.parse
 from typing import Any
 
-from trainguard.agent.status import DEFAULT_STOP_TIMEOUT, AgentStatus
-from trainguard.control.assignment import NodeAssignment
+from pydantic import ValidationError
+
+from trainguard.wire.base import Wire, error_text
+from trainguard.wire.requests import (
+    AttemptRequest,
+    PersistRequest,
+    ReplaceRequest,
+    StopRequest,
+)
+from trainguard.wire.status import NodeStatus
+
+__all__ = ["DEFAULT_TIMEOUT", "AgentClient", "AgentError", "AgentUnreachable"]
 
 DEFAULT_TIMEOUT = 5.0  # s per request
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+_POOL = 4  # idle connections kept per agent
+_CHUNK = 65536
 
 
 class AgentError(Exception):
@@ -26,87 +49,171 @@ class AgentUnreachable(AgentError):
     """No answer: connection refused, reset, or timed out."""
 
 
+class _Dropped(Exception):
+    """A kept-alive connection the agent closed before this request (retry once)."""
+
+
 class AgentClient:
     """Talks to one node agent at ``base_url`` (e.g. ``http://127.0.0.1:8471``)."""
 
     def __init__(self, base_url: str, token: str, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.base_url = base_url.rstrip("/")
-        self._token = token
+        parts = urllib.parse.urlsplit(self.base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"agent URL: expected http://HOST:PORT, got {base_url!r}")
+        self._address = (parts.hostname, parts.port or 80)
+        self._head = f"Host: {parts.netloc}\r\nAuthorization: Bearer {token}\r\n".encode()
         self.timeout = timeout
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
 
-    def start(self, assignment: NodeAssignment) -> None:
-        """Ask the agent to start ``assignment``'s workers (asynchronous)."""
-        self._request("POST", "/start", {"assignment": assignment.to_json()})
-
-    def stop(
-        self,
-        attempt: int | None,
-        mode: str = "graceful",
-        timeout: float = DEFAULT_STOP_TIMEOUT,
-        capture_stacks: bool = False,
-    ) -> None:
-        """Stop ``attempt`` (None: whatever runs); ``mode``: ``graceful`` or ``process``.
-
-        ``capture_stacks``: dump every worker's Python stack first (for a hang).
-        Asynchronous: poll :meth:`status` until the state is ``stopped``.
-        """
-        payload = {"attempt": attempt, "mode": mode, "timeout": timeout}
-        if capture_stacks:
-            payload["capture_stacks"] = True
-        self._request("POST", "/stop", payload)
-
-    def status(self) -> AgentStatus:
-        data = self._request("GET", "/status", None)
+    def status(self) -> NodeStatus:
+        raw = self._request("GET", "/status", None)
         try:
-            return AgentStatus.from_json(data)
-        except ValueError as exc:
-            raise AgentError(f"{self.base_url}: bad status reply: {exc}") from None
+            return NodeStatus.model_validate_json(raw)
+        except ValidationError as exc:
+            detail = error_text(exc, "status")
+            raise AgentError(f"{self.base_url}: bad status reply: {detail}") from None
 
-    def rejoin(self, assignment: NodeAssignment) -> None:
-        """In-process restart into ``assignment``'s attempt (asynchronous)."""
-        self._request("POST", "/rejoin", {"assignment": assignment.to_json()})
+    def start(self, request: AttemptRequest) -> None:
+        """Ask the agent to start the request's workers (asynchronous)."""
+        self._request("POST", "/start", request)
 
-    def persist(self, step: int, world_size: int, commit: bool) -> None:
-        """Ask the agent to persist its memory shards of ``step`` (asynchronous; ``commit``:
-        also commit the step once every rank's shard is durable)."""
-        self._request(
-            "POST", "/persist", {"step": step, "world_size": world_size, "commit": commit}
-        )
+    def rejoin(self, request: AttemptRequest) -> None:
+        """In-process restart into the request's attempt (asynchronous)."""
+        self._request("POST", "/rejoin", request)
+
+    def replace(self, request: ReplaceRequest) -> None:
+        """Give stuck ranks new processes (asynchronous)."""
+        self._request("POST", "/replace", request)
+
+    def stop(self, request: StopRequest | None = None) -> None:
+        """Stop an attempt (default: whatever runs, gracefully). Asynchronous: poll
+        :meth:`status` until ``stopped``."""
+        self._request("POST", "/stop", request or StopRequest())
+
+    def persist(self, request: PersistRequest) -> None:
+        """Ask the agent to persist a memory-tier step (asynchronous)."""
+        self._request("POST", "/persist", request)
 
     def shutdown(self) -> None:
         """Ask the agent to kill its workers and exit."""
-        self._request("POST", "/shutdown", {})
+        self._request("POST", "/shutdown", None)
 
-    def _request(self, method: str, path: str, payload: dict[str, Any] | None) -> Any:
+    def close(self) -> None:
+        """Close the idle connections."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    # -- HTTP ----------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, payload: Wire | None) -> bytes:
+        body = payload.model_dump_json().encode() if payload is not None else b""
+        head = f"{method} {path} HTTP/1.1\r\n".encode() + self._head
+        if body or method == "POST":
+            head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        message = head + b"\r\n" + body
         url = self.base_url + path
-        body = None if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(url, data=body, method=method)
-        request.add_header("Authorization", f"Bearer {self._token}")
-        if body is not None:
-            request.add_header("Content-Type", "application/json")
+        for attempt in (0, 1):
+            sock, reused = self._connection(url, method)
+            try:
+                status, keep, reply = _exchange(sock, message)
+            except _Dropped:
+                sock.close()
+                if reused and attempt == 0:
+                    continue  # the agent closed a kept-alive connection meanwhile
+                raise AgentUnreachable(f"{method} {url}: connection closed") from None
+            except (OSError, ValueError) as exc:
+                sock.close()
+                raise AgentUnreachable(f"{method} {url}: {exc or type(exc).__name__}") from None
+            if keep:
+                self._release(sock)
+            else:
+                sock.close()
+            if status >= 400:
+                raise AgentError(f"{method} {url}: {status} {_error_text(reply)}", status)
+            return reply
+        raise AssertionError("unreachable")
+
+    def _connection(self, url: str, method: str) -> tuple[socket.socket, bool]:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as exc:
-            raise AgentError(f"{method} {url}: {exc.code} {_error_text(exc)}", exc.code) from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-            raise AgentUnreachable(f"{method} {url}: {reason}") from None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise AgentError(f"{method} {url}: reply is not JSON: {raw[:200]!r}") from None
+            sock = socket.create_connection(self._address, self.timeout)
+        except OSError as exc:
+            raise AgentUnreachable(f"{method} {url}: {exc or type(exc).__name__}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock, False
+
+    def _release(self, sock: socket.socket) -> None:
+        with self._lock:
+            if len(self._idle) < _POOL:
+                self._idle.append(sock)
+                return
+        sock.close()
 
 
-def _error_text(exc: urllib.error.HTTPError) -> str:
+def _exchange(sock: socket.socket, message: bytes) -> tuple[int, bool, bytes]:
+    """Send ``message``, read one reply: (status, keep the connection, body).
+
+    :class:`_Dropped` when the connection failed before any byte of a reply came back.
+    """
     try:
-        raw = exc.read()
-    except (TimeoutError, OSError):
-        return exc.reason
+        sock.sendall(message)
+        data = sock.recv(_CHUNK)
+    except (ConnectionError, BrokenPipeError) as exc:
+        raise _Dropped from exc
+    if not data:
+        raise _Dropped
+    while b"\r\n\r\n" not in data:
+        if len(data) > _CHUNK:
+            raise ValueError("reply headers too large")
+        more = sock.recv(_CHUNK)
+        if not more:
+            raise ValueError("reply ended inside its headers")
+        data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    version, _, rest = lines[0].partition(b" ")
+    if not version.startswith(b"HTTP/1."):
+        raise ValueError(f"not an HTTP reply: {lines[0][:80]!r}")
+    status = int(rest[:3])
+    length: int | None = None
+    keep = version == b"HTTP/1.1"
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            length = int(value)
+        elif name == b"connection":
+            keep = value.strip().lower() != b"close"
+        elif name == b"transfer-encoding":
+            raise ValueError("chunked replies are not part of the agent API")
+    if length is None:
+        raise ValueError("reply without Content-Length")
+    if length > MAX_REPLY_BYTES:
+        raise ValueError(f"reply of {length} bytes is too large")
+    chunks = [body]
+    have = len(body)
+    while have < length:
+        more = sock.recv(min(_CHUNK, length - have))
+        if not more:
+            raise ValueError("reply ended inside its body")
+        chunks.append(more)
+        have += len(more)
+    if have > length:
+        raise ValueError("reply longer than its Content-Length")
+    return status, keep, b"".join(chunks)
+
+
+def _error_text(raw: bytes) -> str:
     try:
-        data = json.loads(raw)
+        data: Any = json.loads(raw)
     except ValueError:
-        return raw.decode(errors="replace")[:500] or exc.reason
+        return raw.decode(errors="replace")[:500]
     if isinstance(data, dict) and isinstance(data.get("error"), str):
         return str(data["error"])
-    return exc.reason
+    return raw.decode(errors="replace")[:500]

@@ -32,16 +32,21 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainguard.checkpoint.durable import DurableTier
-from trainguard.checkpoint.memory import hold_from, write_hold
-from trainguard.checkpoint.shard import checksum
+from trainguard.checkpoint.files import checksum, hold_from, write_hold
+from trainguard.wire.status import CheckpointStatus, MemoryStep
+
+if TYPE_CHECKING:
+    from trainguard.checkpoint.durable import DurableTier
 
 logger = logging.getLogger(__name__)
+
+MEMORY_DIR_ENV = "TRAINGUARD_CHECKPOINT_MEMORY_DIR"
+CONFIG_ENV = "TRAINGUARD_CHECKPOINT_CONFIG"
 
 COMMIT_TIMEOUT_SECONDS = 120.0
 """How long the committing node waits for every rank's shard of a step; also how long a
@@ -171,22 +176,23 @@ class DurablePersister:
         self._requests.put(None)
         self._thread.join(timeout=1.0)
 
-    def status(self) -> dict[str, Any]:
-        """Memory steps (step -> local ranks, forced flag) and the durable writes so far."""
-        memory: dict[str, Any] = {}
-        for step, shards in sorted(scan_memory(self.memory_dir).items()):
-            memory[str(step)] = {
-                "ranks": sorted(shards),
-                "force": any(bool(s.meta.get("persist")) for s in shards.values()),
-            }
+    def status(self) -> CheckpointStatus:
+        """Memory steps (step -> this node's ranks, forced flag) and the durable writes so far."""
+        memory = {
+            step: MemoryStep(
+                ranks=tuple(sorted(shards)),
+                force=any(bool(s.meta.get("persist")) for s in shards.values()),
+            )
+            for step, shards in scan_memory(self.memory_dir).items()
+        }
         with self._lock:
-            return {
-                "memory_steps": memory,
-                "persisting": self._busy,
-                "written": list(self._written),
-                "committed": list(self._committed),
-                "failed": {str(k): v for k, v in self._failed.items()},
-            }
+            return CheckpointStatus(
+                memory_steps=memory,
+                persisting=self._busy,
+                written=tuple(self._written),
+                committed=tuple(self._committed),
+                failed=dict(self._failed),
+            )
 
     # -- the background thread ----------------------------------------------------------
 
@@ -288,6 +294,8 @@ class DurablePersister:
     def _open(self) -> DurableTier:
         if self._tier is None:
             s = self.settings
+            from trainguard.checkpoint.durable import DurableTier  # fsspec: on first use
+
             self._tier = DurableTier(s.url, s.job_id, s.storage_options)
         return self._tier
 
@@ -299,3 +307,16 @@ def _trim(items: list[int]) -> None:
 def _trim_dict(items: dict[int, str]) -> None:
     for key in sorted(items)[:-HISTORY]:
         del items[key]
+
+
+def make_persister(
+    agent_env: Mapping[str, str], job_id: str, workers_alive: Callable[[], bool]
+) -> DurablePersister | None:
+    """The node's durable writer, from the agent's environment: its memory tier
+    (``TRAINGUARD_CHECKPOINT_MEMORY_DIR``) and the job's checkpoint config; None without
+    a durable tier."""
+    memory_dir = agent_env.get(MEMORY_DIR_ENV)
+    settings = DurableSettings.from_config_json(agent_env.get(CONFIG_ENV), job_id)
+    if not memory_dir or settings is None:
+        return None
+    return DurablePersister(Path(memory_dir), settings, workers_alive=workers_alive)

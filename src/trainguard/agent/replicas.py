@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from trainguard.checkpoint.shard import checksum
+from trainguard.checkpoint.files import checksum
 
 logger = logging.getLogger(__name__)
 

@@ -1,17 +1,14 @@
-"""One attempt's worker processes on this node, started with torch elastic.
+"""One attempt's worker processes on this node: started, watched, stopped.
 
-Built on ``torch.distributed.elastic.multiprocessing.start_processes`` with a
-binary entry point (so a ``SubprocessContext``) and our own ``LogsSpecs``.
-Every worker runs through the exec shim (:mod:`trainguard.agent.exec_worker`),
-which makes the kernel kill it when the agent thread that forked it exits.
-Hence :meth:`WorkerGroup.start` must run on the agent's long-lived supervisor
-thread, never on a short-lived request thread.
+Each worker runs through the exec shim (:mod:`trainguard.agent.exec_worker`), which
+makes the kernel kill it when the agent thread that forked it exits; hence
+:meth:`WorkerGroup.start` must run on the agent's long-lived supervisor thread, never
+on a short-lived request thread. Every worker leads its own session (and process
+group), gets torchrun's environment plus ``TORCHELASTIC_ERROR_FILE`` (where torch
+elastic's ``@record`` writes the error of a failing worker), and writes stdout and
+stderr to the attempt's files in :class:`~trainguard.agent.logs.LogLayout`.
 
-Worker exits are polled from the context's subprocess handlers rather than
-through ``PContext.wait(0)`` while workers run: on the first failure torch's
-poll closes the peers itself with a fixed 30 s grace, blocking the caller, and
-then reports the peers it killed as failures too. We close them ourselves with
-our own grace, and ask torch for its result once everyone has exited.
+Plain ``subprocess``: the agent supervises, it never imports torch.
 """
 
 from __future__ import annotations
@@ -23,19 +20,22 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO
 
-from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, start_processes
-
-from trainguard.agent.logs import LogLayout
-from trainguard.control.assignment import NodeAssignment
+from trainguard.agent.logs import STREAMS, LogLayout
+from trainguard.wire.requests import NodeAssignment
 
 logger = logging.getLogger(__name__)
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 MAX_ERROR_CHARS = 2000
+
+Spawned = Callable[[int], None]
+"""Called with the pid of every process the group starts (the agent watches its exit)."""
 
 
 def reserved_env_keys() -> frozenset[str]:
@@ -44,8 +44,8 @@ def reserved_env_keys() -> frozenset[str]:
         job_id="probe",
         node_id="probe",
         attempt=0,
-        node_rank=0,
         nnodes=1,
+        node_rank=0,
         nproc_per_node=1,
         master_addr="probe",
         master_port=1,
@@ -60,11 +60,11 @@ def worker_envs(
     agent_env: Mapping[str, str],
     inherited: Mapping[str, str] = os.environ,
 ) -> dict[int, dict[str, str]]:
-    """Each local rank's environment on top of ``inherited`` (torch merges ``os.environ``).
+    """Each local rank's environment on top of ``inherited`` (the agent's own).
 
     The agent's ``--env`` values, then the assignment's torchrun contract;
     ``OMP_NUM_THREADS=1`` when several workers share the node and nobody set it
-    (torchrun's rule). ``TORCHELASTIC_ERROR_FILE`` is added by the logs specs.
+    (torchrun's rule). ``TORCHELASTIC_ERROR_FILE`` is added per process.
     """
     envs: dict[int, dict[str, str]] = {}
     for local_rank in range(assignment.nproc_per_node):
@@ -88,36 +88,6 @@ def shim_args(agent_pid: int, worker_argv: Sequence[str], cwd: Path | None) -> t
     return (*args, "--", *worker_argv)
 
 
-class AttemptLogsSpecs(LogsSpecs):  # type: ignore[misc]  # torch is untyped here
-    """Puts each worker's stdout/stderr/error file where :class:`LogLayout` says; no tee."""
-
-    def __init__(self, layout: LogLayout, attempt: int, global_ranks: Sequence[int]) -> None:
-        super().__init__(log_dir=str(layout.root))
-        self._layout = layout
-        self._attempt = attempt
-        self._global_ranks = list(global_ranks)
-
-    @property
-    def root_log_dir(self) -> str:
-        return str(self._layout.root)
-
-    def reify(self, envs: dict[int, dict[str, str]]) -> Any:
-        stdouts: dict[int, str] = {}
-        stderrs: dict[int, str] = {}
-        error_files: dict[int, str] = {}
-        for local_rank, env in envs.items():
-            rank = self._global_ranks[local_rank]
-            self._layout.rank_dir(self._attempt, rank).mkdir(parents=True, exist_ok=True)
-            error_file = self._layout.error_file(self._attempt, rank)
-            error_file.unlink(missing_ok=True)  # a re-run attempt must not see a stale one
-            stdouts[local_rank] = str(self._layout.stdout(self._attempt, rank))
-            stderrs[local_rank] = str(self._layout.stderr(self._attempt, rank))
-            error_files[local_rank] = str(error_file)
-            # torch's LogsSpecs sets this in reify, so ours must too.
-            env[ERROR_FILE_ENV] = str(error_file)
-        return LogsDest(stdouts=stdouts, stderrs=stderrs, error_files=error_files)
-
-
 def read_error_message(path: str | Path) -> str | None:
     """The message of a torch elastic error file, or None if absent or unreadable."""
     try:
@@ -132,8 +102,59 @@ def read_error_message(path: str | Path) -> str | None:
     return message[:MAX_ERROR_CHARS]
 
 
+def signal_group(pid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to the process group ``pid`` leads (every worker leads its own)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+@dataclass
+class WorkerProcess:
+    """One worker process: its output files (stream -> path) and its error file."""
+
+    proc: subprocess.Popen[bytes]
+    paths: dict[str, Path]
+    error_file: Path
+    files: list[IO[bytes]] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def close_files(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files.clear()
+
+
+def spawn_worker(
+    argv: Sequence[str], env: Mapping[str, str], cwd: Path | None, log_dir: Path
+) -> WorkerProcess:
+    """Start ``argv`` through the exec shim, in its own session, its output appended to
+    ``log_dir/{stdout,stderr}.log``; ``log_dir/error.json`` is its error file."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    paths = {stream: log_dir / f"{stream}.log" for stream in STREAMS}
+    error_file = log_dir / "error.json"
+    error_file.unlink(missing_ok=True)  # a re-run attempt must not see a stale one
+    files: list[IO[bytes]] = [open(paths[s], "ab") for s in STREAMS]  # noqa: SIM115
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, *shim_args(os.getpid(), argv, cwd)],
+            env={**os.environ, **env, ERROR_FILE_ENV: str(error_file)},
+            stdin=subprocess.DEVNULL,
+            stdout=files[0],
+            stderr=files[1],
+            start_new_session=True,
+        )
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return WorkerProcess(proc, paths, error_file, files)
+
+
 class WorkerGroup:
-    """The workers of one attempt on this node (one per local rank)."""
+    """The workers of one attempt on this node, one per local rank."""
 
     def __init__(
         self,
@@ -144,112 +165,92 @@ class WorkerGroup:
         agent_env: Mapping[str, str],
         cwd: Path | None,
         reap_timeout: float,
+        spawned: Spawned = lambda pid: None,
     ) -> None:
         """``reap_timeout``: how long to wait for a process to vanish after SIGKILL."""
         self.assignment = assignment
         self.ranks = dict(enumerate(assignment.global_ranks))  # local -> global
-        self._worker_argv = list(worker_argv)
+        self._argv = list(worker_argv)
         self._layout = layout
         self._agent_env = dict(agent_env)
         self._cwd = cwd
         self._reap_timeout = reap_timeout
-        self._pcontext: Any = None
-        self._exitcodes: dict[int, int] = {}
+        self._spawned = spawned
+        self._workers: dict[int, WorkerProcess] = {}  # local rank -> its current process
+        self._exitcodes: dict[int, int] = {}  # local rank -> exit of its current process
 
     def start(self) -> dict[int, int]:
         """Start every worker; returns local rank -> pid. Call on the supervisor thread."""
-        if self._pcontext is not None:
+        if self._workers:
             raise RuntimeError("worker group already started")
-        attempt = self.assignment.attempt
-        args = shim_args(os.getpid(), self._worker_argv, self._cwd)
-        self._pcontext = start_processes(
-            name="trainguard",
-            entrypoint=sys.executable,
-            args=dict.fromkeys(self.ranks, args),
-            envs=worker_envs(self.assignment, self._agent_env),
-            logs_specs=AttemptLogsSpecs(self._layout, attempt, self.assignment.global_ranks),
-        )
+        a = self.assignment
+        envs = worker_envs(a, self._env(a))
+        for local, rank in self.ranks.items():
+            self._workers[local] = self._spawn(envs[local], self._layout.rank_dir(a.attempt, rank))
         return self.pids()
 
     def pids(self) -> dict[int, int]:
-        return {} if self._pcontext is None else dict(self._pcontext.pids())
+        return {local: w.pid for local, w in self._workers.items()}
 
     def poll(self) -> dict[int, int]:
         """Workers that exited since the last call: local rank -> exit code (<0: signal)."""
         new: dict[int, int] = {}
-        if self._pcontext is None:
-            return new
-        for local_rank, handler in self._pcontext.subprocess_handlers.items():
-            if local_rank in self._exitcodes:
-                continue
-            code = handler.proc.poll()
-            if code is not None:
-                self._exitcodes[local_rank] = new[local_rank] = code
+        for local, worker in self._workers.items():
+            if local not in self._exitcodes and (code := worker.proc.poll()) is not None:
+                self._exitcodes[local] = new[local] = code
         return new
 
     def all_exited(self) -> bool:
         return len(self._exitcodes) == len(self.ranks)
 
-    def close(self, first_signal: signal.Signals, grace: float) -> dict[int, int]:
-        """Send ``first_signal`` to every live worker's process group, SIGKILL after ``grace``.
+    def error_message(self, local: int) -> str | None:
+        """What the worker's error file says (torch elastic's ``@record``), if anything."""
+        worker = self._workers.get(local)
+        return read_error_message(worker.error_file) if worker is not None else None
 
-        Returns the exits this caused (local rank -> exit code).
-        """
-        if self._pcontext is None:
-            return {}
-        if first_signal is not signal.SIGKILL:
+    def close(self, first_signal: signal.Signals, grace: float) -> dict[int, int]:
+        """Signal every live process's group, SIGKILL after ``grace``; returns the exits
+        this caused (local rank -> exit code)."""
+        live = [p for p in self._processes() if p.proc.poll() is None]
+        for p in live:
             # A stopped worker (SIGSTOP: a hang, a debugger) cannot act on SIGTERM until it
             # is continued; without this a graceful stop would always wait out the grace.
-            for handler in self._pcontext.subprocess_handlers.values():
-                if handler.proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(handler.proc.pid, signal.SIGCONT)
-        try:
-            self._pcontext.close(death_sig=first_signal, timeout=grace)
-        except OSError:  # killpg failed: a worker left the process group torch gave it
-            logger.exception("closing the workers through torch failed; killing them directly")
-            for handler in self._pcontext.subprocess_handlers.values():
-                if handler.proc.poll() is None:
-                    handler.proc.kill()
-        for local_rank, handler in self._pcontext.subprocess_handlers.items():
+            signal_group(p.pid, signal.SIGCONT)
+            signal_group(p.pid, first_signal)
+        deadline = time.monotonic() + grace
+        for p in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.proc.wait(max(0.0, deadline - time.monotonic()))
+        for p in live:
+            if p.proc.poll() is None:
+                signal_group(p.pid, signal.SIGKILL)
             try:
-                handler.proc.wait(self._reap_timeout)
+                p.proc.wait(self._reap_timeout)
             except subprocess.TimeoutExpired:
-                logger.error(
-                    "worker local_rank %d (pid %d) survived SIGKILL", local_rank, handler.proc.pid
-                )
-        self._sweep()
+                logger.error("worker pid %d survived SIGKILL", p.pid)
         return self.poll()
 
     def finish(self) -> dict[int, str]:
-        """Torch's verdict once every worker has exited: error messages by local rank.
-
-        Also kills whatever the workers left behind in their process groups.
-        """
+        """Error messages by local rank (failed workers); kills what the workers left
+        behind in their process groups."""
         errors: dict[int, str] = {}
-        if self._pcontext is None:
-            return errors
-        try:
-            result = self._pcontext.wait(0)
-        except Exception:  # e.g. a malformed error file; ProcessFailure raises on it
-            logger.exception("torch could not report the workers' result; reading error files")
-            result = None
-        if result is not None:
-            for local_rank, failure in result.failures.items():
-                message = read_error_message(failure.error_file)
-                if message is not None:
-                    errors[local_rank] = message
-        else:
-            for local_rank, error_file in self._pcontext.error_files.items():
-                message = read_error_message(error_file)
-                if message is not None and self._exitcodes.get(local_rank):
-                    errors[local_rank] = message
-        self._pcontext.close(timeout=0)
-        self._sweep()
+        for local in self._workers:
+            if self._exitcodes.get(local) and (message := self.error_message(local)):
+                errors[local] = message
+        for p in self._processes():
+            signal_group(p.pid, signal.SIGKILL)
+            p.close_files()
         return errors
 
-    def _sweep(self) -> None:
-        """SIGKILL the workers' process groups: children they left must not outlive them."""
-        for pid in self.pids().values():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+    # -- for subclasses ---------------------------------------------------------------
+
+    def _processes(self) -> list[WorkerProcess]:
+        return list(self._workers.values())
+
+    def _env(self, a: NodeAssignment) -> dict[str, str]:
+        return dict(self._agent_env)
+
+    def _spawn(self, env: Mapping[str, str], log_dir: Path) -> WorkerProcess:
+        worker = spawn_worker(self._argv, env, self._cwd, log_dir)
+        self._spawned(worker.pid)
+        return worker

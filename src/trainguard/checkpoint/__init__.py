@@ -70,10 +70,16 @@ it always names complete data; see :mod:`trainguard.checkpoint.memory`.
 Not implemented yet: peer replicas (``replicas`` is accepted and ignored).
 """
 
-from trainguard.checkpoint.checkpointer import Checkpointer, CheckpointError, Restore
-from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.checkpoint.shard import ShardInvalid
-from trainguard.checkpoint.state import StateMismatch
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainguard.checkpoint.checkpointer import Checkpointer, CheckpointError, Restore
+    from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.checkpoint.shard import ShardInvalid
+    from trainguard.checkpoint.state import StateMismatch
 
 __all__ = [
     "CheckpointConfig",
@@ -83,3 +89,21 @@ __all__ = [
     "ShardInvalid",
     "StateMismatch",
 ]
+
+# Imported on first use: the node agent reads this package's torch-free modules
+# (files, durable) without importing torch.
+_HOME = {
+    "Checkpointer": "checkpointer",
+    "CheckpointError": "checkpointer",
+    "Restore": "checkpointer",
+    "CheckpointConfig": "config",
+    "ShardInvalid": "shard",
+    "StateMismatch": "state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from trainguard.checkpoint.files import hold_from
 from trainguard.checkpoint.shard import ShardInvalid, check_identity, layout_of
 from trainguard.checkpoint.state import Layout
 
@@ -55,31 +56,6 @@ MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by Python 3.11's mmap mo
 GROWTH = 1.0625
 """A slot that must grow gets this much headroom beyond the size asked for."""
 MIN_SLOT_BYTES = 1 << 16
-HOLD_FILE = "hold.json"
-
-
-def hold_from(directory: str) -> int | None:
-    """The step the node agent asks to hold (``hold.json``); None when there is none."""
-    try:
-        with open(os.path.join(directory, HOLD_FILE), "rb") as file:
-            value = json.loads(file.read()).get("from_step")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def write_hold(directory: str, from_step: int | None) -> None:
-    """Ask the ranks of this node to hold their first snapshot at or after ``from_step``
-    (None: release it). Atomic: tmp file + rename."""
-    path = os.path.join(directory, HOLD_FILE)
-    if from_step is None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as file:
-        file.write(json.dumps({"from_step": from_step}).encode())
-    os.replace(tmp, path)
 
 
 def default_memory_dir() -> str:

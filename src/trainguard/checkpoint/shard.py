@@ -15,8 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import xxhash
-
+from trainguard.checkpoint.files import CHECKSUM_ALGORITHM, checksum
 from trainguard.checkpoint.state import Layout, TensorEntry
 
 __all__ = [
@@ -30,16 +29,10 @@ __all__ = [
 ]
 
 FORMAT = 1
-CHECKSUM_ALGORITHM = "xxh3_128"
 
 
 class ShardInvalid(Exception):
     """A shard that must not be loaded: corrupt, incomplete, foreign or malformed."""
-
-
-def checksum(data: memoryview | bytes) -> str:
-    """``xxh3_128:<hex>`` of ``data`` (xxhash releases the GIL while hashing)."""
-    return f"{CHECKSUM_ALGORITHM}:{xxhash.xxh3_128(data).hexdigest()}"
 
 
 def make_meta(

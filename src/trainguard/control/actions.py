@@ -1,19 +1,32 @@
-"""The control plane's vocabulary: job phases, the controller's configuration and its actions.
+"""The controller's phases, and the actions it returns for the platform to carry out.
 
-The platform builds a :class:`ControlConfig` from the job plan and carries out
-the :data:`Action` values the controller returns.
+Every action names nodes by id; :func:`trainguard.platform.drive.drive` turns each into
+node lifecycle calls (launch, retire) or agent requests (start, rejoin, replace, stop,
+persist) and sends them, concurrently, to every node named.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
-from trainguard.control.assignment import NodeAssignment
-from trainguard.control.persist import DurableCadence, PersistCheckpoint
-from trainguard.control.policy import PolicyConfig, RestartScope
-from trainguard.monitor.rules import LogRuleSpec
+from trainguard.control.persist import PersistCheckpoint
+from trainguard.control.policy import RestartScope
+from trainguard.wire.requests import NodeAssignment
+
+__all__ = [
+    "Action",
+    "AttemptPhase",
+    "Finish",
+    "JobPhase",
+    "LaunchNodes",
+    "PersistCheckpoint",
+    "RejoinNodes",
+    "ReplaceRanks",
+    "RetireNodes",
+    "StartNodes",
+    "StopNodes",
+]
 
 
 class JobPhase(StrEnum):
@@ -31,6 +44,7 @@ class JobPhase(StrEnum):
 
 
 class AttemptPhase(StrEnum):
+    LAUNCHING = "Launching"  # its nodes' agents are coming up; no worker runs yet
     RUNNING = "Running"
     STOPPING = "Stopping"
     SUCCEEDED = "Succeeded"
@@ -39,53 +53,31 @@ class AttemptPhase(StrEnum):
 
 
 @dataclass(frozen=True)
-class ControlConfig:
-    """What the controller needs to know about a job; built by the platform from the plan."""
+class LaunchNodes:
+    """Bring up a fresh agent for each node (replacing a live one with the same id).
 
-    job_id: str
+    ``avoid_hosts``: machines the new nodes should not land on (where the platform places
+    nodes). The controller waits for every node to answer before it starts the attempt.
+    """
+
     node_ids: tuple[str, ...]
-    nproc_per_node: int
-    policy: PolicyConfig = field(default_factory=lambda: PolicyConfig.from_spec(None, 0))
-    spare_node_ids: tuple[str, ...] = ()
-    log_rules: tuple[LogRuleSpec, ...] = ()
-    progress_pattern: str | None = None
-    heartbeat_timeout: float | None = None
-    stop_grace_seconds: float = 10.0
-    # Extra time, beyond the grace period, that nodes get to report a stop.
-    stop_slack_seconds: float = 15.0
-    active_deadline_seconds: float | None = None
-    extra_env: dict[str, str] = field(default_factory=dict)
-    # When to persist checkpoints to the durable tier (None: never; the agents write).
-    durable: DurableCadence | None = None
-    # After the last rank exits 0: how long to wait for its newest checkpoint to be durable.
-    final_persist_timeout: float = 120.0
-    # In-process restarts after worker crashes (the script adopts trainguard.resilient):
-    # hot spare processes for the whole job, and how long ranks have to rejoin.
-    in_process: bool = False
-    hot_spares: int = 0
-    barrier_timeout: float = 60.0
+    attempt: int
+    avoid_hosts: tuple[str, ...] = ()
 
-    @property
-    def world_size(self) -> int:
-        return len(self.node_ids) * self.nproc_per_node
 
-    @property
-    def max_restarts(self) -> int:
-        return self.policy.job_max_retry_count
+@dataclass(frozen=True)
+class RetireNodes:
+    """These nodes leave the job (replaced by spares): shut their agents down."""
 
-    def monitor_json(self) -> dict[str, Any]:
-        """What each agent needs to match log lines (sent with ``/start``)."""
-        return {
-            "log_rules": [r.to_json() for r in self.log_rules],
-            "progress_pattern": self.progress_pattern,
-        }
+    node_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class StartNodes:
+    """Start ``attempt``'s workers on every node of its assignments."""
+
     attempt: int
     assignments: tuple[NodeAssignment, ...]
-    # "process": same node agents; "job": the platform replaces every node agent first.
     scope: str = RestartScope.PROCESS.value
 
 
@@ -95,6 +87,15 @@ class RejoinNodes:
 
     attempt: int
     assignments: tuple[NodeAssignment, ...]
+
+
+@dataclass(frozen=True)
+class ReplaceRanks:
+    """Give these ranks of ``node_id`` new processes in ``attempt`` (they are stuck)."""
+
+    attempt: int
+    node_id: str
+    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -112,4 +113,13 @@ class Finish:
     reason: str
 
 
-Action = StartNodes | RejoinNodes | StopNodes | Finish | PersistCheckpoint
+Action = (
+    LaunchNodes
+    | RetireNodes
+    | StartNodes
+    | RejoinNodes
+    | ReplaceRanks
+    | StopNodes
+    | Finish
+    | PersistCheckpoint
+)

@@ -1,89 +1,85 @@
 """The job controller: a state machine over attempts, driven by node reports.
 
-Pure logic. The platform calls :meth:`JobController.start`, then
-:meth:`JobController.observe` on every poll with the time and a report per node,
-and carries out the returned actions (start workers, stop workers, finish).
-Nothing here sleeps, reads a clock or opens a socket, so every branch is unit
+Pure logic. :func:`trainguard.platform.drive.drive` calls :meth:`JobController.start`,
+then :meth:`JobController.observe` with the time and a report per node whenever it
+looks (every poll, and at once when an agent pushes news), and carries out the returned
+actions. Nothing here sleeps, reads a clock or opens a socket, so every branch is unit
 tested with plain values.
 
+An attempt goes LAUNCHING (its nodes' agents come up: a fresh job, a full job restart)
+-> RUNNING (``/start`` sent; or ``/rejoin`` for an in-process restart) -> STOPPING (any
+fault stops every rank at once) -> ended; then :func:`decide_restart` picks the next
+attempt's scope, or the job fails.
+
 Assumptions the decisions rely on:
-- a node report is only evidence about the attempt it names; reports about an
-  older attempt (an agent that has not processed the latest ``/start`` yet) are
-  ignored for success and fault decisions;
+- a node's status is only evidence about the attempt it names; an agent that has not
+  processed the latest request yet is ignored for success and fault decisions;
 - any fault on any rank stops every rank of the attempt at once, so no survivor
-  waits out a collective timeout;
+  waits out a collective timeout (an in-process restart instead makes every rank
+  leave the failed attempt and join the next one);
 - an attempt counts as stopped once every node is quiescent, or once the stop
-  deadline passes (the nodes that did not stop are then faulted as such);
-- which restart follows is :func:`trainguard.control.policy.decide_restart`'s call.
+  deadline passes (the nodes that did not stop are then faulted as such).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from trainguard.control import inprocess
 from trainguard.control.actions import (
     Action,
     AttemptPhase,
-    ControlConfig,
     Finish,
     JobPhase,
+    LaunchNodes,
     RejoinNodes,
+    ReplaceRanks,
+    RetireNodes,
     StartNodes,
     StopNodes,
 )
-from trainguard.control.assignment import Endpoint, NodeAssignment, assign_ranks
-from trainguard.control.detect import AttemptWatch
+from trainguard.control.assignment import Endpoint, assign_attempt
+from trainguard.control.attempt import Attempt
+from trainguard.control.config import ControlConfig
+from trainguard.control.contact import launch_verdict, settled
+from trainguard.control.detect import AttemptWatch, barrier_fault, refusal_faults, stop_faults
 from trainguard.control.events import Event, Fault, FaultType
+from trainguard.control.hosts import hosts_to_avoid
+from trainguard.control.inprocess import Rejoin
 from trainguard.control.persist import CheckpointPlanner, PersistCheckpoint
-from trainguard.control.policy import (
-    BARRIER_MISSED,
-    GiveUp,
-    RestartRecord,
-    RestartScope,
-    decide_restart,
-)
-from trainguard.control.reports import NodeReport, NodeState
-from trainguard.control.timeline import Timeline, with_evidence
+from trainguard.control.policy import GiveUp, RestartRecord, RestartScope, decide_restart
+from trainguard.control.record import JobRecord
+from trainguard.control.reports import NodeReport, Refusal
+from trainguard.control.timeline import Timeline
+from trainguard.wire.status import NodeState, WorkerState
 
 __all__ = [
     "Action",
+    "Attempt",
     "AttemptPhase",
     "ControlConfig",
     "Finish",
     "JobController",
     "JobPhase",
+    "LaunchNodes",
     "PersistCheckpoint",
     "RejoinNodes",
+    "ReplaceRanks",
+    "RetireNodes",
     "StartNodes",
     "StopNodes",
 ]
 
-
-@dataclass
-class Attempt:
-    number: int
-    started_at: float
-    endpoint: Endpoint
-    assignments: tuple[NodeAssignment, ...]
-    watch: AttemptWatch
-    scope: str = RestartScope.PROCESS.value
-    phase: AttemptPhase = AttemptPhase.RUNNING
-    ended_at: float | None = None
-    reason: str | None = None
-    faults: list[Fault] = field(default_factory=list)
-    stop_deadline: float | None = None
-    recovered: bool = False
+EndpointFor = Callable[[int, str], Endpoint]
+"""``endpoint_for(attempt, node_id)``: where rank 0 (on ``node_id``) hosts the attempt's
+rendezvous store; asked once the node is up."""
 
 
 class JobController:
     """Runs one job: assigns ranks, watches reports, stops all on a fault, restarts or gives up."""
 
-    def __init__(self, config: ControlConfig, endpoint_for: Callable[[int], Endpoint]) -> None:
-        if not config.node_ids:
-            raise ValueError("a job needs at least one node")
+    def __init__(self, config: ControlConfig, endpoint_for: EndpointFor) -> None:
         self.config = config
         self._endpoint_for = endpoint_for
         self.phase = JobPhase.PENDING
@@ -93,11 +89,10 @@ class JobController:
         self.nodes: tuple[str, ...] = config.node_ids
         self.spares: tuple[str, ...] = config.spare_node_ids
         self.history: list[RestartRecord] = []
-        self.timeline = Timeline()
+        self.record = JobRecord()
+        self.avoid_hosts: tuple[str, ...] = ()
+        self._hosts: dict[str, str] = {}
         self._node_fault_times: dict[str, list[float]] = {}
-        self._pending_events: list[Event] = []
-        self._injections: list[str] = []
-        self._seen_worker_events: set[tuple[int, int, float]] = set()
         # Set when a stop was asked for from outside (delete, Ctrl-C, deadline).
         self._cancel: tuple[JobPhase, str] | None = None
         self.checkpoints = CheckpointPlanner(config.durable, config.world_size, 0.0)
@@ -118,20 +113,24 @@ class JobController:
     def full_restarts(self) -> int:
         return sum(1 for r in self.history if r.scope is RestartScope.JOB)
 
+    @property
+    def timeline(self) -> Timeline:
+        return self.record.timeline
+
     def drain_events(self) -> list[Event]:
         """Events recorded since the last call, oldest first."""
-        events, self._pending_events = self._pending_events, []
-        return events
+        return self.record.drain()
 
     # -- inputs ------------------------------------------------------------
 
     def start(self, now: float) -> list[Action]:
+        """Launch every node of the job; the first attempt starts once they all answer."""
         if self.phase is not JobPhase.PENDING:
             raise RuntimeError(f"job already started (phase {self.phase})")
         self.started_at = now
         self.checkpoints = CheckpointPlanner(self.config.durable, self.config.world_size, now)
         self._event(now, "JobStarted", f"job {self.config.job_id} started")
-        return [self._start_attempt(now, RestartScope.PROCESS.value)]
+        return self._new_attempt(now, RestartScope.PROCESS.value, launch=self.nodes, reports={})
 
     def cancel(self, now: float, reason: str, phase: JobPhase = JobPhase.STOPPED) -> list[Action]:
         """Stop the job from outside (user delete, Ctrl-C, deadline). Idempotent."""
@@ -142,6 +141,9 @@ class JobController:
         attempt = self.current
         if attempt is None:
             return self._finish(now, phase, reason)
+        if attempt.phase is AttemptPhase.LAUNCHING:  # nothing started yet
+            self._end_attempt(now, attempt, AttemptPhase.STOPPED, reason)
+            return self._finish(now, phase, reason)
         if attempt.phase is not AttemptPhase.RUNNING:
             return []
         self.phase = JobPhase.STOPPING
@@ -149,21 +151,23 @@ class JobController:
 
     def note_injection(self, now: float, spec: str, rank: int | None, node: str | None) -> None:
         """A fault was injected on purpose; the next fault detected is marked as injected."""
-        self._injections.append(spec)
-        self._event(
-            now,
-            "FaultInjected",
-            f"injected {spec}",
-            node=node,
-            rank=rank,
-            data={"spec": spec, "injected": True},
-        )
+        attempt = self.current.number if self.current is not None else None
+        self.record.injection(now, spec, rank, node, attempt)
 
-    def observe(self, now: float, reports: Mapping[str, NodeReport]) -> list[Action]:
-        """Feed one poll's reports (one per node); returns what to do now."""
+    def observe(
+        self,
+        now: float,
+        reports: Mapping[str, NodeReport],
+        refusals: Sequence[Refusal] = (),
+    ) -> list[Action]:
+        """Feed what the platform sees now (a report per node, the requests agents refused
+        since the last call); returns what to do now."""
         attempt = self.current
         if attempt is None or self.phase.terminal:
             return []
+        for node_id, report in reports.items():
+            if report.host:
+                self._hosts[node_id] = report.host
         deadline = self.config.active_deadline_seconds
         if (
             deadline is not None
@@ -176,99 +180,238 @@ class JobController:
                 f"DeadlineExceeded: job ran longer than activeDeadlineSeconds={deadline:g}",
                 phase=JobPhase.FAILED,
             )
-        self._worker_events(attempt, reports)
+        self.record.worker_events(attempt, reports)
+        for refusal in refusals:
+            if refusal.request == "persist":
+                self._note_persist_refused(now, refusal)
+        if attempt.phase is AttemptPhase.LAUNCHING:
+            return self._observe_launching(now, attempt, reports)
         if attempt.phase is AttemptPhase.RUNNING:
-            return self._observe_running(now, attempt, reports)
+            return self._observe_running(now, attempt, reports, refusals)
         if attempt.phase is AttemptPhase.STOPPING:
             return self._observe_stopping(now, attempt, reports)
         return []
 
-    # -- transitions -------------------------------------------------------
+    # -- launching -----------------------------------------------------------
 
-    def _observe_running(
+    def _new_attempt(
+        self,
+        now: float,
+        scope: str,
+        launch: Sequence[str],
+        reports: Mapping[str, NodeReport],
+        retire: Sequence[str] = (),
+    ) -> list[Action]:
+        number = len(self.attempts)
+        attempt = Attempt(number, now, self.nodes, self._watch(number, now), scope)
+        self.attempts.append(attempt)
+        actions: list[Action] = []
+        if retire:
+            actions.append(RetireNodes(tuple(retire)))
+        if launch:
+            attempt.launch_deadline = now + self.config.node_start_timeout
+            actions.append(LaunchNodes(tuple(launch), number, self.avoid_hosts))
+            self._event(
+                now,
+                "NodesLaunching",
+                f"attempt {number}: bringing up {len(launch)} node agents",
+                attempt=number,
+                data={"nodes": list(launch), "avoid_hosts": list(self.avoid_hosts)},
+            )
+            return actions
+        return actions + self._observe_launching(now, attempt, reports)
+
+    def _observe_launching(
         self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
     ) -> list[Action]:
+        """Start the attempt once every node's agent answers, idle; fault the nodes lost
+        on the way, or still not ready at the launch deadline."""
+        deadline = attempt.launch_deadline
+        lost, waiting = launch_verdict(
+            attempt.nodes,
+            reports,
+            self.config.unreachable_after,
+            deadline is not None and now >= deadline,
+            self.config.node_start_timeout,
+        )
+        if lost:
+            for node_id, message in lost:
+                fault = Fault(FaultType.NODE_LOST, now, attempt.number, node_id, message=message)
+                self._record_fault(now, attempt, fault)
+            self._end_attempt(now, attempt, AttemptPhase.FAILED, attempt.faults[0].message)
+            if self._cancel is not None:
+                return self._finish(now, *self._cancel)
+            return self._after_failure(now, attempt, reports)
+        if waiting:
+            return []
+        return [self._start_attempt(now, attempt)]
+
+    def _start_attempt(self, now: float, attempt: Attempt) -> StartNodes:
+        self._fill_assignments(now, attempt)
+        attempt.phase = AttemptPhase.RUNNING
+        self.phase = JobPhase.RUNNING
+        return StartNodes(attempt.number, attempt.assignments, attempt.scope)
+
+    def _fill_assignments(self, now: float, attempt: Attempt) -> None:
+        cfg = self.config
+        endpoint = self._endpoint_for(attempt.number, attempt.nodes[0])
+        attempt.endpoint = endpoint
+        attempt.assignments = assign_attempt(cfg, attempt.nodes, attempt.number, endpoint)
+        attempt.watch = self._watch(attempt.number, now)  # hang timers start with the workers
+        self._event(
+            now,
+            "AttemptStarted",
+            f"attempt {attempt.number}: {len(attempt.nodes)} nodes x {cfg.nproc_per_node} ranks "
+            f"({attempt.scope} scope), rendezvous {endpoint.addr}:{endpoint.port}",
+            attempt=attempt.number,
+            data={
+                "master_addr": endpoint.addr,
+                "master_port": endpoint.port,
+                "scope": attempt.scope,
+                "nodes": list(attempt.nodes),
+            },
+        )
+
+    def _watch(self, number: int, now: float) -> AttemptWatch:
+        cfg = self.config
+        return AttemptWatch(
+            number,
+            now,
+            cfg.log_rules,
+            cfg.heartbeat_timeout,
+            unreachable_after=cfg.unreachable_after,
+            in_process=cfg.in_process,
+            start_timeout=cfg.node_start_timeout,
+        )
+
+    # -- running -------------------------------------------------------------
+
+    def _observe_running(
+        self,
+        now: float,
+        attempt: Attempt,
+        reports: Mapping[str, NodeReport],
+        refusals: Sequence[Refusal],
+    ) -> list[Action]:
         faults = attempt.watch.faults(now, attempt.assignments, reports)
-        self._note_progress(now, attempt)
+        faults += refusal_faults(now, attempt.number, refusals)
+        actions: list[Action] = []
+        if attempt.rejoin is not None and not faults:
+            replace, faults = self._watch_rejoin(now, attempt, attempt.rejoin, reports)
+            actions += replace
+        self.record.progress(now, attempt)
         if faults:
             for fault in faults:
                 self._record_fault(now, attempt, fault)
-            if self._can_restart_in_place(attempt, faults, reports):
-                return [self._restart_in_place(now, attempt)]
+            if self._can_restart_in_place(attempt, reports):
+                return [self._restart_in_place(now, attempt, reports)]
             capture = any(f.type.is_hang for f in faults)
             return [self._stop(now, attempt, "process", faults[0].message, capture)]
-        actions: list[Action] = list(self._plan_checkpoints(now, attempt, reports))
-        current = [
-            r
-            for a in attempt.assignments
-            if (r := reports.get(a.node_id)) is not None
-            and r.reachable
-            and r.attempt == attempt.number
-        ]
+        actions += self._plan_checkpoints(now, attempt, reports)
+        current = attempt.watch.current(attempt.assignments, reports)
         if len(current) == len(attempt.assignments) and all(
-            r.state is NodeState.COMPLETED for r in current
+            status.state is NodeState.COMPLETED for _, status in current
         ):
-            if self._final_persist_until is None:
-                self._final_persist_until = now + self.config.final_persist_timeout
-                node_ids = [a.node_id for a in attempt.assignments]
-                final = self.checkpoints.flush(now, node_ids, reports)
-                if final is not None:
-                    self._event(
-                        now,
-                        "CheckpointPersisting",
-                        f"persisting the final step {final.step} to durable storage",
-                        data={"step": final.step},
-                    )
-                    return [*actions, final]
-            if self.checkpoints.busy and now < self._final_persist_until:
-                return actions  # the newest checkpoint is still on its way to durable storage
-            self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0")
-            return [*actions, *self._finish(now, JobPhase.SUCCEEDED, "all ranks completed")]
+            return self._complete(now, attempt, reports, actions)
         return actions
+
+    def _watch_rejoin(
+        self, now: float, attempt: Attempt, rejoin: Rejoin, reports: Mapping[str, NodeReport]
+    ) -> tuple[list[Action], list[Fault]]:
+        """While an in-process restart is under way: replace the ranks stuck in the failed
+        attempt, and fault the ranks that miss the barrier."""
+        cfg = self.config
+        step = inprocess.watch_rejoin(
+            now,
+            attempt.number,
+            rejoin,
+            reports,
+            attempt.assignments,
+            cfg.stuck_rank_timeout,
+            cfg.barrier_timeout,
+        )
+        if step.done:
+            attempt.rejoin = None
+        node_of = {r: a.node_id for a in attempt.assignments for r in a.global_ranks}
+        faults = [
+            barrier_fault(now, attempt.number, node_of[rank], rank, cfg.barrier_timeout)
+            for rank in step.missed
+        ]
+        actions: list[Action] = []
+        for node_id, ranks in step.replace.items():
+            actions.append(ReplaceRanks(attempt.number, node_id, ranks))
+            self._event(
+                now,
+                "StuckRanksReplaced",
+                f"{', '.join(f'rank {r}' for r in ranks)} did not leave attempt "
+                f"{attempt.number - 1} within {cfg.stuck_rank_timeout:g} s (deadlocked in a "
+                "collective); giving each a new process",
+                attempt=attempt.number,
+                node=node_id,
+                data={"ranks": list(ranks)},
+            )
+        return actions, faults
+
+    def _complete(
+        self,
+        now: float,
+        attempt: Attempt,
+        reports: Mapping[str, NodeReport],
+        actions: list[Action],
+    ) -> list[Action]:
+        if self._final_persist_until is None:
+            self._final_persist_until = now + self.config.final_persist_timeout
+            final = self.checkpoints.flush(now, attempt.nodes, reports)
+            if final is not None:
+                request, note = final
+                self._event(now, note.kind, note.message, data=note.data)
+                return [*actions, request]
+        if self.checkpoints.busy and now < self._final_persist_until:
+            return actions  # the newest checkpoint is still on its way to durable storage
+        self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0")
+        return [*actions, *self._finish(now, JobPhase.SUCCEEDED, "all ranks completed")]
+
+    def _note_persist_refused(self, now: float, refusal: Refusal) -> None:
+        note = self.checkpoints.refused(refusal.node_id, refusal.message)
+        if note is not None:
+            self._event(now, note.kind, note.message, node=refusal.node_id, data=note.data)
 
     def _plan_checkpoints(
         self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-    ) -> list[PersistCheckpoint]:
-        node_ids = [a.node_id for a in attempt.assignments]
-        requests, notes = self.checkpoints.observe(now, node_ids, reports)
+    ) -> list[Action]:
+        requests, notes = self.checkpoints.observe(now, attempt.nodes, reports)
         for note in notes:
             self._event(now, note.kind, note.message, data=note.data)
-        for request in requests:
-            self._event(
-                now,
-                "CheckpointPersisting",
-                f"persisting step {request.step} from node memory to durable storage",
-                data={"step": request.step},
-            )
-        return requests
+        return list(requests)
+
+    # -- stopping and what follows -------------------------------------------------
 
     def _observe_stopping(
         self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
     ) -> list[Action]:
-        waiting = [a.node_id for a in attempt.assignments if not _stopped(reports.get(a.node_id))]
-        if waiting and attempt.stop_deadline is not None and now < attempt.stop_deadline:
+        if attempt.stop_deadline is None:
+            # Every node has been asked by now (the loop sends before it looks again): the
+            # time the nodes get to stop counts from here, however long the asking took.
+            attempt.stop_deadline = now + attempt.stop_allowance
+        waiting = [n for n in attempt.nodes if not self._stopped(reports.get(n))]
+        if waiting and now < attempt.stop_deadline:
             return []
-        self._attach_stacks(attempt, reports)
-        for node_id in waiting:
-            self._record_fault(
-                now,
-                attempt,
-                Fault(
-                    FaultType.NODE_STOP_TIMEOUT,
-                    now,
-                    attempt.number,
-                    node=node_id,
-                    message=f"{node_id} did not stop within the stop timeout",
-                ),
-            )
+        self.record.attach_stacks(attempt, reports)
+        limit = self.config.unreachable_after
+        for fault in stop_faults(
+            now, attempt.number, attempt.nodes, attempt.faults, waiting, reports, limit
+        ):
+            self._record_fault(now, attempt, fault)
         outcome = AttemptPhase.FAILED if attempt.faults else AttemptPhase.STOPPED
         self._end_attempt(now, attempt, outcome, attempt.reason or "stopped")
         if self._cancel is not None:
             phase, reason = self._cancel
             return self._finish(now, phase, reason)
-        return self._after_failure(now, attempt)
+        return self._after_failure(now, attempt, reports)
 
-    def _after_failure(self, now: float, attempt: Attempt) -> list[Action]:
+    def _after_failure(
+        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
+    ) -> list[Action]:
         decision = decide_restart(
             now,
             attempt.faults,
@@ -284,6 +427,7 @@ class JobController:
         self.timeline.set_scope(attempt.number, decision.scope.value)
         used = set(decision.nodes)
         self.spares = tuple(s for s in self.spares if s not in used)
+        retired = [n for n in self.nodes if n not in used]
         self.nodes = decision.nodes
         self.phase = JobPhase.RESTARTING
         self._event(
@@ -294,32 +438,42 @@ class JobController:
             attempt=attempt.number + 1,
             data={"scope": decision.scope.value, "replaced": dict(decision.replaced)},
         )
-        return [self._start_attempt(now, decision.scope.value)]
+        if decision.scope is not RestartScope.JOB:
+            return self._new_attempt(now, decision.scope.value, (), reports)
+        lost = [f.node for f in attempt.faults if f.node is not None and f.type.loses_node]
+        self.avoid_hosts = hosts_to_avoid(
+            self.avoid_hosts,
+            [*lost, *decision.replaced],
+            self._hosts,
+            self.config.policy.max_num_repeat_offenders_to_avoid,
+        )
+        return self._new_attempt(
+            now, decision.scope.value, launch=self.nodes, reports=reports, retire=retired
+        )
 
-    def _can_restart_in_place(
-        self, attempt: Attempt, faults: list[Fault], reports: Mapping[str, NodeReport]
-    ) -> bool:
-        """Worker crashes only, every node up with its survivors waiting, budget left, and
-        not a rank that missed the previous in-process restart's barrier."""
+    def _can_restart_in_place(self, attempt: Attempt, reports: Mapping[str, NodeReport]) -> bool:
         if not self.config.in_process or self.restarts >= self.config.max_restarts:
             return False
-        for fault in faults:
-            error = str(fault.evidence.get("error") or "")
-            if fault.type is not FaultType.WORKER_CRASH or fault.rank is None:
-                return False
-            if BARRIER_MISSED in error:
-                return False
-        for a in attempt.assignments:
-            report = reports.get(a.node_id)
-            if report is None or not report.reachable or report.attempt != attempt.number:
-                return False
-            if report.state not in (NodeState.RUNNING, NodeState.FAULTED):
-                return False
-        return True
+        return inprocess.eligible(
+            attempt.faults,
+            attempt.number,
+            attempt.assignments,
+            reports,
+            self.config.unreachable_after,
+        )
 
-    def _restart_in_place(self, now: float, attempt: Attempt) -> RejoinNodes:
+    def _restart_in_place(
+        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
+    ) -> RejoinNodes:
         scope = RestartScope.IN_PROCESS
         reason = attempt.faults[0].message
+        dead = {f.rank for f in attempt.faults}
+        survivors = tuple(
+            w.rank
+            for _, status in attempt.watch.current(attempt.assignments, reports)
+            for w in status.workers
+            if w.state is WorkerState.RUNNING and w.rank not in dead
+        )
         self._end_attempt(now, attempt, AttemptPhase.FAILED, reason)
         self.history.append(RestartRecord(now, scope))
         self.timeline.set_scope(attempt.number, scope.value)
@@ -332,51 +486,12 @@ class JobController:
             attempt=attempt.number + 1,
             data={"scope": scope.value, "replaced": {}},
         )
-        started = self._start_attempt(now, scope.value)
+        new = Attempt(len(self.attempts), now, self.nodes, self._watch(len(self.attempts), now))
+        new.scope = scope.value
+        new.rejoin = Rejoin(now, survivors)
+        self.attempts.append(new)
+        started = self._start_attempt(now, new)
         return RejoinNodes(started.attempt, started.assignments)
-
-    def _start_attempt(self, now: float, scope: str) -> StartNodes:
-        number = len(self.attempts)
-        endpoint = self._endpoint_for(number)
-        cfg = self.config
-        assignments = tuple(
-            replace(
-                a,
-                in_process=cfg.in_process,
-                # Round robin from node 0: node i gets its share of the job's hot spares.
-                hot_spares=cfg.hot_spares // len(self.nodes)
-                + (1 if a.node_rank < cfg.hot_spares % len(self.nodes) else 0),
-                barrier_timeout=cfg.barrier_timeout,
-            )
-            for a in assign_ranks(
-                cfg.job_id,
-                self.nodes,
-                cfg.nproc_per_node,
-                attempt=number,
-                endpoint=endpoint,
-                restart_count=number,
-                max_restarts=cfg.max_restarts,
-                extra_env=cfg.extra_env,
-                monitor=cfg.monitor_json(),
-            )
-        )
-        watch = AttemptWatch(number, now, self.config.log_rules, self.config.heartbeat_timeout)
-        self.attempts.append(Attempt(number, now, endpoint, assignments, watch, scope))
-        self.phase = JobPhase.RUNNING
-        self._event(
-            now,
-            "AttemptStarted",
-            f"attempt {number}: {len(assignments)} nodes x {self.config.nproc_per_node} ranks "
-            f"({scope} scope), rendezvous {endpoint.addr}:{endpoint.port}",
-            attempt=number,
-            data={
-                "master_addr": endpoint.addr,
-                "master_port": endpoint.port,
-                "scope": scope,
-                "nodes": list(self.nodes),
-            },
-        )
-        return StartNodes(number, assignments, scope)
 
     def _stop(
         self, now: float, attempt: Attempt, mode: str, reason: str, capture: bool = False
@@ -385,7 +500,7 @@ class JobController:
         attempt.reason = attempt.reason or reason
         attempt.watch.pause(now)
         grace = self.config.stop_grace_seconds if mode == "graceful" else 0.0
-        attempt.stop_deadline = now + grace + self.config.stop_slack_seconds
+        attempt.stop_allowance = grace + self.config.stop_slack_seconds
         self._event(
             now,
             "StoppingAll",
@@ -393,77 +508,17 @@ class JobController:
             attempt=attempt.number,
             data={"mode": mode, "capture_stacks": capture},
         )
-        return StopNodes(
-            attempt.number, tuple(a.node_id for a in attempt.assignments), mode, grace, capture
-        )
+        return StopNodes(attempt.number, attempt.nodes, mode, grace, capture)
+
+    def _stopped(self, report: NodeReport | None) -> bool:
+        return settled(report, self.config.unreachable_after)
+
+    # -- records ------------------------------------------------------------------
 
     def _record_fault(self, now: float, attempt: Attempt, fault: Fault) -> None:
-        if self._injections:
-            fault = with_evidence(fault, injected=self._injections.pop(0))
-        attempt.faults.append(fault)
+        fault = self.record.fault(now, attempt, fault)
         if fault.node is not None:
             self._node_fault_times.setdefault(fault.node, []).append(fault.time)
-        progress = attempt.watch.progress
-        self.timeline.add(fault, progress.step if progress else None)
-        self._event(
-            now, "Fault", fault.message, node=fault.node, rank=fault.rank, data=fault.to_json()
-        )
-
-    def _attach_stacks(self, attempt: Attempt, reports: Mapping[str, NodeReport]) -> None:
-        stacks = {
-            str(rank): text
-            for a in attempt.assignments
-            if (r := reports.get(a.node_id)) is not None and r.attempt == attempt.number
-            for rank, text in r.stacks.items()
-        }
-        if not stacks:
-            return
-        stopped = sorted(int(rank) for rank, text in stacks.items() if _STOPPED.search(text))
-        for i, fault in enumerate(attempt.faults):
-            if fault.type.is_hang and "stacks" not in fault.evidence:
-                updated = with_evidence(fault, stacks=stacks, stopped_ranks=stopped)
-                attempt.faults[i] = updated
-                self.timeline.update_fault(fault, updated)
-
-    def _worker_events(self, attempt: Attempt, reports: Mapping[str, NodeReport]) -> None:
-        """Events the workers reported (a checkpoint restored, ...), each added once."""
-        for assignment in attempt.assignments:
-            report = reports.get(assignment.node_id)
-            if report is None or report.attempt != attempt.number:
-                continue
-            for e in report.worker_events:
-                # Not keyed by attempt: after an in-process restart, the same workers (and
-                # their event files) go on into the next attempt.
-                key = (e.rank, e.seq, e.time)
-                if key not in self._seen_worker_events:
-                    self._seen_worker_events.add(key)
-                    self._event(
-                        e.time,
-                        e.kind,
-                        e.message,
-                        attempt=attempt.number,
-                        node=assignment.node_id,
-                        rank=e.rank,
-                        data=e.data,
-                    )
-
-    def _note_progress(self, now: float, attempt: Attempt) -> None:
-        progress = attempt.watch.progress
-        if progress is None or attempt.recovered:
-            return
-        attempt.recovered = True
-        for record in self.timeline.progress(
-            attempt.number, progress.first_step, progress.first_time
-        ):
-            self._event(
-                now,
-                "Recovered",
-                f"{record.fault.type} of attempt {record.fault.attempt} recovered in "
-                f"{record.recovery_seconds:.1f}s ({record.scope} restart); resumed from step "
-                f"{record.resumed_step}, {record.lost_steps} steps lost",
-                attempt=attempt.number,
-                data=record.to_json(),
-            )
 
     def _end_attempt(self, now: float, attempt: Attempt, phase: AttemptPhase, reason: str) -> None:
         attempt.phase = phase
@@ -495,19 +550,4 @@ class JobController:
     ) -> None:
         if attempt is None and self.attempts:
             attempt = self.attempts[-1].number
-        self._pending_events.append(
-            Event(now, kind, message, attempt, node, rank, dict(data or {}))
-        )
-
-
-# How a captured stack names a process that is stopped (SIGSTOP, or a debugger).
-_STOPPED = re.compile(r"^pid \d+ \(.*\): state [Tt]\b", re.MULTILINE)
-
-
-def _stopped(report: NodeReport | None) -> bool:
-    """True when nothing more is to be waited for on this node.
-
-    An unreachable node has nothing to wait for: the platform reaps what is
-    left of it, and the next attempt finds out whether it is really gone.
-    """
-    return report is None or not report.reachable or report.state.quiescent
+        self.record.event(now, kind, message, attempt, node, rank, data)

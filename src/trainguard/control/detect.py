@@ -1,21 +1,24 @@
 """Turning one attempt's node reports into faults.
 
-Crashes and lost nodes come from the agents' process view; slow, faulty and
-NaN metrics from the agents' per-rank log matching; hangs from job-wide timers
-evaluated here, because which rank logs is the script's choice (a rule is only
-hanging when no rank anywhere matched it in time).
+Crashes come from the agents' worker statuses (the wire values, read as they came); lost
+nodes from :func:`~trainguard.control.contact.contact`; slow, faulty and NaN metrics
+from the agents' per-rank log matching; hangs from job-wide timers evaluated here,
+because which rank logs is the script's choice (a rule is only hanging when no rank
+anywhere matched it in time).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-from trainguard.control.assignment import NodeAssignment
+from trainguard.control.contact import Contact, contact, lost, lost_reason
 from trainguard.control.events import Fault, FaultType
-from trainguard.control.reports import NodeReport, NodeState
+from trainguard.control.reports import NodeReport, Refusal
 from trainguard.monitor.hang import HangWatch, HeartbeatWatch
-from trainguard.monitor.rules import Detection, LogRuleSpec
+from trainguard.monitor.rules import LogRuleSpec
+from trainguard.wire.control_files import EXIT_BARRIER_TIMEOUT
+from trainguard.wire.requests import NodeAssignment
+from trainguard.wire.status import Detection, NodeState, NodeStatus, Progress, WorkerStatus
 
 _DETECTION_TYPES = {
     "LogSlow": FaultType.LOG_SLOW,
@@ -24,14 +27,80 @@ _DETECTION_TYPES = {
 }
 
 
-@dataclass(frozen=True)
-class Progress:
-    """The job's progress in one attempt: its first and latest completed step."""
+_REFUSED = {
+    "start": FaultType.START_REFUSED,
+    "rejoin": FaultType.REJOIN_REFUSED,
+    "replace": FaultType.REJOIN_REFUSED,
+}
 
-    first_step: int
-    first_time: float
-    step: int
-    time: float
+
+def refusal_faults(now: float, attempt: int, refusals: Sequence[Refusal]) -> list[Fault]:
+    """The faults of ``attempt``'s refused requests (a refused persist is no fault: the
+    checkpoint planner notes it)."""
+    return [
+        Fault(
+            _REFUSED[r.request],
+            now,
+            attempt,
+            node=r.node_id,
+            message=f"{r.node_id} refused /{r.request} of attempt {r.attempt}: {r.message}",
+            evidence={"request": r.request, "refusal": r.message},
+        )
+        for r in refusals
+        if r.request in _REFUSED and r.attempt == attempt
+    ]
+
+
+def barrier_fault(now: float, attempt: int, node: str, rank: int, timeout: float) -> Fault:
+    """``rank`` had not joined ``attempt`` (an in-process restart) ``timeout`` after it."""
+    return Fault(
+        FaultType.BARRIER_MISSED,
+        now,
+        attempt,
+        node=node,
+        rank=rank,
+        message=f"rank {rank} missed the restart barrier of attempt {attempt} within {timeout:g} s",
+    )
+
+
+def stop_faults(
+    now: float,
+    attempt: int,
+    nodes: Sequence[str],
+    recorded: Sequence[Fault],
+    waiting: Sequence[str],
+    reports: Mapping[str, NodeReport],
+    unreachable_after: int,
+) -> list[Fault]:
+    """When the stop of ``attempt`` (on ``nodes``) ends: the nodes that did not stop in
+    time (``waiting``), and the nodes lost while stopping (a machine that died just after
+    one of its workers did); both must be replaced (``recorded`` faults may say so
+    already)."""
+    faults = [
+        Fault(
+            FaultType.NODE_STOP_TIMEOUT,
+            now,
+            attempt,
+            node=node_id,
+            message=f"{node_id} did not stop within the stop timeout",
+        )
+        for node_id in waiting
+    ]
+    replaced = {f.node for f in [*recorded, *faults] if f.type.loses_node}
+    for node_id in nodes:
+        report = reports.get(node_id)
+        if node_id not in replaced and report is not None and lost(report, unreachable_after):
+            message = lost_reason(report, unreachable_after)
+            faults.append(Fault(FaultType.NODE_LOST, now, attempt, node=node_id, message=message))
+    return faults
+
+
+def exit_fault_type(worker: WorkerStatus, in_process: bool) -> FaultType:
+    """What a failed worker's exit means: a crash, or (a resilient worker's exit 75) that
+    it gave up joining an in-process restart."""
+    if in_process and worker.exitcode == EXIT_BARRIER_TIMEOUT:
+        return FaultType.BARRIER_GIVEN_UP
+    return FaultType.WORKER_CRASH
 
 
 class AttemptWatch:
@@ -43,12 +112,36 @@ class AttemptWatch:
         started_at: float,
         rules: Sequence[LogRuleSpec],
         heartbeat_timeout: float | None,
+        *,
+        unreachable_after: int = 3,
+        in_process: bool = False,
+        start_timeout: float | None = None,
     ) -> None:
+        """``start_timeout``: how long an up node may go on reporting an older attempt."""
         self.attempt = attempt
+        self.started_at = started_at
+        self.start_timeout = start_timeout
+        self.unreachable_after = unreachable_after
+        self.in_process = in_process
         self._hang = HangWatch(rules, started_at) if rules else None
         self._beats = HeartbeatWatch(heartbeat_timeout) if heartbeat_timeout else None
         self._seen: set[tuple[str, str, str, int, float]] = set()
-        self.progress: Progress | None = None
+        self._exits: set[tuple[str, int, int | None]] = set()
+        self.progress: Progress | None = None  # the job's, in this attempt
+
+    def current(
+        self, assignments: Sequence[NodeAssignment], reports: Mapping[str, NodeReport]
+    ) -> list[tuple[str, NodeStatus]]:
+        """(node id, status) of every node that is up and reports this attempt."""
+        out = []
+        for a in assignments:
+            report = reports.get(a.node_id)
+            if report is None or contact(report, self.unreachable_after) is not Contact.UP:
+                continue
+            status = report.about(self.attempt)
+            if status is not None:
+                out.append((a.node_id, status))
+        return out
 
     def faults(
         self,
@@ -56,70 +149,82 @@ class AttemptWatch:
         assignments: Sequence[NodeAssignment],
         reports: Mapping[str, NodeReport],
     ) -> list[Fault]:
-        current = [
-            r
-            for a in assignments
-            if (r := reports.get(a.node_id)) is not None
-            and r.reachable
-            and r.attempt == self.attempt
-        ]
+        current = self.current(assignments, reports)
         self._observe_progress(current)
         faults: list[Fault] = []
-        for assignment in assignments:
-            report = reports.get(assignment.node_id)
-            if report is None or not report.reachable:
-                faults.append(
-                    self._fault(
-                        FaultType.NODE_LOST,
-                        now,
-                        assignment.node_id,
-                        None,
-                        f"{assignment.node_id} lost: its agent does not answer",
-                    )
+        late = self.start_timeout is not None and now - self.started_at >= self.start_timeout
+        taken = {node_id for node_id, _ in current}
+        for a in assignments:
+            report = reports.get(a.node_id) or NodeReport(a.node_id, gone="no report")
+            verdict = contact(report, self.unreachable_after)
+            if verdict is Contact.LOST:
+                message = lost_reason(report, self.unreachable_after)
+            elif late and a.node_id not in taken:
+                # Up, but never took the attempt: its /start got lost on the way, say.
+                message = (
+                    f"{a.node_id} did not take attempt {self.attempt} "
+                    f"within {self.start_timeout:g}s"
                 )
-        for report in current:
-            faults += self._crashes(now, report)
-            faults += self._detections(report)
+            else:
+                continue
+            faults.append(
+                self._fault(
+                    FaultType.NODE_LOST,
+                    now,
+                    a.node_id,
+                    None,
+                    message,
+                    failed_contacts=report.failed_contacts,
+                    gone=report.gone,
+                )
+            )
+        for node_id, status in current:
+            faults += self._exits_of(now, node_id, status)
+            faults += self._detections(node_id, status)
         faults += self._hangs(now, current)
         return faults
 
     # -- sources -----------------------------------------------------------------
 
-    def _crashes(self, now: float, report: NodeReport) -> list[Fault]:
-        if report.state is not NodeState.FAULTED:
+    def _exits_of(self, now: float, node_id: str, status: NodeStatus) -> list[Fault]:
+        if status.state is not NodeState.FAULTED:
             return []
-        if not report.failures:
-            return [
-                self._fault(
-                    FaultType.WORKER_CRASH,
-                    now,
-                    report.node_id,
-                    None,
-                    report.reason or f"{report.node_id} faulted",
-                )
-            ]
-        return [
-            self._fault(
-                FaultType.WORKER_CRASH,
-                now,
-                report.node_id,
-                failure.rank,
-                failure.describe(),
-                exitcode=failure.exitcode,
-                signal=failure.signal,
-                error=failure.error,
-            )
-            for failure in report.failures
-        ]
-
-    def _detections(self, report: NodeReport) -> list[Fault]:
+        failed = status.failed_workers()
+        if not failed:
+            key: tuple[str, int, int | None] = (node_id, -1, None)
+            if key in self._exits:
+                return []
+            self._exits.add(key)
+            reason = status.reason or f"{node_id} faulted"
+            return [self._fault(FaultType.WORKER_CRASH, now, node_id, None, reason)]
         faults = []
-        for d in report.detections:
-            key = (report.node_id, d.kind, d.rule, d.rank, d.time)
+        for worker in failed:
+            key = (node_id, worker.rank, worker.pid)
+            if key in self._exits:
+                continue
+            self._exits.add(key)
+            faults.append(
+                self._fault(
+                    exit_fault_type(worker, self.in_process),
+                    now,
+                    node_id,
+                    worker.rank,
+                    worker.describe_exit(),
+                    exitcode=worker.exitcode,
+                    signal=worker.signal,
+                    error=worker.error,
+                )
+            )
+        return faults
+
+    def _detections(self, node_id: str, status: NodeStatus) -> list[Fault]:
+        faults = []
+        for d in status.monitor.detections:
+            key = (node_id, d.kind, d.rule, d.rank, d.time)
             if key in self._seen:
                 continue
             self._seen.add(key)
-            faults.append(self._from_detection(report.node_id, d))
+            faults.append(self._from_detection(node_id, d))
         return faults
 
     def _from_detection(self, node_id: str, d: Detection) -> Fault:
@@ -136,11 +241,11 @@ class AttemptWatch:
             value=d.value,
         )
 
-    def _hangs(self, now: float, current: Sequence[NodeReport]) -> list[Fault]:
+    def _hangs(self, now: float, current: Sequence[tuple[str, NodeStatus]]) -> list[Fault]:
         faults = []
         if self._hang is not None:
-            for report in current:
-                for name, activity in report.rules.items():
+            for _, status in current:
+                for name, activity in status.monitor.rules.items():
                     self._hang.observe(name, activity.last_match_at, activity.stopped)
             for h in self._hang.check(now):
                 faults.append(
@@ -160,10 +265,10 @@ class AttemptWatch:
                 )
         if self._beats is not None:
             where = {}
-            for report in current:
-                for rank, beat in report.heartbeats.items():
-                    self._beats.observe(rank, beat)
-                    where[rank] = report.node_id
+            for node_id, status in current:
+                for rank, beat in status.heartbeats.items():
+                    self._beats.observe(rank, beat.time)
+                    where[rank] = node_id
             for rank, last in self._beats.check(now):
                 faults.append(
                     self._fault(
@@ -187,13 +292,13 @@ class AttemptWatch:
             if watch is not None:
                 watch.resume(now)
 
-    def _observe_progress(self, current: Sequence[NodeReport]) -> None:
-        ranks = [p for report in current for p in report.progress.values()]
-        if not ranks:
-            return
-        first = min(ranks, key=lambda p: (p.first_time, p.first_step))
-        latest = max(ranks, key=lambda p: (p.step, p.time))
-        self.progress = Progress(first.first_step, first.first_time, latest.step, latest.time)
+    def _observe_progress(self, current: Sequence[tuple[str, NodeStatus]]) -> None:
+        progress = self.progress
+        for _, status in current:
+            node = status.monitor.progress
+            if node is not None:
+                progress = node.merge(progress)
+        self.progress = progress
 
     def _fault(
         self,

@@ -11,6 +11,10 @@ class FaultType(StrEnum):
     """What went wrong. Names follow HyperPod's agent where one exists."""
 
     WORKER_CRASH = "WorkerCrash"
+    # A resilient worker gave up joining an in-process restart (it exited with 75).
+    BARRIER_GIVEN_UP = "RestartBarrierGivenUp"
+    # A rank had not joined an in-process restart when its barrier timeout passed.
+    BARRIER_MISSED = "RestartBarrierMissed"
     LOG_HANG = "LogHang"
     LOG_SLOW = "LogSlow"
     LOG_FAULT = "LogFault"
@@ -18,6 +22,9 @@ class FaultType(StrEnum):
     HEARTBEAT_TIMEOUT = "HeartbeatTimeout"
     NODE_LOST = "NodeLost"
     NODE_STOP_TIMEOUT = "NodeStopTimeout"
+    # The agent answered but refused the attempt's /start (or /rejoin, /replace).
+    START_REFUSED = "StartRefused"
+    REJOIN_REFUSED = "RejoinRefused"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
 
     @property
@@ -28,7 +35,7 @@ class FaultType(StrEnum):
     @property
     def loses_node(self) -> bool:
         """Faults after which the node's agent cannot be trusted to run the next attempt."""
-        return self in (FaultType.NODE_LOST, FaultType.NODE_STOP_TIMEOUT)
+        return self in (FaultType.NODE_LOST, FaultType.NODE_STOP_TIMEOUT, FaultType.START_REFUSED)
 
 
 @dataclass(frozen=True)

@@ -107,11 +107,17 @@ class CheckpointPlanner:
         step = self._due(now, complete, forced)
         if step is None:
             return [], notes
-        return [self._request(now, step, node_ids)], notes
+        request = self._request(now, step, node_ids)
+        persisting = CheckpointNote(
+            "CheckpointPersisting",
+            f"persisting step {step} from node memory to durable storage",
+            {"step": step},
+        )
+        return [request], [*notes, persisting]
 
     def flush(
         self, now: float, node_ids: Sequence[str], reports: Mapping[str, NodeReport]
-    ) -> PersistCheckpoint | None:
+    ) -> tuple[PersistCheckpoint, CheckpointNote] | None:
         """The job is done: persist its newest complete step unless it is already durable
         (or requested). None when there is nothing to do."""
         if self.cadence is None:
@@ -124,7 +130,26 @@ class CheckpointPlanner:
             return None
         if self._inflight is not None and self._inflight.step <= newest:
             return None  # the request in flight will find it
-        return self._request(now, newest, node_ids)
+        note = CheckpointNote(
+            "CheckpointPersisting",
+            f"persisting the final step {newest} to durable storage",
+            {"step": newest},
+        )
+        return self._request(now, newest, node_ids), note
+
+    def refused(self, node_id: str, message: str) -> CheckpointNote | None:
+        """A node's agent refused the request in flight: it fails now, not at its timeout."""
+        inflight = self._inflight
+        if inflight is None:
+            return None
+        self._inflight = None
+        self._failed.add(inflight.step)
+        reason = f"{node_id} refused it: {message}"
+        return CheckpointNote(
+            "CheckpointPersistFailed",
+            f"step {inflight.step} was not persisted: {reason}",
+            {"step": inflight.step, "reason": reason},
+        )
 
     # -- internals ------------------------------------------------------------------------
 
@@ -135,11 +160,13 @@ class CheckpointPlanner:
         forced: set[int] = set()
         for node_id in node_ids:
             report = reports.get(node_id)
-            if report is None or not report.reachable:
+            status = report.status if report is not None else None
+            if status is None or report is None or report.gone is not None:
                 continue
-            for step, step_ranks in report.checkpoint.memory_steps.items():
-                ranks.setdefault(step, set()).update(step_ranks)
-            forced |= report.checkpoint.forced_steps
+            for step, memory in status.checkpoint.memory_steps.items():
+                ranks.setdefault(step, set()).update(memory.ranks)
+                if memory.force:
+                    forced.add(step)
         everyone = set(range(self.world_size))
         complete = {step for step, have in ranks.items() if everyone <= have}
         return complete, forced & complete
@@ -168,9 +195,9 @@ class CheckpointPlanner:
         committed: set[int] = set()
         failed: dict[int, str] = {}
         for report in reports.values():
-            if report.reachable:
-                committed.update(report.checkpoint.committed)
-                failed.update(report.checkpoint.failed)
+            if report.status is not None and report.gone is None:
+                committed.update(report.status.checkpoint.committed)
+                failed.update(report.status.checkpoint.failed)
         for step in sorted(committed - self.committed):
             self.committed.add(step)
             self._last_requested = max(self._last_requested, step)

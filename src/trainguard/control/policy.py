@@ -81,10 +81,6 @@ class RestartScope(StrEnum):
         return {"in-process": "IPR", "process": "PLR", "job": "JLR"}[self.value]
 
 
-BARRIER_MISSED = "missed the restart barrier"
-"""In a worker failure's error: it did not rejoin after an in-process restart in time."""
-
-
 @dataclass(frozen=True)
 class PolicyConfig:
     """The limits :func:`decide_restart` applies; see the module docstring for the rules."""

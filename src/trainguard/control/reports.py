@@ -1,111 +1,51 @@
-"""What the platform tells the control plane about each node, once per poll.
+"""What the platform tells the controller about each node: facts, never verdicts.
 
-The platform translates whatever it observes (an agent's ``GET /status``, a
-pod's phase, a process that vanished) into these values; the controller never
-sees HTTP or processes.
+A :class:`NodeReport` holds the agent's own latest status (the wire model, as it came)
+and what the platform saw of the node: consecutive contacts that failed, or proof that
+the node is gone (its agent process exited, its pod was deleted). Whether that makes the
+node lost is :func:`trainguard.control.contact.contact`'s call. A :class:`Refusal` is an
+agent saying no to a request (it answered: that is not a failed contact).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
+from typing import Literal
 
-from trainguard.monitor.rules import Detection
-from trainguard.monitor.worker_events import WorkerEvent
+from trainguard.wire.status import NodeState, NodeStatus
 
+__all__ = ["NodeReport", "NodeState", "Refusal", "RequestKind"]
 
-class NodeState(StrEnum):
-    """The agent's state, as the agent API reports it."""
-
-    READY = "ready"
-    STARTING = "starting"
-    RUNNING = "running"
-    COMPLETED = "completed"
-    FAULTED = "faulted"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-    SHUTDOWN = "shutdown"
-
-    @property
-    def quiescent(self) -> bool:
-        """No worker of this node runs (or is about to)."""
-        return self in (
-            NodeState.READY,
-            NodeState.COMPLETED,
-            NodeState.FAULTED,
-            NodeState.STOPPED,
-            NodeState.SHUTDOWN,
-        )
-
-
-@dataclass(frozen=True)
-class WorkerFailure:
-    rank: int
-    local_rank: int
-    exitcode: int | None
-    signal: str | None = None
-    error: str | None = None
-
-    def describe(self) -> str:
-        if self.signal:
-            how = f"signal {self.signal}"
-        elif self.exitcode is not None:
-            how = f"exit code {self.exitcode}"
-        else:
-            how = "an unknown failure"
-        return f"rank {self.rank} exited with {how}"
-
-
-@dataclass(frozen=True)
-class RankProgress:
-    """Training progress of one rank in the current attempt (from logs or heartbeats)."""
-
-    first_step: int
-    first_time: float
-    step: int
-    time: float
-
-
-@dataclass(frozen=True)
-class RuleActivity:
-    """What one node saw of one log rule in the current attempt."""
-
-    last_match_at: float | None
-    stopped: bool = False
-
-
-@dataclass(frozen=True)
-class CheckpointReport:
-    """A node's checkpoint tiers: memory steps (step -> this node's ranks) and durable writes."""
-
-    memory_steps: dict[int, frozenset[int]] = field(default_factory=dict)
-    forced_steps: frozenset[int] = frozenset()  # saved with force=True: persist them
-    written: tuple[int, ...] = ()
-    committed: tuple[int, ...] = ()
-    failed: dict[int, str] = field(default_factory=dict)
+RequestKind = Literal["start", "rejoin", "replace", "stop", "persist"]
 
 
 @dataclass(frozen=True)
 class NodeReport:
-    """One node as seen by the platform at one instant.
-
-    ``reachable=False`` means the node's agent did not answer (or its process
-    is gone); its other fields are then meaningless.
-    """
+    """One node as the platform sees it now."""
 
     node_id: str
-    reachable: bool
-    state: NodeState = NodeState.READY
-    attempt: int | None = None
-    reason: str | None = None
-    failures: tuple[WorkerFailure, ...] = field(default_factory=tuple)
-    pids: tuple[int, ...] = field(default_factory=tuple)
-    # Detection (all about ``attempt``):
-    rank_pids: dict[int, int] = field(default_factory=dict)
-    rules: dict[str, RuleActivity] = field(default_factory=dict)
-    progress: dict[int, RankProgress] = field(default_factory=dict)
-    detections: tuple[Detection, ...] = field(default_factory=tuple)
-    heartbeats: dict[int, float] = field(default_factory=dict)
-    stacks: dict[int, str] = field(default_factory=dict)
-    worker_events: tuple[WorkerEvent, ...] = field(default_factory=tuple)
-    checkpoint: CheckpointReport = field(default_factory=CheckpointReport)
+    # The agent's latest status (a poll's answer or a push), None while it never answered.
+    status: NodeStatus | None = None
+    # Polls or requests in a row that got no answer since the last one that did.
+    failed_contacts: int = 0
+    # Why the platform knows the node is gone (agent process exited, pod deleted), if it is.
+    gone: str | None = None
+    # The last failed contact's error, for the reason of a lost node.
+    error: str | None = None
+    # The machine the node runs on, when the platform knows it (host avoidance).
+    host: str | None = None
+
+    def about(self, attempt: int) -> NodeStatus | None:
+        """The status, if it is about ``attempt`` (an agent may lag behind the controller)."""
+        status = self.status
+        return status if status is not None and status.attempt == attempt else None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An agent refused a request (HTTP 4xx): ``message`` is its reason."""
+
+    node_id: str
+    request: RequestKind
+    attempt: int | None
+    message: str

@@ -4,7 +4,10 @@
 - ``api``: the only module that talks to the Kubernetes API server;
 - ``crd`` / ``manifests``: the CRD (generated from the spec model), RBAC and the operator;
 - ``pods``: pure builders of a job's pods, Service and token Secret;
-- ``node`` / ``runner``: the pod manager and the per-job loop driving ``JobController``;
-- ``status``: the custom resource's status from the controller; ``metrics``: Prometheus;
+- ``node`` / ``kube_platform``: a node's pod, and the platform the control loop drives
+  (pods launched, retired, observed);
+- ``runner``: one job (set-up, the loop on a worker thread, clean-up);
+- ``status`` / ``record``: the custom resource's status and Events from the controller;
+  ``metrics``: Prometheus;
 - ``operator``: the kopf handlers (``python -m trainguard.kube.operator``); ``cli``: verbs.
 """

@@ -38,6 +38,10 @@ POD_NAME_ENV: Final = "TRAINGUARD_POD_NAME"
 DEFAULT_NAMESPACE: Final = "trainguard-system"
 DEFAULT_IMAGE: Final = "ghcr.io/trainguard/trainguard:latest"
 
+# The operator's Deployment, and its Service: /metrics, and the agents' pushed reports.
+OPERATOR_NAME: Final = "trainguard-operator"
+OPERATOR_SERVICE: Final = f"{OPERATOR_NAME}-metrics"
+
 
 @dataclass(frozen=True)
 class OperatorConfig:
@@ -55,11 +59,23 @@ class OperatorConfig:
     pod_log_dir: str = "/tmp/trainguard/logs"
     pod_memory_root: str = "/dev/shm/trainguard"
     pod_job_root: str = "/tmp/trainguard/jobs"
-    # The patience of the operator with agents.
+    # The patience of the operator with agents: the timeout of every request to one, and
+    # how many contacts in a row (polls or requests) may go unanswered before a node that
+    # answered before is lost.
     agent_timeout_seconds: float = 5.0
     unreachable_after_polls: int = 3
     # Where the operator serves /metrics (0: not at all).
     metrics_port: int = 9090
+    # Where the operator takes the statuses agents push (one server for every job): bound
+    # to report_host:report_port, reached by pods at report_url ("": the operator's
+    # Service, see report_base_url). Unreachable, nothing breaks: the operator polls too.
+    report_host: str = "0.0.0.0"
+    report_port: int = 8472
+    report_url: str = ""
+
+    def report_base_url(self, namespace: str = DEFAULT_NAMESPACE) -> str:
+        """The URL pods push their reports to, for an operator installed in ``namespace``."""
+        return self.report_url or f"http://{OPERATOR_SERVICE}.{namespace}.svc:{self.report_port}"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:

@@ -17,6 +17,8 @@ from trainguard.kube.config import (
     DEFAULT_NAMESPACE,
     GROUP,
     MANAGER,
+    OPERATOR_NAME,
+    OPERATOR_SERVICE,
     PLURAL,
     OperatorConfig,
 )
@@ -24,7 +26,6 @@ from trainguard.kube.crd import crd
 
 Obj = dict[str, Any]
 
-OPERATOR_NAME = "trainguard-operator"
 LIVENESS_PORT = 8080
 _LABELS = {"app.kubernetes.io/name": "trainguard", "app.kubernetes.io/component": "operator"}
 
@@ -50,10 +51,18 @@ def operator_objects(
     image: str = DEFAULT_IMAGE,
     settings: OperatorConfig | None = None,
 ) -> list[Obj]:
-    """The operator's Namespace, ServiceAccount, ClusterRole(Binding), Deployment, Service."""
+    """The operator's Namespace, ServiceAccount, ClusterRole(Binding), Deployment, Service.
+
+    The Service serves the operator's metrics and takes the reports the agents of every
+    job push (at ``TRAINGUARD_REPORT_URL``, this Service's name in ``namespace``).
+    """
     settings = settings or OperatorConfig()
     meta = {"namespace": namespace, "labels": dict(_LABELS)}
-    env = [{"name": k, "value": v} for k, v in sorted(settings.to_env().items())]
+    variables = {
+        **settings.to_env(),
+        "TRAINGUARD_REPORT_URL": settings.report_base_url(namespace),
+    }
+    env = [{"name": k, "value": v} for k, v in sorted(variables.items())]
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": OPERATOR_NAME, **meta}},
@@ -97,10 +106,13 @@ def operator_objects(
         {
             "apiVersion": "v1",
             "kind": "Service",
-            "metadata": {"name": f"{OPERATOR_NAME}-metrics", **meta},
+            "metadata": {"name": OPERATOR_SERVICE, **meta},
             "spec": {
                 "selector": dict(_LABELS),
-                "ports": [{"name": "metrics", "port": settings.metrics_port}],
+                "ports": [
+                    {"name": "metrics", "port": settings.metrics_port},
+                    {"name": "reports", "port": settings.report_port},
+                ],
             },
         },
     ]
@@ -115,6 +127,7 @@ def _operator_container(image: str, env: list[Obj], settings: OperatorConfig) ->
         "env": env,
         "ports": [
             {"name": "metrics", "containerPort": settings.metrics_port},
+            {"name": "reports", "containerPort": settings.report_port},
             {"name": "healthz", "containerPort": LIVENESS_PORT},
         ],
         "livenessProbe": {

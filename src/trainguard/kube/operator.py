@@ -1,13 +1,16 @@
-"""The operator: kopf handlers that run one :class:`KubeJobRunner` per TrainingJob.
+"""The operator: kopf handlers that run one :class:`KubeJob` per TrainingJob.
 
     python -m trainguard.kube.operator (--all-namespaces | --namespace NS ...)
         [--liveness-port 8080]
 
-Settings come from ``TRAINGUARD_*`` variables (:class:`OperatorConfig`). Each job
-has a daemon that polls its pods and agents; deleting the job stops its workers and
-removes its pods before the finalizer is released. When the operator restarts, each
-unfinished job starts over from its own checkpoints on fresh pods (the controller's
-memory of attempts and restart budget does not survive the operator).
+Settings come from ``TRAINGUARD_*`` variables (:class:`OperatorConfig`). Each job has a
+daemon whose worker thread runs the job's control loop
+(:func:`~trainguard.platform.drive.drive`); the agents of every job push their news to
+one report inbox the operator serves. Deleting the job stops its workers and removes its
+pods before the finalizer is released. When the operator exits, the pods keep running;
+when it starts again, each unfinished job starts over from its own checkpoints on fresh
+pods (the controller's memory of attempts and restart budget does not survive the
+operator).
 """
 
 from __future__ import annotations
@@ -19,17 +22,27 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import kopf
 
 from trainguard.kube.api import KubeApi, KubeError
-from trainguard.kube.config import FINALIZER, GROUP, PLURAL, VERSION, OperatorConfig
+from trainguard.kube.config import (
+    DEFAULT_NAMESPACE,
+    FINALIZER,
+    GROUP,
+    PLURAL,
+    VERSION,
+    OperatorConfig,
+)
 from trainguard.kube.metrics import OperatorMetrics, serve_metrics
 from trainguard.kube.pods import job_selector, secret_name, service_name
-from trainguard.kube.runner import KubeJobRunner
+from trainguard.kube.runner import KubeJob
 from trainguard.kube.status import parse_time, rfc3339
+from trainguard.platform.inbox import Inbox
+from trainguard.platform.procs import tune_gc_for_a_controller
 from trainguard.spec import SpecError
 
 logger = logging.getLogger("trainguard.operator")
@@ -37,13 +50,18 @@ logger = logging.getLogger("trainguard.operator")
 TERMINAL_PHASES = ("Succeeded", "Failed", "Stopped")
 # After a delete: at most this long to stop the workers before the pods are deleted anyway.
 DELETE_STOP_SECONDS = 120.0
-# Time a job's daemon gets to return once stopped (it only finishes its current poll).
+# Time a job's daemon gets to return once stopped (it lets go of its loop at once).
 DAEMON_CANCEL_SECONDS = 30.0
+# Time a loop gets to end once let go of (it may be in the middle of a turn).
+DETACH_SECONDS = 20.0
+# Where a pod learns its namespace (the operator's, for its own Service's name).
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 _metrics = OperatorMetrics()
 _state: dict[str, Any] = {}
-# The running jobs, by (namespace, name), with the lock each poll holds.
-_running: dict[tuple[str, str], tuple[KubeJobRunner, threading.Lock]] = {}
+_state_lock = threading.Lock()
+# The running jobs, by (namespace, name).
+_running: dict[tuple[str, str], KubeJob] = {}
 
 
 def _api() -> KubeApi:
@@ -62,6 +80,29 @@ def _settings() -> OperatorConfig:
     return settings
 
 
+def _inbox() -> Inbox | None:
+    """The one server every job's agents push to (None when it cannot listen: the
+    operator then polls only)."""
+    with _state_lock:
+        if "inbox" not in _state:
+            settings = _settings()
+            try:
+                namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+            except OSError:
+                namespace = DEFAULT_NAMESPACE
+            url = settings.report_base_url(namespace or DEFAULT_NAMESPACE)
+            try:
+                _state["inbox"] = Inbox(settings.report_host, settings.report_port, url)
+                logger.info("agents push their reports to %s", url)
+            except OSError as exc:
+                where = f"{settings.report_host}:{settings.report_port}"
+                logger.error("cannot take agent reports on %s: %s; polling only", where, exc)
+                _state["inbox"] = None
+        inbox = _state["inbox"]
+        assert inbox is None or isinstance(inbox, Inbox)
+        return inbox
+
+
 @kopf.on.startup()
 def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.finalizer = FINALIZER
@@ -73,20 +114,26 @@ def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.scanning.disabled = True
 
 
+@kopf.on.cleanup()
+def _cleanup(**_: Any) -> None:
+    with _state_lock:
+        inbox = _state.pop("inbox", None)
+    if isinstance(inbox, Inbox):
+        inbox.close()
+
+
 @kopf.on.delete(GROUP, VERSION, PLURAL)
 def _deleted(name: str, namespace: str | None, **_: Any) -> None:
     """Stop the job's workers (all ranks at once, gracefully), then delete what it owns."""
     api, namespace = _api(), namespace or "default"
-    running = _running.pop((namespace, name), None)
-    if running is not None:
-        runner, lock = running
-        with lock:  # the daemon's current step, if any, ends first
-            runner.cancel("TrainingJob deleted")
-            deadline = time.monotonic() + DELETE_STOP_SECONDS
-            while not runner.done and time.monotonic() < deadline:
-                time.sleep(runner.plan.poll_interval_seconds)
-                runner.step()
-            runner.finish(delete_all=True)
+    job = _running.pop((namespace, name), None)
+    if job is not None:
+        job.cancel("TrainingJob deleted")
+        if not job.ended.wait(DELETE_STOP_SECONDS):
+            logger.warning("%s/%s: workers not stopped in time; deleting the pods", namespace, name)
+            job.detach()
+            job.ended.wait(DETACH_SECONDS)
+        job.finish(delete_all=True)
     for pod in api.list_pods(namespace, job_selector(name)):
         api.delete_pod(namespace, pod["metadata"]["name"])
     api.delete_owned(namespace, service_name(name), secret_name(name))
@@ -97,8 +144,9 @@ def _deleted(name: str, namespace: str | None, **_: Any) -> None:
 async def _run_job(
     body: kopf.Body, name: str, namespace: str | None, stopped: kopf.DaemonStopped, **_: Any
 ) -> None:
-    """Run the job until it ends, then clean up and expire it; exits at once when stopped
-    (a delete is finished by :func:`_deleted`; on operator exit the pods keep running)."""
+    """Run the job until it ends, then clean up and expire it. When stopped: a deleted
+    job is finished by :func:`_deleted`; on operator exit the loop ends and the pods keep
+    running."""
     api, settings, namespace = _api(), _settings(), namespace or "default"
     stored = copy.deepcopy(dict(body))
     status = stored.get("status") or {}
@@ -106,7 +154,8 @@ async def _run_job(
         await _expire(api, stored, parse_time(status.get("completionTime")), stopped)
         return
     try:
-        runner = await asyncio.to_thread(KubeJobRunner, api, stored, settings, _metrics)
+        inbox = await asyncio.to_thread(_inbox)
+        job = await asyncio.to_thread(KubeJob, api, stored, settings, _metrics, inbox)
     except SpecError as exc:
         reason = str(exc)
         logger.error("%s/%s: %s", namespace, name, reason)
@@ -118,22 +167,41 @@ async def _run_job(
         )
         _metrics.failed.inc()
         return
-    lock = threading.Lock()
-    _running[(namespace, name)] = (runner, lock)
-
-    def locked(call: Callable[[], None]) -> None:
-        with lock:
-            call()
-
-    await asyncio.to_thread(locked, runner.start)
-    while not runner.done:
-        await stopped.wait(runner.plan.poll_interval_seconds)
-        if stopped:
-            return
-        await asyncio.to_thread(locked, runner.step)
-    _running.pop((namespace, name), None)
-    await asyncio.to_thread(locked, runner.finish)
+    if stopped:
+        return
+    key = (namespace, name)
+    _running[key] = job
+    loop = asyncio.ensure_future(asyncio.to_thread(job.run))
+    waiting = asyncio.ensure_future(_until(stopped))
+    try:
+        await asyncio.wait({loop, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if not loop.done():
+        why = stopped.reason
+        if why is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in why:
+            return  # _deleted stops the workers and deletes the pods
+        job.detach()
+        try:
+            await loop
+        finally:
+            _running.pop(key, None)
+            await asyncio.to_thread(job.close)
+        return
+    try:
+        await loop  # an error of the loop: kopf restarts the daemon (a fresh start)
+    except BaseException:
+        _running.pop(key, None)
+        await asyncio.to_thread(job.close)
+        raise
+    if _running.pop(key, None) is None:
+        return  # deleted meanwhile: _deleted finishes it
+    await asyncio.to_thread(job.finish)
     await _expire(api, stored, time.time(), stopped)
+
+
+async def _until(stopped: kopf.DaemonStopped) -> None:
+    await stopped.wait()
 
 
 async def _expire(
@@ -176,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    tune_gc_for_a_controller()  # the operator holds every job's agent statuses
     if settings.metrics_port:
         serve_metrics(_metrics, settings.metrics_port)
     liveness = (

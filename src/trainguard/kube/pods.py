@@ -3,8 +3,12 @@
 Each pod is the replica group's pod template with the first container's entrypoint
 replaced by the trainguard agent wrapping the user's command::
 
-    python -m trainguard.agent --node-id node-1 --token-env TRAINGUARD_AGENT_TOKEN
-        --host $(TRAINGUARD_POD_IP) --port 8471 --log-dir ... --env ... -- <user argv>
+    python -m trainguard.agent --node-id node-1 --incarnation $(TRAINGUARD_POD_NAME)
+        --token-env TRAINGUARD_AGENT_TOKEN --host $(TRAINGUARD_POD_IP) --port 8471
+        --log-dir ... --env ... -- <user argv>
+
+The pod's name is the agent's incarnation: a status from an earlier pod of the same
+node id is never taken for its successor's.
 
 The operator (not Kubernetes) restarts workers, so ``restartPolicy: Never``. Pods only
 land on nodes whose health label is absent or healthy, and never on ``avoid_hosts``.
@@ -164,6 +168,8 @@ def _agent_argv(job: TrainingJob, node_id: str, settings: OperatorConfig) -> lis
         "trainguard.agent",
         "--node-id",
         node_id,
+        "--incarnation",
+        f"$({POD_NAME_ENV})",
         "--token-env",
         TOKEN_ENV,
         "--host",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, cast
 
 from trainguard.monitor.rules import LogRuleSpec
+from trainguard.wire.status import RuleActivity
 
 __all__ = ["HangDetection", "HangKind", "HangWatch", "HeartbeatWatch", "PauseClock", "StaleRank"]
 
@@ -129,10 +130,10 @@ class HangWatch:
             timer.last_match_at = last_match_at
         timer.stopped = timer.stopped or stopped
 
-    def observe_snapshot(self, rules: Mapping[str, Mapping[str, Any]]) -> None:
-        """Merge the ``"rules"`` part of a `NodeLogMonitor.snapshot()`."""
+    def observe_snapshot(self, rules: Mapping[str, RuleActivity]) -> None:
+        """Merge the ``rules`` part of a node's `NodeLogMonitor.snapshot()`."""
         for name, view in rules.items():
-            self.observe(name, view.get("last_match_at"), bool(view.get("stopped", False)))
+            self.observe(name, view.last_match_at, view.stopped)
 
     def last_match_at(self, rule_name: str) -> float | None:
         """Latest match of the rule over all nodes observed so far."""

@@ -10,27 +10,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from trainguard.heartbeat import HEARTBEAT_DIR_ENV, heartbeat_file
+from trainguard.wire.status import Beat
 
 __all__ = ["HEARTBEAT_DIR_ENV", "Beat", "heartbeat_file", "read_heartbeats"]
 
 _FILE = re.compile(r"rank-(\d+)")
 _MAX_FILE_BYTES = 4096
-
-
-@dataclass(frozen=True)
-class Beat:
-    """A rank's latest heartbeat: its step (if it gave one) and its unix time."""
-
-    step: int | None
-    time: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "time": self.time}
 
 
 def read_heartbeats(directory: str | Path) -> dict[int, Beat]:
@@ -63,4 +51,4 @@ def _read(path: Path) -> Beat | None:
         return None
     if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
         return None
-    return Beat(step, float(t))
+    return Beat(step=step, time=float(t))

@@ -30,9 +30,16 @@ import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal, cast, get_args
+from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 from trainguard.monitor.progress import ProgressMatcher
+from trainguard.wire.status import (
+    Detection,
+    DetectionKind,
+    MonitorSnapshot,
+    Progress,
+    RuleActivity,
+)
 
 if TYPE_CHECKING:
     from trainguard.spec.model import LogRule
@@ -48,7 +55,6 @@ __all__ = [
 ]
 
 Operator = Literal["gt", "lt", "eq", "gteq", "lteq"]
-DetectionKind = Literal["LogSlow", "LogFault", "NaNMetric"]
 
 MAX_LINE_CHARS: Final = 500
 """Evidence lines are cut to this many characters."""
@@ -216,55 +222,6 @@ def parse_metric(text: str | None) -> float | None:
     return None if found is None else float(found.group(1))
 
 
-@dataclass(frozen=True)
-class Detection:
-    """A fault seen in one rank's output line."""
-
-    kind: DetectionKind
-    rule: str
-    rank: int
-    time: float
-    line: str
-    value: float | None = None
-
-    @property
-    def reason(self) -> str:
-        """HyperPod-style reason: ``LogSlow_<rule>``, ``LogFault_<rule>``, ``NaNMetric_<rule>``."""
-        return f"{self.kind}_{self.rule}"
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-safe: a non-finite value is written as the string ``nan``, ``inf`` or ``-inf``."""
-        value: float | str | None = self.value
-        if self.value is not None and not math.isfinite(self.value):
-            value = str(self.value)
-        return {
-            "kind": self.kind,
-            "rule": self.rule,
-            "rank": self.rank,
-            "time": self.time,
-            "line": self.line,
-            "value": value,
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Detection:
-        try:
-            kind = data["kind"]
-            if kind not in get_args(DetectionKind):
-                raise ValueError(f"detection: kind: unknown {kind!r}")
-            value = data.get("value")
-            return cls(
-                kind=cast(DetectionKind, kind),
-                rule=str(data["rule"]),
-                rank=int(data["rank"]),
-                time=float(data["time"]),
-                line=str(data["line"]),
-                value=None if value is None else float(value),
-            )
-        except KeyError as err:
-            raise ValueError(f"detection: {err.args[0]}: required") from None
-
-
 @dataclass
 class _RuleState:
     last_match_at: float | None = None
@@ -283,8 +240,12 @@ class NodeLogMonitor:
     """
 
     def __init__(
-        self, rules: Sequence[LogRuleSpec], progress: ProgressMatcher | None = None
+        self,
+        rules: Sequence[LogRuleSpec],
+        progress: ProgressMatcher | None = None,
+        on_detection: Callable[[], None] | None = None,
     ) -> None:
+        """``on_detection``: called (with no lock held) after a line was found a fault."""
         names = [rule.name for rule in rules]
         if len(set(names)) != len(names):
             raise ValueError(f"log rules: duplicate rule names in {names}")
@@ -294,6 +255,7 @@ class NodeLogMonitor:
         self._steps: dict[int, tuple[int, float]] = {}
         self._first_steps: dict[int, tuple[int, float]] = {}
         self._detections: list[Detection] = []
+        self._on_detection = on_detection
         self._lock = threading.Lock()
 
     def on_line(self, rank: int, stream: str, line: str, t: float) -> None:
@@ -304,10 +266,14 @@ class NodeLogMonitor:
             if step is not None:
                 self._steps[rank] = (step, t)
                 self._first_steps.setdefault(rank, (step, t))
+            seen = len(self._detections)
             for rule in self._rules:
                 state = self._state[rule.name]
                 if not state.stopped:
                     self._apply(rule, state, rank, line, t)
+            found = len(self._detections) > seen
+        if found and self._on_detection is not None:
+            self._on_detection()
 
     def _apply(self, rule: LogRuleSpec, state: _RuleState, rank: int, line: str, t: float) -> None:
         stop = rule.stop
@@ -356,7 +322,14 @@ class NodeLogMonitor:
     ) -> None:
         if len(self._detections) < MAX_DETECTIONS:
             self._detections.append(
-                Detection(kind, rule.name, rank, t, line[:MAX_LINE_CHARS], value)
+                Detection(
+                    kind=kind,
+                    rule=rule.name,
+                    rank=rank,
+                    time=t,
+                    line=line[:MAX_LINE_CHARS],
+                    value=value,
+                )
             )
 
     def detections(self) -> list[Detection]:
@@ -364,26 +337,26 @@ class NodeLogMonitor:
         with self._lock:
             return list(self._detections)
 
-    def snapshot(self) -> dict[str, Any]:
-        """JSON-able view: per rule last match/count/stopped, per rank progress, detections."""
+    def _progress_now(self) -> Progress | None:
+        """The ranks' progress together (lock held): the earliest first step, the latest."""
+        if not self._steps:
+            return None
+        first_step, first_time = min(self._first_steps.values(), key=lambda v: (v[1], v[0]))
+        step, t = max(self._steps.values())
+        return Progress(first_step=first_step, first_time=first_time, step=step, time=t)
+
+    def snapshot(self) -> MonitorSnapshot:
+        """Per rule last match/count/stopped, per rank progress, detections."""
         with self._lock:
-            return {
-                "rules": {
-                    name: {
-                        "last_match_at": state.last_match_at,
-                        "matches": state.matches,
-                        "stopped": state.stopped,
-                    }
+            return MonitorSnapshot(
+                rules={
+                    name: RuleActivity(
+                        last_match_at=state.last_match_at,
+                        matches=state.matches,
+                        stopped=state.stopped,
+                    )
                     for name, state in self._state.items()
                 },
-                "progress": {
-                    str(rank): {
-                        "first_step": self._first_steps[rank][0],
-                        "first_time": self._first_steps[rank][1],
-                        "step": step,
-                        "time": t,
-                    }
-                    for rank, (step, t) in sorted(self._steps.items())
-                },
-                "detections": [d.to_json() for d in self._detections],
-            }
+                progress=self._progress_now(),
+                detections=tuple(self._detections),
+            )

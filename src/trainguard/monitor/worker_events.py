@@ -14,9 +14,12 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
+
+from pydantic import ValidationError
+
+from trainguard.wire.status import WorkerEvent
 
 EVENT_DIR_ENV: Final = "TRAINGUARD_EVENT_DIR"
 # A rank's events the agent reports: its latest ones (a restarted worker starts a new file).
@@ -24,40 +27,6 @@ MAX_EVENTS_PER_RANK: Final = 100
 _FILE = re.compile(r"rank-(\d+)\.jsonl")
 _lock = threading.Lock()
 _seq = 0
-
-
-@dataclass(frozen=True)
-class WorkerEvent:
-    rank: int
-    seq: int
-    time: float
-    kind: str
-    message: str
-    data: dict[str, Any]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "seq": self.seq,
-            "time": self.time,
-            "kind": self.kind,
-            "message": self.message,
-            "data": self.data,
-        }
-
-    @classmethod
-    def from_json(cls, raw: Any) -> WorkerEvent | None:
-        try:
-            return cls(
-                int(raw["rank"]),
-                int(raw["seq"]),
-                float(raw["time"]),
-                str(raw["kind"]),
-                str(raw["message"]),
-                dict(raw.get("data") or {}),
-            )
-        except (KeyError, TypeError, ValueError):
-            return None
 
 
 def emit(kind: str, message: str, **data: Any) -> None:
@@ -101,7 +70,9 @@ def read_events(directory: str | Path) -> list[WorkerEvent]:
             except ValueError:
                 continue  # a line being written
             if isinstance(raw, dict):
-                event = WorkerEvent.from_json({**raw, "rank": name.group(1)})
-                if event is not None:
-                    events.append(event)
+                raw["rank"] = int(name.group(1))
+                try:
+                    events.append(WorkerEvent.model_validate(raw, strict=False))
+                except ValidationError:
+                    continue  # a line of someone else's making
     return events

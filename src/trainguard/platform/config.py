@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from trainguard.control.actions import ControlConfig
+from trainguard.control.config import ControlConfig
 from trainguard.control.persist import DurableCadence
 from trainguard.control.policy import PolicyConfig
 from trainguard.monitor.rules import LogRuleSpec
 from trainguard.spec.plan import JobPlan, NodeGroupPlan
+
+STUCK_RANK_SECONDS = 3.0
+"""How long after an in-process restart a survivor may still be in the failed attempt."""
+
+
+def stuck_rank_timeout(barrier_timeout: float) -> float:
+    """:data:`STUCK_RANK_SECONDS`, or half the barrier when that is shorter: a replaced
+    rank must have time left to join."""
+    return STUCK_RANK_SECONDS if barrier_timeout > STUCK_RANK_SECONDS else barrier_timeout / 2
 
 
 def control_config(
@@ -49,8 +58,12 @@ def control_config(
         )
         if durable
         else None,
+        replicas=checkpointing.replicas,
+        poll_interval=plan.poll_interval_seconds,
+        node_start_timeout=plan.node_start_timeout_seconds,
         in_process=options.in_process_restart,
         hot_spares=options.hot_spares,
         barrier_timeout=options.restart_barrier_timeout_seconds,
+        stuck_rank_timeout=stuck_rank_timeout(options.restart_barrier_timeout_seconds),
     )
     return config, groups

@@ -1,8 +1,9 @@
-"""The local platform: the controller in this process, one agent subprocess per node.
+"""``trainguard run``'s job: the controller in this process, one agent process per node.
 
-It observes (agent status over HTTP, agent processes), lets the controller
-decide, and acts (start, stop, shut down agents). Job state goes to the
-SQLite store so other ``trainguard`` commands can see it.
+:class:`LocalRunner` sets a job up (its directory, token, store row, the inbox agents
+push to), runs :func:`~trainguard.platform.drive.drive` over a
+:class:`~trainguard.platform.local_platform.LocalPlatform`, and tears everything down
+whatever happens (every agent and worker stopped, the memory tiers removed).
 """
 
 from __future__ import annotations
@@ -11,36 +12,25 @@ import json
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any, TextIO
 
-from trainguard.agent.client import AgentClient, AgentError
-from trainguard.control.assignment import Endpoint
-from trainguard.control.controller import (
-    Action,
-    ControlConfig,
-    Finish,
-    JobController,
-    JobPhase,
-    PersistCheckpoint,
-    RejoinNodes,
-    StartNodes,
-    StopNodes,
-)
-from trainguard.control.events import Event
-from trainguard.control.reports import NodeReport
+from trainguard.control.controller import JobController, JobPhase
+from trainguard.platform.book import ReportBook
 from trainguard.platform.config import control_config
-from trainguard.platform.inject import Injection, Injector, Targets
-from trainguard.platform.node import LocalNode
+from trainguard.platform.drive import drive
+from trainguard.platform.inbox import Inbox
+from trainguard.platform.inject import Injection, Injector
+from trainguard.platform.local_platform import LocalPlatform
+from trainguard.platform.node import AgentLauncher, NodeLauncher
+from trainguard.platform.procs import tune_gc_for_a_controller
 from trainguard.platform.store import Store
+from trainguard.platform.transport import AgentTransport
 from trainguard.spec.plan import JobPlan, NodeGroupPlan
 
 EXIT_INTERRUPTED = 130
@@ -62,18 +52,16 @@ class JobResult:
         return 0 if self.phase is JobPhase.SUCCEEDED else 1
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def new_job_id(name: str) -> str:
     return f"{name}-{secrets.token_hex(3)}"
 
 
 class LocalRunner:
-    """Runs one job on this machine until it ends; see the module docstring."""
+    """Runs one job on this machine until it ends; see the module docstring.
+
+    ``launcher`` (settable before :meth:`run`) starts each node's agent; by default an
+    :class:`~trainguard.platform.node.AgentLauncher`.
+    """
 
     def __init__(
         self,
@@ -97,15 +85,12 @@ class LocalRunner:
         self.memory_root = MEMORY_ROOT / self.job_id
         # Raises ValueError naming the SPEC when a target is out of range.
         self.injector = Injector(injections, plan.world_size, plan.nnodes)
+        self.config, self.groups = control_config(plan, self.job_id, durable=True)
+        self.launcher: NodeLauncher | None = None
+        self.platform: LocalPlatform | None = None
         self._interrupts = 0
         self._out_lock = threading.Lock()
         self._console_log: TextIO | None = None
-        self._token = ""
-        self._groups: dict[str, NodeGroupPlan] = {}
-        self.nodes: dict[str, LocalNode] = {}  # the live node of each node id
-        self._first_step_at: float | None = None
-
-    # -- public --------------------------------------------------------------
 
     @property
     def interrupted(self) -> bool:
@@ -113,10 +98,11 @@ class LocalRunner:
         return self._interrupts > 0
 
     def run(self) -> JobResult:
+        tune_gc_for_a_controller()
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        self._token = secrets.token_urlsafe(32)
+        token = secrets.token_urlsafe(32)
         self.token_file.touch(mode=0o600)
-        self.token_file.write_text(self._token)
+        self.token_file.write_text(token)
         self.store.create_job(
             self.job_id,
             self.plan.name,
@@ -126,16 +112,38 @@ class LocalRunner:
             self.plan.nproc_per_node,
             self.plan.job.model_dump(mode="json", by_alias=True),
         )
-        controller = JobController(self._control_config(), self._endpoint)
+        book = ReportBook()
+        inbox = Inbox()
+        report_url = inbox.register(self.job_id, token, lambda s: book.answered(s, push=True))
+        transport = AgentTransport(
+            book, token, poll_interval=self.config.poll_interval, report_url=report_url
+        )
+        platform = self.platform = LocalPlatform(
+            self.job_id,
+            self.store,
+            transport,
+            self.launcher or self._agent_launcher(),
+            memory_root=self.memory_root,
+            injector=self.injector,
+            say=self._say,
+            pump=self._pump,
+            interrupted=lambda: self._interrupts > 0,
+        )
+        controller = JobController(self.config, platform.endpoint)
         previous = self._install_signal_handlers()
         with open(self.logs_dir / "console.log", "a", encoding="utf-8") as console_log:
             self._console_log = console_log
             try:
-                return self._run(controller)
+                self._say(
+                    f"job {self.job_id}: {self.plan.nnodes} nodes x {self.plan.nproc_per_node} "
+                    f"processes; state in {self.job_dir}"
+                )
+                transport.start()
+                drive(controller, platform)
+                return self._result(controller)
             finally:
-                self.injector.close()  # resume stopped workers so they can be shut down
-                for node in self.nodes.values():
-                    node.shutdown()
+                platform.close()
+                inbox.close()
                 shutil.rmtree(self.memory_root, ignore_errors=True)
                 with self._out_lock:
                     self._console_log = None
@@ -144,227 +152,19 @@ class LocalRunner:
 
     # -- internals -----------------------------------------------------------
 
-    def _control_config(self) -> ControlConfig:
-        # The local platform always has a durable tier (default: <job dir>/durable).
-        config, groups = control_config(self.plan, self.job_id, durable=True)
-        self._groups = {node_id: group for node_id, (_, group) in groups.items()}
-        return config
-
-    @staticmethod
-    def _endpoint(attempt: int) -> Endpoint:
-        # A fresh port per attempt: rank 0 hosts a fresh store, so no stale peer addresses.
-        return Endpoint("127.0.0.1", free_port())
-
-    def _run(self, controller: JobController) -> JobResult:
-        self._say(
-            f"job {self.job_id}: {self.plan.nnodes} nodes x {self.plan.nproc_per_node} "
-            f"processes; state in {self.job_dir}"
-        )
-        try:
-            self._bring_up(controller.nodes)
-        except RuntimeError as exc:
-            controller.cancel(time.time(), f"could not start node agents: {exc}", JobPhase.FAILED)
-            self._persist(controller)
-            return self._result(controller)
-        self.store.update_job(self.job_id, phase="Running", started_at=time.time())
-        self._act(controller, controller.start(time.time()))
-        self._persist(controller)
-        while not controller.phase.terminal:
-            time.sleep(self.plan.poll_interval_seconds)
-            now = time.time()
-            actions: list[Action] = []
-            if self._interrupts:
-                actions += controller.cancel(now, "interrupted (Ctrl-C)")
-            if self.store.job(self.job_id).desired == "delete":
-                actions += controller.cancel(now, "deleted by user")
-            reports = {node_id: node.report() for node_id, node in self.nodes.items()}
-            actions += controller.observe(now, reports)
-            self._inject(controller, now, reports)
-            self._act(controller, actions)
-            self._persist(controller, reports)
-        return self._result(controller)
-
-    def _bring_up(self, node_ids: Sequence[str]) -> None:
-        """Start a fresh agent for each node id (replacing a live one) and wait until all answer."""
-        fresh = []
-        for node_id in node_ids:
-            old = self.nodes.pop(node_id, None)
-            if old is not None:
-                old.shutdown()
-            # <node>/memory: the node's own tier; <node>/replicas: its copies of its peers'.
-            memory_dir = self.memory_root / node_id / "memory"
-            memory_dir.mkdir(parents=True, exist_ok=True)
-            checkpointing = self.plan.job.spec.checkpointing
-            env = {
+    def _agent_launcher(self) -> AgentLauncher:
+        checkpointing = self.plan.job.spec.checkpointing
+        config = json.dumps(checkpointing.env_json(str(self.job_dir / "durable")))
+        env = {
+            node_id: {
                 "TRAINGUARD_JOB_DIR": str(self.job_dir),
-                "TRAINGUARD_CHECKPOINT_MEMORY_DIR": str(memory_dir),
-                "TRAINGUARD_CHECKPOINT_CONFIG": json.dumps(
-                    checkpointing.env_json(str(self.job_dir / "durable"))
-                ),
+                "TRAINGUARD_CHECKPOINT_MEMORY_DIR": str(self.memory_root / node_id / "memory"),
+                "TRAINGUARD_CHECKPOINT_CONFIG": config,
             }
-            node = LocalNode(node_id, self._groups[node_id], self.job_dir, self._token, env)
-            node.spawn(self.token_file, self.logs_dir)
-            assert node.process is not None and node.process.stdout is not None
-            threading.Thread(
-                target=self._pump,
-                args=(node.process.stdout,),
-                daemon=True,
-                name=f"console-{node_id}",
-            ).start()
-            self.nodes[node_id] = node
-            fresh.append(node)
-        deadline = time.monotonic() + self.plan.node_start_timeout_seconds
-        for node in fresh:
-            node.wait_ready(deadline)
-            self.store.upsert_node(
-                self.job_id,
-                node.node_id,
-                "ready",
-                agent_pid=node.process.pid if node.process else None,
-                agent_url=node.url,
-            )
-
-    def _act(self, controller: JobController, actions: Sequence[Action]) -> None:
-        for action in actions:
-            if isinstance(action, StartNodes):
-                self._start(action)
-            elif isinstance(action, RejoinNodes):
-                peers = {n: node.url for n, node in self.nodes.items()}
-                for assignment in action.assignments:
-                    rejoin = partial(
-                        AgentClient.rejoin, assignment=replace(assignment, peers=peers)
-                    )
-                    self._call(self.nodes.get(assignment.node_id), rejoin)
-                    self.store.upsert_node(
-                        self.job_id, assignment.node_id, "running", attempt=assignment.attempt
-                    )
-            elif isinstance(action, StopNodes):
-                stop = partial(
-                    AgentClient.stop,
-                    attempt=action.attempt,
-                    mode=action.mode,
-                    timeout=action.timeout,
-                    capture_stacks=action.capture_stacks,
-                )
-                for node_id in action.node_ids:
-                    self._call(self.nodes.get(node_id), stop)
-            elif isinstance(action, PersistCheckpoint):
-                persist = partial(
-                    AgentClient.persist, step=action.step, world_size=action.world_size
-                )
-                for node_id in action.node_ids:
-                    node = self.nodes.get(node_id)
-                    if node is None or node.client is None:
-                        continue
-                    try:  # a failed persist is the controller's to notice, not a lost node
-                        persist(node.client, commit=node_id == action.commit_node)
-                    except AgentError as err:
-                        self._say(f"{node_id}: could not persist step {action.step}: {err}")
-            elif isinstance(action, Finish):
-                pass  # the loop ends on the controller's terminal phase
-
-    def _start(self, action: StartNodes) -> None:
-        wanted = [a.node_id for a in action.assignments]
-        for node_id in [n for n in self.nodes if n not in wanted]:
-            self.nodes.pop(node_id).shutdown()  # replaced: a spare took its place
-        if action.scope == "job" or any(n not in self.nodes for n in wanted):
-            stale = wanted if action.scope == "job" else [n for n in wanted if n not in self.nodes]
-            try:
-                self._bring_up(stale)
-            except RuntimeError as exc:
-                # The next poll reports the node unreachable; the controller decides.
-                self._say(f"could not bring up nodes {stale}: {exc}")
-        peers = {n: self.nodes[n].url for n in wanted if n in self.nodes}
-        for assignment in action.assignments:
-            self._call(
-                self.nodes.get(assignment.node_id),
-                partial(AgentClient.start, assignment=replace(assignment, peers=peers)),
-            )
-            self.store.upsert_node(
-                self.job_id,
-                assignment.node_id,
-                "starting",
-                node_rank=assignment.node_rank,
-                ranks=assignment.global_ranks,
-                attempt=assignment.attempt,
-            )
-
-    def _inject(
-        self, controller: JobController, now: float, reports: dict[str, NodeReport]
-    ) -> None:
-        attempt = controller.current
-        if not self.injector.pending or attempt is None:
-            return
-        progress = attempt.watch.progress
-        if progress is not None and self._first_step_at is None:
-            self._first_step_at = progress.first_time
-        node_ranks = {a.node_id: a.node_rank for a in attempt.assignments}
-        rank_pids: dict[int, int] = {}
-        node_pids: dict[int, tuple[int, tuple[int, ...]]] = {}
-        for node_id, report in reports.items():
-            node = self.nodes[node_id]
-            if report.attempt != attempt.number or node_id not in node_ranks:
-                continue
-            rank_pids.update(report.rank_pids)
-            if node.process is not None:
-                node_pids[node_ranks[node_id]] = (node.process.pid, report.pids)
-        fired = self.injector.poll(
-            now,
-            progress.step if progress else None,
-            self._first_step_at,
-            Targets(rank_pids, node_pids),
-        )
-        by_rank = {v: k for k, v in node_ranks.items()}
-        for f in fired:
-            if f.injection.kind == "node-kill" and f.node is not None:
-                # A lost node loses its RAM: its memory tier goes with it.
-                shutil.rmtree(self.memory_root / by_rank[f.node], ignore_errors=True)
-            controller.note_injection(
-                now, f.injection.text, f.rank, None if f.node is None else by_rank.get(f.node)
-            )
-
-    def _call(self, node: LocalNode | None, call: Callable[[AgentClient], None]) -> None:
-        """Call a node's agent; a refusal or no answer marks the node broken (lost)."""
-        if node is None or node.client is None:
-            if node is not None:
-                node.broken = True
-            return
-        try:
-            call(node.client)
-        except AgentError as err:
-            self._say(f"{node.node_id}: agent refused or unreachable: {err}")
-            node.broken = True
-
-    def _persist(
-        self, controller: JobController, reports: dict[str, NodeReport] | None = None
-    ) -> None:
-        events = controller.drain_events()
-        for event in events:
-            self._say_event(event)
-        self.store.add_events(self.job_id, events)
-        for attempt in controller.attempts:
-            self.store.upsert_attempt(
-                self.job_id,
-                attempt.number,
-                attempt.phase.value,
-                attempt.started_at,
-                attempt.endpoint.addr,
-                attempt.endpoint.port,
-                attempt.reason,
-                attempt.ended_at,
-            )
-        for node_id, report in (reports or {}).items():
-            state = report.state.value if report.reachable else "unreachable"
-            self.store.upsert_node(self.job_id, node_id, state, worker_pids=report.pids)
-        fields: dict[str, object] = {
-            "phase": controller.phase.value,
-            "reason": controller.reason,
-            "restarts": controller.restarts,
-            "faults": controller.timeline.to_json(),
+            for node_id in self.groups
         }
-        if controller.phase.terminal:
-            fields["finished_at"] = time.time()
-        self.store.update_job(self.job_id, **fields)
+        groups: dict[str, NodeGroupPlan] = {n: group for n, (_, group) in self.groups.items()}
+        return AgentLauncher(self.job_dir, self.token_file, groups, env)
 
     def _result(self, controller: JobController) -> JobResult:
         reason = controller.reason or ""
@@ -375,23 +175,22 @@ class LocalRunner:
 
     def _pump(self, stream: IO[bytes]) -> None:
         """Copy an agent's console (every rank's lines, prefixed) to ours and to console.log."""
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", errors="replace")
-            with self._out_lock:
-                self.out.write(line)
-                self.out.flush()
-                if self._console_log is not None:
-                    self._console_log.write(line)
-                    self._console_log.flush()
+        try:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode("utf-8", errors="replace")
+                with self._out_lock:
+                    self.out.write(line)
+                    self.out.flush()
+                    if self._console_log is not None:
+                        self._console_log.write(line)
+                        self._console_log.flush()
+        except (OSError, ValueError):
+            pass  # the agent's pipe was closed under us at shutdown
 
     def _say(self, message: str) -> None:
         with self._out_lock:
             self.err.write(f"[trainguard] {message}\n")
             self.err.flush()
-
-    def _say_event(self, event: Event) -> None:
-        stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
-        self._say(f"{stamp} {event.kind}: {event.message}")
 
     def _install_signal_handlers(self) -> dict[signal.Signals, SignalHandler]:
         if threading.current_thread() is not threading.main_thread():
@@ -399,6 +198,8 @@ class LocalRunner:
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             self._interrupts += 1
+            if self.platform is not None:
+                self.platform.book.wake()  # the loop looks at once
             if self._interrupts > 1:
                 raise KeyboardInterrupt  # second Ctrl-C: stop waiting; cleanup still runs
 

@@ -114,6 +114,20 @@ class JobRow:
     faults_json: str = "[]"
 
 
+@dataclass(frozen=True)
+class NodeRow:
+    """One node of a job as ``describe`` shows it."""
+
+    node_id: str
+    state: str
+    node_rank: int | None = None
+    ranks: tuple[int, ...] = ()
+    attempt: int | None = None
+    agent_pid: int | None = None
+    agent_url: str | None = None
+    worker_pids: tuple[int, ...] = ()
+
+
 class Store:
     """A handle on the state directory's database. Cheap to open; not shared across threads."""
 
@@ -124,6 +138,7 @@ class Store:
             root / DB_NAME, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None
         )
         self._db.row_factory = sqlite3.Row
+        self._depth = 0  # open transactions (a batch and the writes inside it)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
         self._add_missing_columns()
@@ -139,13 +154,29 @@ class Store:
         self._db.close()
 
     @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Every write inside is one transaction (one fsync), not one each."""
+        with self._tx():
+            yield
+
+    @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
+        if self._depth:  # inside a batch: part of its transaction
+            self._depth += 1
+            try:
+                yield self._db
+            finally:
+                self._depth -= 1
+            return
         self._db.execute("BEGIN IMMEDIATE")
+        self._depth = 1
         try:
             yield self._db
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
+        finally:
+            self._depth = 0
         self._db.execute("COMMIT")
 
     # -- jobs ----------------------------------------------------------------
@@ -237,8 +268,8 @@ class Store:
         number: int,
         phase: str,
         started_at: float,
-        master_addr: str,
-        master_port: int,
+        master_addr: str | None,
+        master_port: int | None,
         reason: str | None = None,
         ended_at: float | None = None,
     ) -> None:
@@ -259,39 +290,33 @@ class Store:
         ).fetchall()
         return [dict(r) for r in rows]
 
-    def upsert_node(
-        self,
-        job_id: str,
-        node_id: str,
-        state: str,
-        *,
-        node_rank: int | None = None,
-        ranks: Sequence[int] | None = None,
-        attempt: int | None = None,
-        agent_pid: int | None = None,
-        agent_url: str | None = None,
-        worker_pids: Sequence[int] | None = None,
-    ) -> None:
+    def upsert_nodes(self, job_id: str, rows: Sequence[NodeRow]) -> None:
+        """Write these nodes' rows (whole rows, one statement for all)."""
+        if not rows:
+            return
         with self._tx() as db:
-            db.execute(
-                "INSERT INTO nodes (job_id, node_id, state) VALUES (?,?,?)"
-                " ON CONFLICT (job_id, node_id) DO UPDATE SET state = excluded.state",
-                (job_id, node_id, state),
-            )
-            updates: dict[str, Any] = {
-                "node_rank": node_rank,
-                "ranks_json": None if ranks is None else json.dumps(list(ranks)),
-                "attempt": attempt,
-                "agent_pid": agent_pid,
-                "agent_url": agent_url,
-                "worker_pids_json": None if worker_pids is None else json.dumps(list(worker_pids)),
-            }
-            for col, value in updates.items():
-                if value is not None:
-                    db.execute(
-                        f"UPDATE nodes SET {col} = ? WHERE job_id = ? AND node_id = ?",
-                        (value, job_id, node_id),
+            db.executemany(
+                "INSERT INTO nodes (job_id, node_id, node_rank, ranks_json, state, attempt,"
+                " agent_pid, agent_url, worker_pids_json) VALUES (?,?,?,?,?,?,?,?,?)"
+                " ON CONFLICT (job_id, node_id) DO UPDATE SET node_rank = excluded.node_rank,"
+                " ranks_json = excluded.ranks_json, state = excluded.state,"
+                " attempt = excluded.attempt, agent_pid = excluded.agent_pid,"
+                " agent_url = excluded.agent_url, worker_pids_json = excluded.worker_pids_json",
+                [
+                    (
+                        job_id,
+                        r.node_id,
+                        r.node_rank,
+                        json.dumps(list(r.ranks)),
+                        r.state,
+                        r.attempt,
+                        r.agent_pid,
+                        r.agent_url,
+                        json.dumps(list(r.worker_pids)),
                     )
+                    for r in rows
+                ],
+            )
 
     def nodes(self, job_id: str) -> list[dict[str, Any]]:
         rows = self._db.execute(

@@ -226,7 +226,12 @@ class _Supervisor:
         write_ack(
             self.control_dir,
             self.rank,
-            Ack(attempt.attempt, os.getpid(), self.progress.steps, source),
+            Ack(
+                attempt=attempt.attempt,
+                pid=os.getpid(),
+                step=self.progress.steps,
+                state_source=source,
+            ),
         )
         since_fault = (
             "" if failed_at is None else f", {time.monotonic() - failed_at:.3f} s after the fault"

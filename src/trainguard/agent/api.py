@@ -1,0 +1,168 @@
+"""The agent API's routes: authentication, validation with the wire models, dispatch.
+
+Transport-free: :class:`AgentApi` turns ``(method, path, body)`` into a :class:`Reply`,
+so the agent's HTTP server (:mod:`trainguard.agent.server`) and any other front end
+serve exactly the same API. The routes and their bodies are listed in
+:mod:`trainguard.wire.requests`. Errors are ``{"error": "..."}`` with 400 (a bad body,
+naming the field), 401 (token), 404 (path), 405 (method), 409 (refused now).
+Handlers only validate and queue; the supervisor's thread does the work.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from trainguard.agent.monitoring import build_monitor
+from trainguard.wire.base import WireError, parse_json
+from trainguard.wire.requests import (
+    Accepted,
+    AttemptRequest,
+    PersistRequest,
+    ReplaceRequest,
+    StopRequest,
+)
+from trainguard.wire.status import NodeStatus
+
+__all__ = ["AgentApi", "NodeControl", "Refused", "Reply"]
+
+
+class Refused(Exception):
+    """A request the node cannot take now (409)."""
+
+
+class NodeControl(Protocol):
+    """What the API drives: the agent's supervisor (or a simulated node in the bench)."""
+
+    node_id: str
+
+    def snapshot(self) -> NodeStatus: ...
+    def request_start(self, request: AttemptRequest) -> None: ...
+    def request_rejoin(self, request: AttemptRequest) -> None: ...
+    def request_replace(self, request: ReplaceRequest) -> None: ...
+    def request_stop(self, request: StopRequest) -> None: ...
+    def request_persist(self, request: PersistRequest) -> None: ...
+    def request_shutdown(self, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An HTTP reply: status, JSON body; ``after`` runs once the reply has been sent."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    after: Callable[[], None] | None = None
+
+
+def _json(status: int, payload: dict[str, Any], **headers: str) -> Reply:
+    return Reply(status, json.dumps(payload).encode(), dict(headers))
+
+
+def _error(status: int, message: str, **headers: str) -> Reply:
+    return _json(status, {"error": message}, **headers)
+
+
+class AgentApi:
+    """The agent API of one node (see the module docstring)."""
+
+    ROUTES: ClassVar[frozenset[tuple[str, str]]] = frozenset(
+        {
+            ("GET", "/status"),
+            ("POST", "/start"),
+            ("POST", "/rejoin"),
+            ("POST", "/replace"),
+            ("POST", "/stop"),
+            ("POST", "/persist"),
+            ("POST", "/shutdown"),
+        }
+    )
+
+    def __init__(self, node: NodeControl, token: str) -> None:
+        if not token:
+            raise ValueError("token must not be empty")
+        self.node = node
+        self._token = token.encode()
+
+    def authorized(self, header: str | None) -> bool:
+        """Whether an ``Authorization`` header carries this job's bearer token."""
+        scheme, _, credential = (header or "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(credential.strip().encode(), self._token)
+
+    def route(self, method: str, path: str) -> Reply | None:
+        """None when ``method path`` is a route; else its 404 or 405 (check before reading
+        a body)."""
+        path = path.split("?", 1)[0]
+        if (method, path) in self.ROUTES:
+            return None
+        allowed = [m for m, p in self.ROUTES if p == path]
+        if allowed:
+            return _error(405, f"{path} takes {allowed[0]}", Allow=allowed[0])
+        return _error(404, f"no such path: {path}")
+
+    def handle(self, method: str, path: str, body: bytes) -> Reply:
+        """An authorized request (see :meth:`authorized`) to a route."""
+        path = path.split("?", 1)[0]
+        unknown = self.route(method, path)
+        if unknown is not None:
+            return unknown
+        try:
+            return self._dispatch(path, body)
+        except WireError as exc:
+            return _error(400, str(exc))
+        except Refused as exc:
+            return _error(409, str(exc))
+
+    def _dispatch(self, path: str, body: bytes) -> Reply:
+        node = self.node
+        if path == "/status":
+            return Reply(200, node.snapshot().model_dump_json().encode())
+        if path in ("/start", "/rejoin"):
+            request = self._attempt_request(body)
+            if path == "/start":
+                node.request_start(request)
+            else:
+                node.request_rejoin(request)
+            return self._accepted(attempt=request.assignment.attempt)
+        if path == "/replace":
+            replace = parse_json(ReplaceRequest, body, "replace")
+            node.request_replace(replace)
+            return self._accepted(attempt=replace.attempt)
+        if path == "/stop":
+            stop = parse_json(StopRequest, body or b"{}", "stop")
+            node.request_stop(stop)
+            return self._accepted()
+        if path == "/persist":
+            persist = parse_json(PersistRequest, body, "persist")
+            node.request_persist(persist)
+            return self._accepted(step=persist.step)
+        assert path == "/shutdown"
+        return Reply(
+            202,
+            Accepted().model_dump_json().encode(),
+            after=lambda: node.request_shutdown("shutdown requested"),
+        )
+
+    def _attempt_request(self, body: bytes) -> AttemptRequest:
+        request = parse_json(AttemptRequest, body, "")
+        assignment = request.assignment
+        if assignment.node_id != self.node.node_id:
+            raise WireError(
+                f"assignment.node_id: this agent is {self.node.node_id!r}, "
+                f"got {assignment.node_id!r}"
+            )
+        try:
+            build_monitor(assignment.monitor)
+        except ValueError as exc:
+            raise WireError(f"assignment.monitor.{exc}") from None
+        return request
+
+    @staticmethod
+    def _accepted(attempt: int | None = None, step: int | None = None) -> Reply:
+        reply = Accepted(attempt=attempt, step=step)
+        return Reply(202, reply.model_dump_json(exclude_none=True).encode())

@@ -1,0 +1,38 @@
+"""One attempt of a job, as the controller tracks it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainguard.control.actions import AttemptPhase
+from trainguard.control.assignment import Endpoint
+from trainguard.control.detect import AttemptWatch
+from trainguard.control.events import Fault
+from trainguard.control.inprocess import Rejoin
+from trainguard.control.policy import RestartScope
+from trainguard.wire.requests import NodeAssignment
+
+__all__ = ["Attempt"]
+
+
+@dataclass
+class Attempt:
+    number: int
+    started_at: float
+    nodes: tuple[str, ...]
+    watch: AttemptWatch
+    scope: str = RestartScope.PROCESS.value
+    phase: AttemptPhase = AttemptPhase.LAUNCHING
+    # Set once every node is up and the attempt starts.
+    endpoint: Endpoint | None = None
+    assignments: tuple[NodeAssignment, ...] = ()
+    launch_deadline: float | None = None
+    ended_at: float | None = None
+    reason: str | None = None
+    faults: list[Fault] = field(default_factory=list)
+    # How long the nodes get to stop, and until when (counted from the first look after
+    # the stop went out).
+    stop_allowance: float = 0.0
+    stop_deadline: float | None = None
+    recovered: bool = False
+    rejoin: Rejoin | None = None

@@ -1,0 +1,107 @@
+"""Everything the controller knows about a job, with every threshold it decides by.
+
+The platform builds a :class:`ControlConfig` from the job plan
+(:func:`trainguard.platform.config.control_config`); the controller and the pure
+decision functions of this package read their parameters from it and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from trainguard.control.persist import DurableCadence
+from trainguard.control.policy import PolicyConfig
+from trainguard.monitor.rules import LogRuleSpec
+from trainguard.wire.requests import MonitorConfig
+
+__all__ = ["ControlConfig"]
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """A job as the controller sees it, and every threshold it decides by (seconds)."""
+
+    job_id: str
+    node_ids: tuple[str, ...]
+    nproc_per_node: int
+    policy: PolicyConfig = field(default_factory=lambda: PolicyConfig.from_spec(None, 0))
+    spare_node_ids: tuple[str, ...] = ()
+    log_rules: tuple[LogRuleSpec, ...] = ()
+    progress_pattern: str | None = None
+    heartbeat_timeout: float | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    active_deadline_seconds: float | None = None
+
+    # -- the loop and what a node's silence means --------------------------------
+    # How often the platform polls every agent (pushes wake the loop sooner).
+    poll_interval: float = 0.5
+    # A launched node's agent must answer within this long, or the node is lost.
+    node_start_timeout: float = 60.0
+    # Consecutive failed contacts (status polls or requests) after which a node that
+    # answered before is lost; one failure is evidence, not a verdict.
+    unreachable_after: int = 3
+
+    # -- stopping ---------------------------------------------------------------------
+    stop_grace_seconds: float = 10.0
+    # Extra time, beyond the grace period, that nodes get to report a stop.
+    stop_slack_seconds: float = 15.0
+
+    # -- checkpoints --------------------------------------------------------------------
+    # When to persist checkpoints to the durable tier (None: never; the agents write).
+    durable: DurableCadence | None = None
+    # After the last rank exits 0: how long to wait for its newest checkpoint to be durable.
+    final_persist_timeout: float = 120.0
+    # Memory-tier replicas: each node pushes its snapshots to this many next nodes.
+    replicas: int = 0
+
+    # -- in-process restarts (the script adopts trainguard.resilient) -------------------
+    in_process: bool = False
+    # Hot spare processes for the whole job, spread over the nodes from node 0.
+    hot_spares: int = 0
+    # How long every rank has to rejoin after an in-process restart.
+    barrier_timeout: float = 60.0
+    # A survivor that has neither left the failed attempt nor joined the new one this
+    # long after the restart is deadlocked in a collective: it is replaced in place.
+    stuck_rank_timeout: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not self.node_ids:
+            raise ValueError("node_ids: a job needs at least one node")
+        if self.nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node: must be >= 1, got {self.nproc_per_node}")
+        if self.unreachable_after < 1:
+            raise ValueError(f"unreachable_after: must be >= 1, got {self.unreachable_after}")
+        for name in (
+            "poll_interval",
+            "node_start_timeout",
+            "stop_grace_seconds",
+            "stop_slack_seconds",
+            "final_persist_timeout",
+            "barrier_timeout",
+            "stuck_rank_timeout",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+        if self.stuck_rank_timeout >= self.barrier_timeout and self.in_process:
+            raise ValueError(
+                f"stuck_rank_timeout ({self.stuck_rank_timeout:g} s) must be shorter than "
+                f"barrier_timeout ({self.barrier_timeout:g} s): a stuck rank is replaced "
+                "within the barrier"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return len(self.node_ids) * self.nproc_per_node
+
+    @property
+    def max_restarts(self) -> int:
+        return self.policy.job_max_retry_count
+
+    def monitor(self) -> MonitorConfig:
+        """What each agent needs to match log lines (sent with every attempt)."""
+        return MonitorConfig(
+            log_rules=tuple(r.to_json() for r in self.log_rules),
+            progress_pattern=self.progress_pattern,
+        )

@@ -1,0 +1,91 @@
+"""What a node's silence means: the one place that turns contact evidence into a verdict.
+
+- A node the platform knows to be gone (its agent process exited, its pod was deleted)
+  is **lost** at once.
+- A node whose agent answered before is **lost** once ``unreachable_after`` contacts in
+  a row (status polls or requests, whichever came) got no answer. Fewer are evidence
+  only: the node stays **up**, judged by its last status. One refused connection or one
+  slow reply is not worth a full job restart.
+- A node whose agent never answered is **pending** (coming up); the controller gives it
+  ``node_start_timeout`` from its launch.
+
+Pure: the counts are the platform's facts, the threshold is the config's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
+
+from trainguard.control.reports import NodeReport
+
+__all__ = ["Contact", "contact", "launch_verdict", "lost", "lost_reason", "settled"]
+
+
+class Contact(StrEnum):
+    PENDING = "pending"  # launched, its agent has not answered yet
+    UP = "up"  # its agent answered (its status may be a few failed contacts old)
+    LOST = "lost"  # gone, or silent for ``unreachable_after`` contacts in a row
+
+
+def contact(report: NodeReport | None, unreachable_after: int) -> Contact:
+    """The verdict on one node (a node without a report is pending)."""
+    if report is None:
+        return Contact.PENDING
+    if report.gone is not None:
+        return Contact.LOST
+    if report.status is None:
+        return Contact.PENDING
+    if report.failed_contacts >= unreachable_after:
+        return Contact.LOST
+    return Contact.UP
+
+
+def lost(report: NodeReport | None, unreachable_after: int) -> bool:
+    return contact(report, unreachable_after) is Contact.LOST
+
+
+def lost_reason(report: NodeReport, unreachable_after: int) -> str:
+    """Why a lost node is lost, in words."""
+    if report.gone is not None:
+        return f"{report.node_id} lost: {report.gone}"
+    error = f" (last: {report.error})" if report.error else ""
+    return (
+        f"{report.node_id} lost: its agent did not answer {report.failed_contacts} "
+        f"contacts in a row (limit {unreachable_after}){error}"
+    )
+
+
+def settled(report: NodeReport | None, unreachable_after: int) -> bool:
+    """Nothing more to wait for on this node: none of its workers runs, or it is not up
+    (a lost or never-up node: the platform reaps what is left of it)."""
+    if contact(report, unreachable_after) is not Contact.UP:
+        return True
+    assert report is not None and report.status is not None
+    return report.status.quiescent
+
+
+def launch_verdict(
+    node_ids: Sequence[str],
+    reports: Mapping[str, NodeReport],
+    unreachable_after: int,
+    late: bool,
+    start_timeout: float,
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """Of nodes being brought up for an attempt: ``(lost, waiting)`` — the lost ones with
+    why, and the ones not up and idle yet (lost too once ``late``, past the start
+    timeout)."""
+    lost: list[tuple[str, str]] = []
+    waiting: list[str] = []
+    for node_id in node_ids:
+        report = reports.get(node_id)
+        verdict = contact(report, unreachable_after)
+        if verdict is Contact.LOST and report is not None:
+            lost.append((node_id, lost_reason(report, unreachable_after)))
+        elif verdict is Contact.PENDING or not settled(report, unreachable_after):
+            waiting.append(node_id)
+    if late:
+        why = f"its agent was not ready within {start_timeout:g}s"
+        lost += [(n, f"{n} lost: {why}") for n in waiting]
+        waiting = []
+    return lost, waiting

@@ -1,0 +1,128 @@
+"""What happened to a job: its events and its fault timeline, as the controller records them.
+
+The controller decides; :class:`JobRecord` writes it down: every event (drained by the
+platform for its store, its console, Kubernetes Events), each fault (marked when it was
+injected on purpose) with its place in the :class:`~trainguard.control.timeline.Timeline`,
+the workers' own events (each once), the stacks captured for a hang, and the first step
+of an attempt that recovers the faults before it. Pure, like the rest of the package.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from trainguard.control.attempt import Attempt
+from trainguard.control.events import Event, Fault
+from trainguard.control.reports import NodeReport
+from trainguard.control.timeline import Timeline, with_evidence
+
+__all__ = ["JobRecord"]
+
+# How a captured stack names a process that is stopped (SIGSTOP, or a debugger).
+_STOPPED = re.compile(r"^pid \d+ \(.*\): state [Tt]\b", re.MULTILINE)
+
+
+class JobRecord:
+    """Events (oldest first) and the fault timeline of one job."""
+
+    def __init__(self) -> None:
+        self.timeline = Timeline()
+        self._events: list[Event] = []
+        self._injections: list[str] = []
+        self._seen_worker_events: set[tuple[int, int, float]] = set()
+
+    def drain(self) -> list[Event]:
+        """Events recorded since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def event(
+        self,
+        now: float,
+        kind: str,
+        message: str,
+        attempt: int | None,
+        node: str | None = None,
+        rank: int | None = None,
+        data: dict[str, Any] | None = None,
+    ) -> None:
+        self._events.append(Event(now, kind, message, attempt, node, rank, dict(data or {})))
+
+    def injection(self, now: float, spec: str, rank: int | None, node: str | None,
+                  attempt: int | None) -> None:  # fmt: skip
+        """A fault was injected on purpose; the next fault recorded is marked as injected."""
+        self._injections.append(spec)
+        data = {"spec": spec, "injected": True}
+        self.event(now, "FaultInjected", f"injected {spec}", attempt, node, rank, data)
+
+    def fault(self, now: float, attempt: Attempt, fault: Fault) -> Fault:
+        """Record ``fault`` of ``attempt``; returns it as recorded (maybe marked injected)."""
+        if self._injections:
+            fault = with_evidence(fault, injected=self._injections.pop(0))
+        attempt.faults.append(fault)
+        progress = attempt.watch.progress
+        self.timeline.add(fault, progress.step if progress else None)
+        self.event(
+            now,
+            "Fault",
+            fault.message,
+            attempt.number,
+            fault.node,
+            fault.rank,
+            fault.to_json(),
+        )
+        return fault
+
+    def attach_stacks(self, attempt: Attempt, reports: Mapping[str, NodeReport]) -> None:
+        """Attach the stacks the agents captured while stopping to the attempt's hangs."""
+        stacks = {
+            str(rank): text
+            for node_id in attempt.nodes
+            if (r := reports.get(node_id)) is not None
+            and (status := r.about(attempt.number)) is not None
+            for rank, text in status.stacks.items()
+        }
+        if not stacks:
+            return
+        stopped = sorted(int(rank) for rank, text in stacks.items() if _STOPPED.search(text))
+        for i, fault in enumerate(attempt.faults):
+            if fault.type.is_hang and "stacks" not in fault.evidence:
+                updated = with_evidence(fault, stacks=stacks, stopped_ranks=stopped)
+                attempt.faults[i] = updated
+                self.timeline.update_fault(fault, updated)
+
+    def worker_events(self, attempt: Attempt, reports: Mapping[str, NodeReport]) -> None:
+        """Events the workers reported (a checkpoint restored, ...), each added once."""
+        for node_id in attempt.nodes:
+            report = reports.get(node_id)
+            status = report.about(attempt.number) if report is not None else None
+            if status is None:
+                continue
+            for e in status.events:
+                # Not keyed by attempt: after an in-process restart, the same workers (and
+                # their event files) go on into the next attempt.
+                key = (e.rank, e.seq, e.time)
+                if key not in self._seen_worker_events:
+                    self._seen_worker_events.add(key)
+                    self.event(e.time, e.kind, e.message, attempt.number, node_id, e.rank, e.data)
+
+    def progress(self, now: float, attempt: Attempt) -> None:
+        """The attempt's first completed step recovers every earlier open fault."""
+        progress = attempt.watch.progress
+        if progress is None or attempt.recovered:
+            return
+        attempt.recovered = True
+        for record in self.timeline.progress(
+            attempt.number, progress.first_step, progress.first_time
+        ):
+            self.event(
+                now,
+                "Recovered",
+                f"{record.fault.type} of attempt {record.fault.attempt} recovered in "
+                f"{record.recovery_seconds:.1f}s ({record.scope} restart); resumed from step "
+                f"{record.resumed_step}, {record.lost_steps} steps lost",
+                attempt.number,
+                data=record.to_json(),
+            )

@@ -1,0 +1,97 @@
+"""Where people look at a TrainingJob: its ``status``, its Events and the operator's metrics.
+
+:class:`ClusterRecord` is the Kubernetes platform's ``record``: after every turn of the loop
+it turns the controller's new events into Kubernetes Events and metrics, and patches the
+job's status when it changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from trainguard.control.controller import JobController
+from trainguard.control.events import Event, FaultType
+from trainguard.control.policy import RestartScope
+from trainguard.kube.api import KubeApi, KubeError, NotFound
+from trainguard.kube.metrics import OperatorMetrics
+from trainguard.kube.node import PodNode
+from trainguard.kube.status import Conditions, FaultyPods, PodInfo, job_status, k8s_event
+
+__all__ = ["COMPONENT", "ClusterRecord"]
+
+logger = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+COMPONENT = "trainguard-operator"
+
+
+class ClusterRecord:
+    """One TrainingJob's status, Events and metrics (see the module docstring)."""
+
+    def __init__(self, api: KubeApi, body: Obj, metrics: OperatorMetrics) -> None:
+        meta = body.get("metadata") or {}
+        self.api = api
+        self.body = body
+        self.metrics = metrics
+        self.name = str(meta.get("name"))
+        self.namespace = str(meta.get("namespace") or "default")
+        self.source = f"{self.namespace}/{self.name}"
+        self.conditions = Conditions()
+        self.faulty = FaultyPods()
+        self._last_status: Obj | None = None
+
+    def record(
+        self,
+        controller: JobController,
+        pods: Sequence[PodInfo],
+        seen: Mapping[str, PodNode],
+        now: float,
+    ) -> None:
+        """Record the controller's new events, then its state; ``seen``: each node's pod
+        when the events were decided (a fault names the pod it happened in, even when
+        the node has a new pod by now)."""
+        for event in controller.drain_events():
+            self._event(event, seen)
+        status = job_status(controller, self.conditions, pods, self.faulty, now)
+        if status == self._last_status:
+            return
+        try:
+            self.api.patch_job_status(self.namespace, self.name, status)
+            self._last_status = status
+        except NotFound:
+            pass  # deleted: the operator stops this job
+        except KubeError as exc:
+            logger.warning("%s: cannot update status: %s", self.source, exc)
+
+    def _event(self, event: Event, seen: Mapping[str, PodNode]) -> None:
+        logger.info("%s: %s: %s", self.source, event.kind, event.message)
+        if event.kind == "Fault":
+            self._note_fault(event, seen.get(event.node) if event.node else None)
+        elif event.kind == "RestartScheduled":
+            scope = str(event.data.get("scope", ""))
+            self.metrics.restarted.inc(scope)
+            self.faulty.restart_type = RestartScope(scope).hyperpod if scope else None
+        elif event.kind == "Recovered":
+            seconds = event.data.get("recovery_seconds")
+            if isinstance(seconds, int | float):
+                self.metrics.restart_latency.observe(float(seconds))
+        elif event.kind == "JobSucceeded":
+            self.metrics.succeeded.inc()
+        elif event.kind == "JobFailed":
+            self.metrics.failed.inc()
+        try:
+            self.api.create_event(self.namespace, k8s_event(self.body, event, COMPONENT))
+        except KubeError as exc:
+            logger.warning("%s: cannot record event %s: %s", self.source, event.kind, exc)
+
+    def _note_fault(self, event: Event, node: PodNode | None) -> None:
+        self.faulty.note_fault(event, node.pod_name if node else None)
+        kind = str(event.data.get("type", "Fault"))
+        self.metrics.faults.inc(kind)
+        if node is None or kind != FaultType.NODE_LOST.value:
+            return
+        ended = node.ended()
+        if ended is not None and ended[1] is not None:
+            self.metrics.fault_detection_latency.observe(event.time - ended[1])

@@ -1,0 +1,64 @@
+"""What a platform is to the control loop: node lifecycle, transport, and a record.
+
+:func:`trainguard.platform.drive.drive` runs any :class:`Platform`: the local one
+(agent processes on this machine, :mod:`trainguard.platform.local_platform`) and
+Kubernetes (one pod per node, :mod:`trainguard.kube.kube_platform`). A platform decides
+nothing: it brings nodes up and down, delivers requests, reports what it sees, and
+records the job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from trainguard.control.actions import JobPhase, LaunchNodes
+from trainguard.control.reports import NodeReport, Refusal
+from trainguard.platform.transport import Delivery
+
+if TYPE_CHECKING:
+    from trainguard.control.controller import JobController
+
+__all__ = ["Cancel", "Observation", "Platform"]
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Someone outside asked the job to stop (Ctrl-C, a delete)."""
+
+    reason: str
+    phase: JobPhase = JobPhase.STOPPED
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the platform sees at one instant."""
+
+    reports: Mapping[str, NodeReport]
+    cancel: Cancel | None = None
+    refusals: Sequence[Refusal] = field(default_factory=tuple)
+
+
+class Platform(Protocol):
+    """Node lifecycle and transport for one job; every call returns promptly."""
+
+    def launch(self, request: LaunchNodes) -> None:
+        """Bring up a fresh agent per node (replacing any live one), for the request's
+        attempt, off its hosts to avoid where the platform places nodes; they report in
+        later."""
+
+    def retire(self, node_ids: Sequence[str]) -> None:
+        """These nodes leave the job: shut their agents down."""
+
+    def send(self, deliveries: Sequence[Delivery]) -> list[Refusal]:
+        """Deliver requests to agents, concurrently; returns the ones refused."""
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until news arrives (a push, a finished poll) or ``timeout`` seconds pass."""
+
+    def observe(self, now: float) -> Observation:
+        """Every node's report now, and any request to stop the job."""
+
+    def record(self, controller: JobController, observation: Observation | None) -> None:
+        """Keep the job's state, events and progress where people look (after each step)."""

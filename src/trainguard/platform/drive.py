@@ -1,0 +1,102 @@
+"""The control loop: observe, decide, act, for any platform.
+
+    drive(controller, platform)
+
+1. **observe**: the platform's reports (the newest status each agent polled or pushed,
+   contact facts) and any outside request to stop;
+2. **decide**: :meth:`JobController.observe` (pure) returns actions;
+3. **act**: launch and retire nodes through the platform, and send every request to
+   every node it names at once (:class:`~trainguard.platform.transport.Delivery`);
+   refusals go back to the controller on the next turn.
+
+The loop sleeps in :meth:`Platform.wait` between turns: up to ``poll_interval``, or
+until an agent pushes news, so a worker's death is decided on within milliseconds of
+its report. It ends when the controller's phase is terminal.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from trainguard.control.actions import (
+    Action,
+    Finish,
+    LaunchNodes,
+    RejoinNodes,
+    ReplaceRanks,
+    RetireNodes,
+    StartNodes,
+    StopNodes,
+)
+from trainguard.control.controller import JobController
+from trainguard.control.persist import PersistCheckpoint
+from trainguard.control.reports import Refusal, RequestKind
+from trainguard.platform.base import Platform
+from trainguard.platform.transport import Delivery
+from trainguard.wire.requests import PersistRequest, ReplaceRequest, StopRequest
+
+__all__ = ["deliveries", "drive", "execute"]
+
+
+def drive(
+    controller: JobController, platform: Platform, clock: Callable[[], float] = time.time
+) -> None:
+    """Run the job until the controller says it ended (see the module docstring)."""
+    refusals = execute(platform, controller.start(clock()))
+    platform.record(controller, None)
+    while not controller.phase.terminal:
+        if not refusals:
+            platform.wait(controller.config.poll_interval)
+        seen = platform.observe(clock())
+        now = clock()  # after observing: a decision is never stamped before its evidence
+        actions: list[Action] = []
+        if seen.cancel is not None:
+            actions += controller.cancel(now, seen.cancel.reason, seen.cancel.phase)
+        actions += controller.observe(now, seen.reports, [*seen.refusals, *refusals])
+        refusals = execute(platform, actions)
+        platform.record(controller, seen)
+
+
+def execute(platform: Platform, actions: Sequence[Action]) -> list[Refusal]:
+    """Carry the actions out in order; returns the requests agents refused."""
+    refusals: list[Refusal] = []
+    for action in actions:
+        if isinstance(action, LaunchNodes):
+            platform.launch(action)
+        elif isinstance(action, RetireNodes):
+            platform.retire(action.node_ids)
+        elif not isinstance(action, Finish):
+            refusals += platform.send(deliveries(action))
+    return refusals
+
+
+def deliveries(
+    action: StartNodes | RejoinNodes | ReplaceRanks | StopNodes | PersistCheckpoint,
+) -> list[Delivery]:
+    """The requests an action means, one per node."""
+    if isinstance(action, StartNodes | RejoinNodes):
+        kind: RequestKind = "start" if isinstance(action, StartNodes) else "rejoin"
+        return [Delivery(a.node_id, kind, action.attempt, a) for a in action.assignments]
+    if isinstance(action, ReplaceRanks):
+        replace = ReplaceRequest(attempt=action.attempt, ranks=action.ranks)
+        return [Delivery(action.node_id, "replace", action.attempt, replace)]
+    if isinstance(action, StopNodes):
+        stop = StopRequest(
+            attempt=action.attempt,
+            mode="process" if action.mode == "process" else "graceful",
+            timeout=action.timeout,
+            capture_stacks=action.capture_stacks,
+        )
+        return [Delivery(n, "stop", action.attempt, stop) for n in action.node_ids]
+    return [
+        Delivery(
+            n,
+            "persist",
+            None,
+            PersistRequest(
+                step=action.step, world_size=action.world_size, commit=n == action.commit_node
+            ),
+        )
+        for n in action.node_ids
+    ]

@@ -1,0 +1,277 @@
+"""The local platform: every node of a job is an agent process on this machine.
+
+It implements :class:`~trainguard.platform.base.Platform` for
+:func:`~trainguard.platform.drive.drive`: it launches agents (through a
+:class:`~trainguard.platform.node.NodeLauncher`), finds their ports, knows when their
+processes exit, talks to them through an
+:class:`~trainguard.platform.transport.AgentTransport`, and records the job in the
+SQLite store (one transaction per turn, only the rows that changed). It also fires the
+``--inject`` faults, since only this platform can signal the processes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import IO
+
+from trainguard.control.actions import LaunchNodes
+from trainguard.control.assignment import Endpoint
+from trainguard.control.controller import JobController
+from trainguard.control.events import Event
+from trainguard.control.reports import NodeReport, Refusal
+from trainguard.platform.base import Cancel, Observation
+from trainguard.platform.book import ReportBook
+from trainguard.platform.inject import Injector, Targets
+from trainguard.platform.node import LaunchedNode, NodeLauncher
+from trainguard.platform.procs import free_port
+from trainguard.platform.store import NodeRow, Store
+from trainguard.platform.transport import AgentTransport, Delivery
+from trainguard.wire.status import WorkerState
+
+__all__ = ["LocalPlatform"]
+
+SHUTDOWN_CONCURRENCY = 64
+
+
+class LocalPlatform:
+    """One job's nodes on this machine; see the module docstring."""
+
+    def __init__(
+        self,
+        job_id: str,
+        store: Store,
+        transport: AgentTransport,
+        launcher: NodeLauncher,
+        *,
+        memory_root: Path,
+        injector: Injector,
+        say: Callable[[str], None],
+        pump: Callable[[IO[bytes]], None],
+        interrupted: Callable[[], bool],
+    ) -> None:
+        self.job_id = job_id
+        self.store = store
+        self.transport = transport
+        self.book: ReportBook = transport.book
+        self.launcher = launcher
+        self.memory_root = memory_root
+        self.injector = injector
+        self.nodes: dict[str, LaunchedNode] = {}  # the live agent of each node id
+        self._unlocated: set[str] = set()  # launched, port not known yet
+        self._say = say  # a line to the user
+        self._pump = pump  # copies an agent's console to the job's
+        self._interrupted = interrupted
+        self._launches = 0
+        self._first_step_at: float | None = None
+        self._written: dict[str, object] = {}  # what the store has, by row key
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def endpoint(self, attempt: int, node_id: str) -> Endpoint:
+        """A fresh port per attempt: rank 0 hosts a fresh store, so no stale peer addresses."""
+        return Endpoint("127.0.0.1", free_port())
+
+    def launch(self, request: LaunchNodes) -> None:
+        """Start a fresh agent per node, replacing a live one (one host: nothing to avoid)."""
+        self._shutdown([n for n in request.node_ids if n in self.nodes])
+        for node_id in request.node_ids:
+            self._launches += 1
+            incarnation = f"{node_id}.{self._launches}"
+            # <node>/memory: the node's own tier; <node>/replicas: its copies of its peers'.
+            (self.memory_root / node_id / "memory").mkdir(parents=True, exist_ok=True)
+            self.book.reset(node_id, incarnation)
+            try:
+                node = self.launcher(node_id, incarnation)
+            except OSError as exc:
+                self.book.gone(node_id, f"its agent could not be launched: {exc}")
+                continue
+            self.nodes[node_id] = node
+            self._unlocated.add(node_id)
+            console = node.console
+            if console is not None:
+                threading.Thread(
+                    target=self._pump,
+                    args=(console,),
+                    daemon=True,
+                    name=f"console-{node_id}",
+                ).start()
+
+    def retire(self, node_ids: Sequence[str]) -> None:
+        self._shutdown(node_ids)
+        for node_id in node_ids:
+            self.book.forget(node_id)
+
+    def close(self) -> None:
+        """Shut every agent down (the job ended, or the runner is going away)."""
+        self.injector.close()  # resume stopped workers so they can be shut down
+        self._shutdown(list(self.nodes))
+        self.transport.close()
+
+    def _shutdown(self, node_ids: Sequence[str]) -> None:
+        nodes = [(n, node) for n in node_ids if (node := self.nodes.pop(n, None)) is not None]
+        if not nodes:
+            return
+        with ThreadPoolExecutor(min(SHUTDOWN_CONCURRENCY, len(nodes))) as pool:
+            for node_id, node in nodes:
+                pool.submit(node.shutdown, self.transport.client(node_id))
+
+    # -- transport ---------------------------------------------------------------------
+
+    def send(self, deliveries: Sequence[Delivery]) -> list[Refusal]:
+        return self.transport.send(deliveries)
+
+    def wait(self, timeout: float) -> None:
+        self.book.wait(timeout)
+
+    def observe(self, now: float) -> Observation:
+        for node_id in list(self._unlocated):
+            node = self.nodes.get(node_id)
+            if node is None:
+                self._unlocated.discard(node_id)
+            elif (port := node.port()) is not None:
+                self.book.located(node_id, f"http://127.0.0.1:{port}", "localhost")
+                self._unlocated.discard(node_id)
+        for node_id, node in self.nodes.items():
+            if (why := node.exited()) is not None:
+                self.book.gone(node_id, why)
+        cancel = None
+        if self._interrupted():
+            cancel = Cancel("interrupted (Ctrl-C)")
+        elif self.store.job(self.job_id).desired == "delete":
+            cancel = Cancel("deleted by user")
+        return Observation(self.book.reports(), cancel)
+
+    # -- the record ----------------------------------------------------------------------
+
+    def record(self, controller: JobController, observation: Observation | None) -> None:
+        if observation is not None:
+            self._inject(controller, observation.reports)
+        events = controller.drain_events()
+        for event in events:
+            self._say_event(event)
+        with self.store.batch():
+            self.store.add_events(self.job_id, events)
+            self._record_attempts(controller)
+            if observation is not None:
+                self._record_nodes(controller, observation.reports)
+            self._record_job(controller)
+
+    def _record_attempts(self, controller: JobController) -> None:
+        for a in controller.attempts:
+            endpoint = a.endpoint
+            row = (
+                a.phase.value,
+                a.started_at,
+                endpoint.addr if endpoint else None,
+                endpoint.port if endpoint else None,
+                a.reason,
+                a.ended_at,
+            )
+            if self._changed(f"attempt/{a.number}", row):
+                self.store.upsert_attempt(self.job_id, a.number, *row)
+
+    def _record_nodes(self, controller: JobController, reports: Mapping[str, NodeReport]) -> None:
+        attempt = controller.current
+        assignments = {a.node_id: a for a in attempt.assignments} if attempt else {}
+        rows = []
+        for node_id, report in reports.items():
+            status = report.status
+            if report.gone is not None:
+                state = "unreachable"
+            elif status is None:
+                state = "pending"
+            else:
+                state = status.state.value
+            a = assignments.get(node_id)
+            node = self.nodes.get(node_id)
+            pids = tuple(
+                w.pid
+                for w in (status.workers if status else ())
+                if w.pid is not None and w.state is WorkerState.RUNNING
+            )
+            row = NodeRow(
+                node_id,
+                state,
+                node_rank=a.node_rank if a else None,
+                ranks=tuple(a.global_ranks) if a else (),
+                attempt=status.attempt if status else None,
+                agent_pid=node.pid if node else None,
+                agent_url=self.book.url(node_id),
+                worker_pids=pids,
+            )
+            if pids and node is not None:
+                node.last_pids = pids
+            if self._changed(f"node/{node_id}", row):
+                rows.append(row)
+        self.store.upsert_nodes(self.job_id, rows)
+
+    def _record_job(self, controller: JobController) -> None:
+        faults = controller.timeline.to_json()
+        fields: dict[str, object] = {
+            "phase": controller.phase.value,
+            "reason": controller.reason,
+            "restarts": controller.restarts,
+            "faults": faults,
+        }
+        if controller.started_at is not None:
+            fields["started_at"] = controller.started_at
+        if controller.phase.terminal:
+            fields["finished_at"] = time.time()
+        if self._changed("job", json.dumps(fields, sort_keys=True, default=str)):
+            self.store.update_job(self.job_id, **fields)
+
+    def _changed(self, key: str, row: object) -> bool:
+        if self._written.get(key) == row:
+            return False
+        self._written[key] = row
+        return True
+
+    # -- fault injection -------------------------------------------------------------------
+
+    def _inject(self, controller: JobController, reports: Mapping[str, NodeReport]) -> None:
+        attempt = controller.current
+        if not self.injector.pending or attempt is None:
+            return
+        progress = attempt.watch.progress
+        if progress is not None and self._first_step_at is None:
+            self._first_step_at = progress.first_time
+        node_ranks = {a.node_id: a.node_rank for a in attempt.assignments}
+        rank_pids: dict[int, int] = {}
+        node_pids: dict[int, tuple[int, tuple[int, ...]]] = {}
+        for node_id, report in reports.items():
+            status = report.about(attempt.number)
+            node = self.nodes.get(node_id)
+            if status is None or node is None or node_id not in node_ranks:
+                continue
+            alive = {
+                w.rank: w.pid
+                for w in status.workers
+                if w.pid is not None and w.state is WorkerState.RUNNING
+            }
+            rank_pids.update(alive)
+            if node.pid is not None:
+                node_pids[node_ranks[node_id]] = (node.pid, tuple(alive.values()))
+        now = time.time()
+        fired = self.injector.poll(
+            now,
+            progress.step if progress else None,
+            self._first_step_at,
+            Targets(rank_pids, node_pids),
+        )
+        by_rank = {v: k for k, v in node_ranks.items()}
+        for f in fired:
+            if f.injection.kind == "node-kill" and f.node is not None:
+                # A lost node loses its RAM: its memory tier goes with it.
+                shutil.rmtree(self.memory_root / by_rank[f.node], ignore_errors=True)
+            target = None if f.node is None else by_rank.get(f.node)
+            controller.note_injection(f.time, f.injection.text, f.rank, target)
+
+    def _say_event(self, event: Event) -> None:
+        stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+        self._say(f"{stamp} {event.kind}: {event.message}")

@@ -1,0 +1,176 @@
+"""What the controller asks of a node agent, and the assignment at the heart of it.
+
+    POST /start     AttemptRequest   start the assignment's workers        -> 202, 409 busy
+    POST /rejoin    AttemptRequest   an in-process restart into its attempt -> 202, 409
+    POST /replace   ReplaceRequest   give these ranks new processes, same attempt -> 202
+    POST /stop      StopRequest      stop an attempt's workers              -> 202
+    POST /persist   PersistRequest   persist a memory-tier step             -> 202, 409
+    POST /shutdown  (no body)        kill the workers and exit              -> 202
+    GET  /status                     NodeStatus                             -> 200
+
+An agent pushes its :class:`~trainguard.wire.status.NodeStatus` to the ``report_url`` of
+its latest attempt request the moment something happens (a worker exits, the state
+changes), before it cleans anything up; the controller also polls ``/status``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from trainguard.wire.base import Wire
+
+__all__ = [
+    "STOP_MODES",
+    "Accepted",
+    "AttemptRequest",
+    "MonitorConfig",
+    "NodeAssignment",
+    "PersistRequest",
+    "ReplaceRequest",
+    "StopRequest",
+]
+
+Name = Annotated[str, Field(min_length=1)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+STOP_MODES = ("graceful", "process")
+"""``graceful``: SIGTERM, SIGKILL after the stop's timeout; ``process``: SIGKILL now."""
+DEFAULT_STOP_TIMEOUT = 10.0  # s of SIGTERM grace when a stop names none
+
+
+class MonitorConfig(Wire):
+    """What the agent matches in every rank's output: HyperPod log rules (camelCase, as in
+    the spec) and the progress pattern; the agent compiles and checks them."""
+
+    log_rules: tuple[dict[str, Any], ...] = ()
+    progress_pattern: str | None = None
+
+
+class NodeAssignment(Wire):
+    """Everything one node agent needs to run its workers for one attempt.
+
+    Decided by the controller (:func:`trainguard.control.assignment.assign_ranks`).
+    Node rank ``i`` hosts global ranks ``[i * nproc, (i + 1) * nproc)``.
+    """
+
+    job_id: Name
+    node_id: Name
+    attempt: int = Field(ge=0)
+    nnodes: int = Field(ge=1)
+    node_rank: int = Field(ge=0)
+    nproc_per_node: int = Field(ge=1)
+    master_addr: Name
+    master_port: int = Field(ge=1, le=65535)
+    restart_count: int = Field(ge=0)
+    max_restarts: int = Field(ge=0)
+    role: Name = "default"
+    extra_env: dict[str, str] = Field(default_factory=dict)
+    monitor: MonitorConfig = MonitorConfig()
+    # The nodes this node pushes its memory-tier replicas to and restores from (the next
+    # ``replicas`` nodes in node-rank order); their addresses come with the request.
+    replica_peers: tuple[str, ...] = ()
+    # In-process restarts (workers adopt trainguard.resilient): hot spare processes on
+    # this node, and how long ranks have to rejoin after a restart.
+    in_process: bool = False
+    hot_spares: int = Field(default=0, ge=0)
+    barrier_timeout: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+
+    @field_validator("node_rank")
+    @classmethod
+    def _within_nodes(cls, value: int, info: Any) -> int:
+        nnodes = info.data.get("nnodes")
+        if nnodes is not None and value >= nnodes:
+            raise ValueError(f"expected 0 <= node_rank < nnodes ({nnodes})")
+        return value
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def global_ranks(self) -> list[int]:
+        first = self.node_rank * self.nproc_per_node
+        return list(range(first, first + self.nproc_per_node))
+
+    @property
+    def rendezvous_namespace(self) -> str:
+        return f"{self.job_id}/attempt-{self.attempt}"
+
+    def worker_env(self, local_rank: int) -> dict[str, str]:
+        """The torchrun environment contract for one worker, plus trainguard's own."""
+        if not 0 <= local_rank < self.nproc_per_node:
+            raise ValueError(f"local_rank {local_rank} outside [0, {self.nproc_per_node})")
+        rank = self.node_rank * self.nproc_per_node + local_rank
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.nproc_per_node),
+            "GROUP_RANK": str(self.node_rank),
+            "GROUP_WORLD_SIZE": str(self.nnodes),
+            "ROLE_NAME": self.role,
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.job_id,
+            # Workers host or join a fresh per-attempt store at MASTER_PORT; there is
+            # no long-lived agent store to re-use.
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TRAINGUARD_JOB_ID": self.job_id,
+            "TRAINGUARD_NODE_ID": self.node_id,
+            "TRAINGUARD_ATTEMPT": str(self.attempt),
+            "TRAINGUARD_RDZV_NAMESPACE": self.rendezvous_namespace,
+        }
+        env.update(self.extra_env)
+        return env
+
+
+class AttemptRequest(Wire):
+    """``/start`` and ``/rejoin``: the assignment, where its replica peers' agents answer,
+    and where to push reports."""
+
+    assignment: NodeAssignment
+    peers: dict[str, str] = Field(default_factory=dict)
+    report_url: str | None = None
+
+
+class StopRequest(Wire):
+    """Stop ``attempt`` (None: whatever runs); another attempt is left alone.
+
+    ``capture_stacks``: dump every worker's Python stack first (a hang).
+    """
+
+    attempt: int | None = Field(default=None, ge=0)
+    mode: Literal["graceful", "process"] = "graceful"
+    timeout: Seconds = DEFAULT_STOP_TIMEOUT
+    capture_stacks: bool = False
+
+
+class ReplaceRequest(Wire):
+    """Kill these global ranks' processes (stuck in a failed attempt) and give each a hot
+    spare or a new process, in ``attempt``."""
+
+    attempt: int = Field(ge=0)
+    ranks: tuple[int, ...] = Field(min_length=1)
+
+
+class PersistRequest(Wire):
+    """Persist this node's memory shards of the first step at or after ``step``;
+    ``commit``: also commit it once every rank's shard is durable."""
+
+    step: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    commit: bool = False
+
+
+class Accepted(Wire):
+    """The reply to an accepted request (the work goes on in the background)."""
+
+    accepted: bool = True
+    attempt: int | None = None
+    step: int | None = None

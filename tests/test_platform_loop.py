@@ -1,0 +1,225 @@
+"""The loop's parts without processes: the report book, the drive loop over a fake
+platform, the inbox over real HTTP, and the contact verdicts."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+import control_helpers as h
+from trainguard.control.actions import JobPhase, LaunchNodes
+from trainguard.control.assignment import Endpoint
+from trainguard.control.contact import Contact, contact, launch_verdict, lost_reason
+from trainguard.control.controller import ControlConfig, JobController
+from trainguard.control.reports import NodeReport, NodeState, Refusal
+from trainguard.platform.base import Cancel, Observation
+from trainguard.platform.book import ReportBook, Taken
+from trainguard.platform.drive import deliveries, drive
+from trainguard.platform.inbox import Inbox
+from trainguard.platform.transport import Delivery
+from trainguard.wire.requests import StopRequest
+from trainguard.wire.status import WorkerState
+
+NODES = ("node-0", "node-1")
+
+
+# -- contact ----------------------------------------------------------------------------
+
+
+def test_silence_is_evidence_until_the_threshold_and_gone_is_lost_at_once() -> None:
+    up = h.report("n", NodeState.RUNNING)
+    assert contact(up, 3) is Contact.UP
+    assert contact(NodeReport("n", up.status, failed_contacts=2), 3) is Contact.UP
+    silent = NodeReport("n", up.status, failed_contacts=3, error="timed out")
+    assert contact(silent, 3) is Contact.LOST
+    assert lost_reason(silent, 3) == (
+        "n lost: its agent did not answer 3 contacts in a row (limit 3) (last: timed out)"
+    )
+    assert contact(h.lost("n"), 3) is Contact.LOST
+    assert contact(NodeReport("n"), 3) is Contact.PENDING
+    assert contact(None, 3) is Contact.PENDING
+
+
+def test_launch_waits_for_idle_agents_and_loses_late_ones() -> None:
+    reports = {"a": h.report("a", NodeState.READY, None), "b": NodeReport("b")}
+    assert launch_verdict(("a", "b"), reports, 3, False, 60.0) == ([], ["b"])
+    lost, waiting = launch_verdict(("a", "b"), reports, 3, True, 60.0)
+    assert lost == [("b", "b lost: its agent was not ready within 60s")] and waiting == []
+
+
+# -- the book ---------------------------------------------------------------------------
+
+
+def test_the_book_keeps_the_newest_status_of_the_current_agent_only() -> None:
+    book = ReportBook()
+    book.reset("node-0", "node-0.1")
+    status = h.status("node-0", NodeState.RUNNING, seq=5).model_copy(
+        update={"incarnation": "node-0.1"}
+    )
+    assert book.answered(status) is Taken.TAKEN
+    assert book.answered(status.model_copy(update={"seq": 4})) is Taken.STALE  # an older poll
+    replaced = status.model_copy(update={"incarnation": "node-0.0", "seq": 9})
+    assert book.answered(replaced) is Taken.FOREIGN
+    book.failed("node-0", "refused")
+    book.failed("node-0", "refused")
+    assert book.reports()["node-0"].failed_contacts == 2
+    assert book.answered(status.model_copy(update={"seq": 6})) is Taken.TAKEN
+    report = book.reports()["node-0"]
+    assert report.failed_contacts == 0 and report.status is not None and report.status.seq == 6
+    book.gone("node-0", "its agent process exited")
+    assert book.reports()["node-0"].gone == "its agent process exited"
+    book.reset("node-0", "node-0.2")  # a fresh agent: nothing known of it
+    assert book.reports()["node-0"] == NodeReport("node-0")
+
+
+def test_a_push_wakes_the_loop_and_a_poll_does_not() -> None:
+    book = ReportBook()
+    book.reset("node-0", "node-0")
+    status = h.status("node-0")
+    book.answered(status)
+    began = time.monotonic()
+    book.wait(0.2)
+    assert time.monotonic() - began >= 0.15
+    threading.Timer(0.05, lambda: book.answered(status, push=True)).start()
+    began = time.monotonic()
+    book.wait(5.0)
+    assert time.monotonic() - began < 2.0
+
+
+# -- the loop ---------------------------------------------------------------------------
+
+
+class FakePlatform:
+    """Nodes that come up at once and do what they are told; records every call."""
+
+    def __init__(self, refuse: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        self.calls: list[tuple[str, Any]] = []
+        self.reports: dict[str, NodeReport] = {}
+        self.refuse = refuse
+        self.cancel: Cancel | None = None
+        self.turns = 0
+
+    def launch(self, request: LaunchNodes) -> None:
+        self.calls.append(("launch", request.node_ids))
+        self.reports.update(h.ready(request.node_ids))
+
+    def retire(self, node_ids: Sequence[str]) -> None:
+        self.calls.append(("retire", tuple(node_ids)))
+
+    def send(self, sent: Sequence[Delivery]) -> list[Refusal]:
+        refused = []
+        for d in sent:
+            self.calls.append((d.request, d.node_id))
+            if d.request in self.refuse:
+                refused.append(Refusal(d.node_id, d.request, d.attempt, "409 no"))
+                continue
+            if d.request == "start":
+                rank = NODES.index(d.node_id)
+                self.reports[d.node_id] = h.report(
+                    d.node_id,
+                    NodeState.COMPLETED,
+                    d.attempt,
+                    workers=h.workers(rank, WorkerState.SUCCEEDED),
+                )
+            if d.request == "stop":
+                self.reports[d.node_id] = h.report(d.node_id, NodeState.STOPPED, d.attempt)
+        return refused
+
+    def wait(self, timeout: float) -> None:
+        self.turns += 1
+
+    def observe(self, now: float) -> Observation:
+        return Observation(dict(self.reports), self.cancel)
+
+    def record(self, controller: JobController, observation: Observation | None) -> None:
+        self.calls.append(("record", controller.phase.value))
+
+
+def controller(**kw: Any) -> JobController:
+    config = ControlConfig("job", NODES, 2, **kw)
+    return JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+
+
+def test_drive_launches_starts_and_ends_with_the_job() -> None:
+    platform = FakePlatform()
+    c = controller()
+    drive(c, platform, clock=lambda: 1.0)
+    assert c.phase is JobPhase.SUCCEEDED
+    sent = [call for call in platform.calls if call[0] != "record"]
+    assert sent == [("launch", NODES), ("start", "node-0"), ("start", "node-1")]
+    assert platform.calls[-1] == ("record", "Succeeded")
+
+
+def test_drive_gives_refusals_back_to_the_controller_at_once() -> None:
+    platform = FakePlatform(refuse={"start"})
+    c = controller()
+    drive(c, platform, clock=lambda: 1.0)
+    assert c.phase is JobPhase.FAILED
+    assert "refused /start of attempt 0" in (c.reason or "")
+
+
+def test_drive_stops_on_a_cancel() -> None:
+    platform = FakePlatform()
+    platform.cancel = Cancel("deleted by user")
+    c = controller()
+    drive(c, platform, clock=lambda: 1.0)
+    assert (c.phase, c.reason) == (JobPhase.STOPPED, "deleted by user")
+
+
+def test_a_stop_action_is_one_delivery_per_node() -> None:
+    from trainguard.control.actions import StopNodes
+
+    [a, b] = deliveries(StopNodes(3, NODES, "process", 0.0, capture_stacks=True))
+    assert (a.node_id, b.node_id, a.request, a.attempt) == ("node-0", "node-1", "stop", 3)
+    assert a.payload == StopRequest(attempt=3, mode="process", timeout=0.0, capture_stacks=True)
+
+
+# -- the inbox --------------------------------------------------------------------------
+
+
+def post(url: str, body: bytes, token: str | None) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url, data=body, method="POST")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture
+def inbox() -> Any:
+    inbox = Inbox()
+    yield inbox
+    inbox.close()
+
+
+def test_the_inbox_takes_a_jobs_pushes_with_its_token_only(inbox: Inbox) -> None:
+    book = ReportBook()
+    book.reset("node-0", "node-0")
+    url = inbox.register("job-a", "secret", lambda s: book.answered(s, push=True))
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/report/job-a")
+    body = h.status("node-0", NodeState.FAULTED).model_dump_json().encode()
+    assert post(url, body, "wrong")[0] == 401
+    assert post(url, body, None)[0] == 401
+    assert post(url.replace("job-a", "job-b"), body, "secret")[0] == 404
+    code, reply = post(url, b'{"node_id": "node-0"}', "secret")
+    assert code == 400 and reply["error"] == "status.pid: missing"
+    assert post(url, body, "secret") == (202, {"accepted": True})
+    status = book.reports()["node-0"].status
+    assert status is not None and status.state is NodeState.FAULTED
+    stranger = h.status("node-9").model_dump_json().encode()
+    assert post(url, stranger, "secret")[0] == 409
+    older = h.status("node-0", NodeState.RUNNING, seq=-1).model_dump_json().encode()
+    assert post(url, older, "secret") == (202, {"accepted": True})  # accepted, dropped
+    assert book.reports()["node-0"].status.state is NodeState.FAULTED  # type: ignore[union-attr]
+    inbox.unregister("job-a")
+    assert post(url, body, "secret")[0] == 404  # the job ended
