@@ -210,7 +210,7 @@ def test_the_inbox_takes_a_jobs_pushes_with_its_token_only(inbox: Inbox) -> None
     body = h.status("node-0", NodeState.FAULTED).model_dump_json().encode()
     assert post(url, body, "wrong")[0] == 401
     assert post(url, body, None)[0] == 401
-    assert post(url.replace("job-a", "job-b"), body, "secret")[0] == 404
+    assert post(url.replace("job-a", "job-b"), body, "secret")[0] == 401  # no such job
     code, reply = post(url, b'{"node_id": "node-0"}', "secret")
     assert code == 400 and reply["error"] == "status.pid: missing"
     assert post(url, body, "secret") == (202, {"accepted": True})
@@ -222,4 +222,4 @@ def test_the_inbox_takes_a_jobs_pushes_with_its_token_only(inbox: Inbox) -> None
     assert post(url, older, "secret") == (202, {"accepted": True})  # accepted, dropped
     assert book.reports()["node-0"].status.state is NodeState.FAULTED  # type: ignore[union-attr]
     inbox.unregister("job-a")
-    assert post(url, body, "secret")[0] == 404  # the job ended
+    assert post(url, body, "secret")[0] == 401  # the job ended

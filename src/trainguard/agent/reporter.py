@@ -98,9 +98,6 @@ class Reporter:
                 if attempt:
                     raise OSError(f"no answer: {exc}") from None
                 continue
-            if response.status == 404:  # the job ended there: nobody is listening
-                logger.debug("no job at %s any more", url)
-                return
             if response.status >= 300:
                 raise OSError(f"{response.status} {reply[:200]!r}")
             return

@@ -6,9 +6,9 @@ with its own token and a callback; an agent of that job POSTs its
 :class:`~trainguard.wire.status.NodeStatus` to ``<url>/report/<key>`` with the job's
 bearer token, and the callback (the job's :class:`~trainguard.platform.book.ReportBook`)
 takes it and wakes the job's loop. The token is checked before the body is read; a body
-that does not fit the model gets a 400 naming the field, a job that ended a 404, a
-status of an agent the job no longer has a 409 (a status older than one already known
-is accepted and dropped). Loopback unless told otherwise.
+that does not fit the model gets a 400 naming the field, a status of an agent the job
+no longer has a 409 (a status older than one already known is accepted and dropped).
+An unknown job gets the same 401 as a wrong token. Loopback unless told otherwise.
 """
 
 from __future__ import annotations
@@ -95,14 +95,14 @@ class Inbox:
         await web.SockSite(self._runner, sock, backlog=4096).start()
 
     async def _report(self, request: web.Request) -> web.Response:
-        key = request.match_info["key"]
         with self._lock:
-            job = self._jobs.get(key)
-        if job is None:
-            return web.json_response({"error": f"no job {key!r} here (ended?)"}, status=404)
+            job = self._jobs.get(request.match_info["key"])
         scheme, _, credential = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            credential.strip().encode(), job.token
+        # An unknown job looks like a wrong token: no caller learns which jobs exist.
+        if (
+            job is None
+            or scheme.lower() != "bearer"
+            or not hmac.compare_digest(credential.strip().encode(), job.token)
         ):
             return web.json_response({"error": "missing or wrong bearer token"}, status=401)
         try:
