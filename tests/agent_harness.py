@@ -6,6 +6,7 @@ Reusable by any test that needs an agent subprocess (``from agent_harness import
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -13,9 +14,12 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trainguard.agent.client import AgentClient, AgentError
 from trainguard.wire.requests import AttemptRequest, NodeAssignment, StopRequest
@@ -125,6 +129,21 @@ def stop(attempt: int | None = None, mode: str = "graceful", timeout: float = 10
     return StopRequest.model_validate(
         {"attempt": attempt, "mode": mode, "timeout": timeout}, strict=False
     )
+
+
+def request_json(
+    url: str, method: str, body: bytes | None, token: str | None
+) -> tuple[int, dict[str, Any]]:
+    """One HTTP request with an optional bearer token: ``(status, JSON reply)``, errors
+    included (a refusal is a reply, not an exception)."""
+    request = urllib.request.Request(url, data=body, method=method)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 def pid_gone(pid: int) -> bool:

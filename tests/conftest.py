@@ -7,12 +7,14 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from trainguard.platform.inbox import Inbox
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -61,6 +63,14 @@ class Trainguard:
         jobs = json.loads(done.stdout)
         assert len(jobs) == 1, jobs
         return self.describe(jobs[0]["id"])
+
+
+@pytest.fixture
+def inbox() -> Iterator[Inbox]:
+    """A job-side report inbox on loopback, closed after the test."""
+    inbox = Inbox()
+    yield inbox
+    inbox.close()
 
 
 @pytest.fixture

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from agent_harness import TOKEN, AgentProcess, free_port, make_assignment, spawn_agent, start
+from agent_harness import (
+    TOKEN,
+    AgentProcess,
+    free_port,
+    make_assignment,
+    request_json,
+    spawn_agent,
+    start,
+)
 from trainguard.agent.client import AgentClient, AgentError, AgentUnreachable
 from trainguard.wire.status import NodeStatus
 
@@ -29,14 +35,7 @@ def call(
     body: bytes | None = None,
     token: str | None = TOKEN,
 ) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(agent.url + path, data=body, method=method)
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return request_json(agent.url + path, method, body, token)
 
 
 def start_body(**changes: Any) -> bytes:

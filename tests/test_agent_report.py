@@ -41,13 +41,6 @@ def test_the_exit_watcher_calls_back_when_a_child_exits() -> None:
         watcher.close()
 
 
-@pytest.fixture
-def inbox() -> Iterator[Inbox]:
-    inbox = Inbox()
-    yield inbox
-    inbox.close()
-
-
 def test_the_reporter_pushes_the_newest_status_on_a_nudge(inbox: Inbox) -> None:
     book = ReportBook()
     book.reset("node-0", "node-0")

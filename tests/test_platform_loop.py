@@ -3,17 +3,13 @@ platform, the inbox over real HTTP, and the contact verdicts."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-import pytest
-
 import control_helpers as h
+from agent_harness import request_json
 from trainguard.control.actions import JobPhase, LaunchNodes
 from trainguard.control.assignment import Endpoint
 from trainguard.control.contact import Contact, contact, launch_verdict, lost_reason
@@ -185,21 +181,7 @@ def test_a_stop_action_is_one_delivery_per_node() -> None:
 
 
 def post(url: str, body: bytes, token: str | None) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(url, data=body, method="POST")
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-@pytest.fixture
-def inbox() -> Any:
-    inbox = Inbox()
-    yield inbox
-    inbox.close()
+    return request_json(url, "POST", body, token)
 
 
 def test_the_inbox_takes_a_jobs_pushes_with_its_token_only(inbox: Inbox) -> None:

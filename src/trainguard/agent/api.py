@@ -27,7 +27,7 @@ from trainguard.wire.requests import (
 )
 from trainguard.wire.status import NodeStatus
 
-__all__ = ["AgentApi", "NodeControl", "Refused", "Reply"]
+__all__ = ["AgentApi", "NodeControl", "Refused", "Reply", "error_reply", "json_reply"]
 
 
 class Refused(Exception):
@@ -58,12 +58,13 @@ class Reply:
     after: Callable[[], None] | None = None
 
 
-def _json(status: int, payload: dict[str, Any], **headers: str) -> Reply:
+def json_reply(status: int, payload: dict[str, Any], **headers: str) -> Reply:
     return Reply(status, json.dumps(payload).encode(), dict(headers))
 
 
-def _error(status: int, message: str, **headers: str) -> Reply:
-    return _json(status, {"error": message}, **headers)
+def error_reply(status: int, message: str, **headers: str) -> Reply:
+    """``{"error": message}``: how every refusal of the agent API reads."""
+    return json_reply(status, {"error": message}, **headers)
 
 
 class AgentApi:
@@ -102,8 +103,8 @@ class AgentApi:
             return None
         allowed = [m for m, p in self.ROUTES if p == path]
         if allowed:
-            return _error(405, f"{path} takes {allowed[0]}", Allow=allowed[0])
-        return _error(404, f"no such path: {path}")
+            return error_reply(405, f"{path} takes {allowed[0]}", Allow=allowed[0])
+        return error_reply(404, f"no such path: {path}")
 
     def handle(self, method: str, path: str, body: bytes) -> Reply:
         """An authorized request (see :meth:`authorized`) to a route."""
@@ -114,9 +115,9 @@ class AgentApi:
         try:
             return self._dispatch(path, body)
         except WireError as exc:
-            return _error(400, str(exc))
+            return error_reply(400, str(exc))
         except Refused as exc:
-            return _error(409, str(exc))
+            return error_reply(409, str(exc))
 
     def _dispatch(self, path: str, body: bytes) -> Reply:
         node = self.node

@@ -9,7 +9,6 @@ memory-tier replicas peers push and pull (``/replica/...``, see
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import sys
@@ -18,7 +17,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from trainguard.agent.api import AgentApi, NodeControl, Reply
+from trainguard.agent.api import AgentApi, NodeControl, Reply, error_reply, json_reply
 from trainguard.agent.replicas import REPLICA_PATH, ReplicaError, ReplicaStore
 
 logger = logging.getLogger(__name__)
@@ -94,7 +93,7 @@ class _Handler(BaseHTTPRequestHandler):
         api = self.server.api
         if not api.authorized(self.headers.get("Authorization")):
             self.close_connection = True  # the body, if any, stays unread
-            self._send(_error(401, "missing or wrong bearer token"))
+            self._send(error_reply(401, "missing or wrong bearer token"))
             return
         if self.path.startswith(REPLICA_PATH):
             self._replica(method)
@@ -108,11 +107,11 @@ class _Handler(BaseHTTPRequestHandler):
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             self.close_connection = True
-            self._send(_error(400, "Content-Length: not a number"))
+            self._send(error_reply(400, "Content-Length: not a number"))
             return
         if length > MAX_BODY_BYTES:
             self.close_connection = True
-            self._send(_error(413, f"body larger than {MAX_BODY_BYTES} bytes"))
+            self._send(error_reply(413, f"body larger than {MAX_BODY_BYTES} bytes"))
             return
         body = self.rfile.read(length) if length > 0 else b""
         reply = api.handle(method, self.path, body)
@@ -127,7 +126,7 @@ class _Handler(BaseHTTPRequestHandler):
         store = self.server.replicas
         if store is None:
             self.close_connection = True
-            self._send(_error(404, "this agent keeps no replicas (no memory tier)"))
+            self._send(error_reply(404, "this agent keeps no replicas (no memory tier)"))
             return
         rest = urllib.parse.unquote(self.path.split("?", 1)[0][len(REPLICA_PATH) :])
         source, _, relpath = rest.partition("/")
@@ -135,9 +134,9 @@ class _Handler(BaseHTTPRequestHandler):
             if method == "PUT" and relpath:
                 length = int(self.headers.get("Content-Length") or 0)
                 store.receive(source, relpath, self.rfile, length)
-                self._send(_json(201, {"stored": relpath}))
+                self._send(json_reply(201, {"stored": relpath}))
             elif method == "GET" and not relpath:
-                self._send(_json(200, {"files": store.listing(source)}))
+                self._send(json_reply(200, {"files": store.listing(source)}))
             elif method == "GET":
                 path = store.path(source, relpath)
                 self.send_response(200)
@@ -148,13 +147,13 @@ class _Handler(BaseHTTPRequestHandler):
                     shutil.copyfileobj(f, self.wfile, 4 * 1024 * 1024)
             else:
                 self.close_connection = True
-                self._send(_error(405, f"{method} {REPLICA_PATH}... is not supported"))
+                self._send(error_reply(405, f"{method} {REPLICA_PATH}... is not supported"))
         except (ReplicaError, ValueError) as exc:
             self.close_connection = True
-            self._send(_error(400, str(exc)))
+            self._send(error_reply(400, str(exc)))
         except FileNotFoundError as exc:
             self.close_connection = True
-            self._send(_error(404, str(exc)))
+            self._send(error_reply(404, str(exc)))
 
     def _send(self, reply: Reply) -> None:
         self.send_response(reply.status)
@@ -165,11 +164,3 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(reply.body)
         self.wfile.flush()
-
-
-def _json(status: int, payload: dict[str, Any]) -> Reply:
-    return Reply(status, json.dumps(payload).encode())
-
-
-def _error(status: int, message: str) -> Reply:
-    return _json(status, {"error": message})

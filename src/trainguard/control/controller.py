@@ -293,7 +293,8 @@ class JobController:
         reports: Mapping[str, NodeReport],
         refusals: Sequence[Refusal],
     ) -> list[Action]:
-        faults = attempt.watch.faults(now, attempt.assignments, reports)
+        current = attempt.watch.current(attempt.assignments, reports)
+        faults = attempt.watch.faults(now, attempt.assignments, reports, current)
         faults += refusal_faults(now, attempt.number, refusals)
         actions: list[Action] = []
         if attempt.rejoin is not None and not faults:
@@ -308,7 +309,6 @@ class JobController:
             capture = any(f.type.is_hang for f in faults)
             return [self._stop(now, attempt, "process", faults[0].message, capture)]
         actions += self._plan_checkpoints(now, attempt, reports)
-        current = attempt.watch.current(attempt.assignments, reports)
         if len(current) == len(attempt.assignments) and all(
             status.state is NodeState.COMPLETED for _, status in current
         ):

@@ -148,8 +148,9 @@ class AttemptWatch:
         now: float,
         assignments: Sequence[NodeAssignment],
         reports: Mapping[str, NodeReport],
+        current: Sequence[tuple[str, NodeStatus]],
     ) -> list[Fault]:
-        current = self.current(assignments, reports)
+        """The faults ``reports`` show; ``current`` is :meth:`current` of the same."""
         self._observe_progress(current)
         faults: list[Fault] = []
         late = self.start_timeout is not None and now - self.started_at >= self.start_timeout

@@ -111,11 +111,6 @@ class ReportBook:
         with self._lock:
             return {n: e.url for n, e in self._entries.items() if e.url is not None}
 
-    def incarnation(self, node_id: str) -> str | None:
-        with self._lock:
-            entry = self._entries.get(node_id)
-            return entry.incarnation if entry is not None else None
-
     def reports(self) -> dict[str, NodeReport]:
         """What is known of every node now (the reports are immutable values)."""
         with self._lock:

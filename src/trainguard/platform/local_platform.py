@@ -22,6 +22,7 @@ from typing import IO
 
 from trainguard.control.actions import LaunchNodes
 from trainguard.control.assignment import Endpoint
+from trainguard.control.contact import Contact, contact
 from trainguard.control.controller import JobController
 from trainguard.control.events import Event
 from trainguard.control.reports import NodeReport, Refusal
@@ -180,11 +181,13 @@ class LocalPlatform:
         attempt = controller.current
         assignments = {a.node_id: a for a in attempt.assignments} if attempt else {}
         rows = []
+        limit = controller.config.unreachable_after
         for node_id, report in reports.items():
             status = report.status
-            if report.gone is not None:
+            verdict = contact(report, limit)
+            if verdict is Contact.LOST:  # the controller's word, not just a gone process
                 state = "unreachable"
-            elif status is None:
+            elif verdict is Contact.PENDING or status is None:
                 state = "pending"
             else:
                 state = status.state.value

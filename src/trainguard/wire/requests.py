@@ -22,7 +22,6 @@ from pydantic import Field, field_validator
 from trainguard.wire.base import Wire
 
 __all__ = [
-    "STOP_MODES",
     "Accepted",
     "AttemptRequest",
     "MonitorConfig",
@@ -35,8 +34,6 @@ __all__ = [
 Name = Annotated[str, Field(min_length=1)]
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
-STOP_MODES = ("graceful", "process")
-"""``graceful``: SIGTERM, SIGKILL after the stop's timeout; ``process``: SIGKILL now."""
 DEFAULT_STOP_TIMEOUT = 10.0  # s of SIGTERM grace when a stop names none
 
 
@@ -146,6 +143,7 @@ class StopRequest(Wire):
     """
 
     attempt: int | None = Field(default=None, ge=0)
+    # graceful: SIGTERM, SIGKILL after ``timeout``; process: SIGKILL now.
     mode: Literal["graceful", "process"] = "graceful"
     timeout: Seconds = DEFAULT_STOP_TIMEOUT
     capture_stacks: bool = False
