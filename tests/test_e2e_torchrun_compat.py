@@ -82,7 +82,11 @@ def torchrun_two_nodes(log_dir: Path) -> list[str] | None:
     ]
 
 
-def test_same_env_contract_and_same_output_as_torchrun(tg: Trainguard, tmp_path: Path) -> None:
+@pytest.mark.parametrize("start", ["warm", "cold"])
+def test_same_env_contract_and_same_output_as_torchrun(
+    tg: Trainguard, tmp_path: Path, start: str
+) -> None:
+    """Warm (workers forked from the agent's template) and cold (fresh interpreters)."""
     for trial in range(3):
         baseline = torchrun_two_nodes(tmp_path / f"torchrun{trial}")
         if baseline is not None:
@@ -92,6 +96,7 @@ def test_same_env_contract_and_same_output_as_torchrun(tg: Trainguard, tmp_path:
     assert sorted(expected) == [0, 1, 2, 3]
     done = tg.run(
         "run",
+        *(["--cold-start"] if start == "cold" else []),
         "--nnodes",
         "2",
         "--nproc-per-node",

@@ -299,3 +299,16 @@ def test_install_and_uninstall_apply_every_object(
         assert out.getvalue().splitlines()[0] == "service/trainguard-operator-metrics deleted"
     finally:
         server.stop()
+
+
+def test_pods_carry_the_jobs_worker_start_options() -> None:
+    path = REPO / "examples" / "gpt" / "job.yaml"
+    body = yaml.safe_load(path.read_text())
+    body["metadata"].update(namespace="ml", uid="0c3e9ad5-4bd3-4c1e-9a70-2b6c0d0d6b1e")
+    body["spec"]["trainguard"] = {"warmStart": False, "preloadModules": ["transformers"]}
+    job = parse_job(body, str(path))
+    plan = kube_plan(job, str(path))
+    pod = node_pod(job, body, 0, plan.groups[0], "node-1", "p", 3, OperatorConfig())
+    command = pod["spec"]["containers"][0]["command"]
+    agent_args = command[: command.index("--")]
+    assert agent_args[-3:] == ["--cold-start", "--preload", "transformers"]

@@ -291,3 +291,13 @@ def test_schema_uses_camel_case_names_and_has_no_nulls() -> None:
     for name, model in defs.items():
         for field, prop in model.get("properties", {}).items():
             assert prop.get("description"), f"{name}.{field} has no description"
+
+
+def test_warm_start_options_and_module_names() -> None:
+    job = parse_job(MINIMAL, "job.yaml")
+    assert job.spec.trainguard.warm_start is True and job.spec.trainguard.preload_modules == []
+    cold = job_with(**{"spec.trainguard": {"warmStart": False, "preloadModules": ["a.b", "c"]}})
+    options = parse_job(cold, "job.yaml").spec.trainguard
+    assert options.warm_start is False and options.preload_modules == ["a.b", "c"]
+    bad = job_with(**{"spec.trainguard.preloadModules": ["ok", "not a module"]})
+    assert errors_of(bad).startswith("job.yaml: spec.trainguard.preloadModules[1]: ")

@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         "--no-python", action="store_true", help="run the script directly instead of through Python"
     )
     run.add_argument("--inject", action="append", default=[], metavar="SPEC", help=INJECT_HELP)
+    run.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="start every worker as a fresh interpreter, not forked from a warm template "
+        "(the same as spec.trainguard.warmStart: false)",
+    )
     run.add_argument("script", nargs="?", help="training script (torchrun-style form)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
 

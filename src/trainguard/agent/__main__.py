@@ -2,7 +2,8 @@
 
     python -m trainguard.agent --node-id ID (--token-file FILE | --token-env VAR) --log-dir DIR
         [--host 127.0.0.1] [--port 0] [--port-file FILE] [--parent-pid PID]
-        [--incarnation NAME] [--cwd DIR] [--env KEY=VALUE]... -- WORKER_ARGV...
+        [--incarnation NAME] [--cwd DIR] [--env KEY=VALUE]... [--cold-start]
+        [--preload MODULE]... -- WORKER_ARGV...
 
 Arguments are checked before the agent's own modules are imported, so a bad command line
 fails fast. The agent never imports torch: it supervises, its workers train.
@@ -50,6 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cwd", type=Path, help="working directory of the workers")
     parser.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="add to workers' env"
+    )
+    parser.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="start every worker as a fresh interpreter (default: fork Python workers from "
+        "a template process that has imported their modules)",
+    )
+    parser.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also import this module in the worker template",
     )
     parser.add_argument("--log-level", default="INFO", help="agent log level (default: INFO)")
     return parser
@@ -144,6 +158,7 @@ def _serve(
     from trainguard.agent.replicas import ReplicaStore
     from trainguard.agent.server import AgentHTTPServer
     from trainguard.agent.supervisor import AgentTimings, Supervisor
+    from trainguard.agent.warm import StartOptions
     from trainguard.agent.workers import reserved_env_keys
 
     clashes = sorted(set(agent_env) & reserved_env_keys())
@@ -161,6 +176,7 @@ def _serve(
         timings=timings,
         token=token,
         incarnation=args.incarnation,
+        start_options=StartOptions(warm=not args.cold_start, preload=tuple(args.preload)),
     )
     memory_dir = agent_env.get(MEMORY_DIR_ENV)
     # Replicas of other nodes' memory tiers live beside this node's own (also in RAM).

@@ -36,6 +36,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from trainguard.agent.logs import LogLayout
+from trainguard.agent.warm import Spawner
 from trainguard.agent.workers import Spawned, WorkerGroup, WorkerProcess, signal_group, worker_envs
 from trainguard.wire.control_files import (
     ATTEMPT_ENV,
@@ -75,6 +76,7 @@ class ResilientGroup(WorkerGroup):
         cwd: Path | None,
         reap_timeout: float,
         spawned: Spawned = lambda pid: None,
+        spawner: Spawner | None = None,
     ) -> None:
         super().__init__(
             assignment,
@@ -84,6 +86,7 @@ class ResilientGroup(WorkerGroup):
             cwd=cwd,
             reap_timeout=reap_timeout,
             spawned=spawned,
+            spawner=spawner,
         )
         self.control_dir = layout.root / "control" / assignment.node_id
         self._spares: dict[int, WorkerProcess] = {}  # idle spares by spare id

@@ -31,6 +31,7 @@ from trainguard.agent.monitoring import build_monitor
 from trainguard.agent.persist import MEMORY_DIR_ENV, DurablePersister, make_persister
 from trainguard.agent.replicas import ReplicaPusher, restore_from_peers
 from trainguard.agent.reporter import Reporter
+from trainguard.agent.warm import FRESH_STARTS, Spawner, StartOptions
 from trainguard.agent.workers import WorkerGroup
 from trainguard.monitor.heartbeat import HEARTBEAT_DIR_ENV
 from trainguard.monitor.stacks import capture_stacks
@@ -110,7 +111,10 @@ class Supervisor:
         timings: AgentTimings = AgentTimings(),
         token: str = "",
         incarnation: str = "",
+        start_options: StartOptions = FRESH_STARTS,
     ) -> None:
+        """``start_options``: warm worker starts (see :mod:`trainguard.agent.warm`); off
+        unless asked for, the agent's command line turns them on."""
         self.node_id = node_id
         self._worker_argv = list(worker_argv)
         self._layout = layout
@@ -130,6 +134,8 @@ class Supervisor:
         self._tailer: LogTailer | None = None
         self._pusher: ReplicaPusher | None = None
         self._persister: DurablePersister | None = None  # set by the first attempt
+        self._start_options = start_options
+        self._spawner: Spawner | None = None  # made on the supervisor thread
         self.restored_from: str | None = None
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainguard-supervisor", daemon=True)
@@ -198,6 +204,15 @@ class Supervisor:
 
     def _run(self) -> None:
         try:
+            # The template imports while the agent waits for its first start.
+            self._spawner = Spawner(
+                self._worker_argv,
+                self._agent_env,
+                self._cwd,
+                self._layout.root / f"template-{self.node_id}.log",
+                self._start_options,
+                on_exit=lambda: self._commands.put(_Wake()),
+            )
             while True:
                 try:
                     command: _Command | None = self._commands.get(
@@ -225,6 +240,8 @@ class Supervisor:
             # If this fails too, the agent exits and the workers' death signal kills them.
             self._end_attempt(signal.SIGKILL, 0.0)
         finally:
+            if self._spawner is not None:
+                self._spawner.close()
             self._exits.close()
             self._reporter.close()
             self.done.set()
@@ -256,6 +273,7 @@ class Supervisor:
             cwd=self._cwd,
             reap_timeout=self._timings.reap_timeout,
             spawned=self._exits.watch,
+            spawner=self._spawner,
         )
         with self.board.lock:
             self.board.attach(monitor, beats_dir, group)

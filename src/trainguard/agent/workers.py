@@ -1,7 +1,8 @@
 """One attempt's worker processes on this node: started, watched, stopped.
 
-Each worker runs through the exec shim (:mod:`trainguard.agent.exec_worker`), which
-makes the kernel kill it when the agent thread that forked it exits; hence
+Each worker is forked from the agent's worker template (:mod:`trainguard.agent.warm`)
+or runs through the exec shim (:mod:`trainguard.agent.exec_worker`); either way the
+kernel kills it when the agent thread that started it (or its template) exits; hence
 :meth:`WorkerGroup.start` must run on the agent's long-lived supervisor thread, never
 on a short-lived request thread. Every worker leads its own session (and process
 group), gets torchrun's environment plus ``TORCHELASTIC_ERROR_FILE`` (where torch
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from trainguard.agent.logs import STREAMS, LogLayout
+from trainguard.agent.warm import Process, Spawner
 from trainguard.wire.requests import NodeAssignment
 
 logger = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ def signal_group(pid: int, sig: signal.Signals) -> None:
 class WorkerProcess:
     """One worker process: its output files (stream -> path) and its error file."""
 
-    proc: subprocess.Popen[bytes]
+    proc: Process
     paths: dict[str, Path]
     error_file: Path
     files: list[IO[bytes]] = field(default_factory=list)
@@ -128,19 +130,31 @@ class WorkerProcess:
 
 
 def spawn_worker(
-    argv: Sequence[str], env: Mapping[str, str], cwd: Path | None, log_dir: Path
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: Path | None,
+    log_dir: Path,
+    spawner: Spawner | None = None,
 ) -> WorkerProcess:
-    """Start ``argv`` through the exec shim, in its own session, its output appended to
-    ``log_dir/{stdout,stderr}.log``; ``log_dir/error.json`` is its error file."""
+    """Start ``argv`` in its own session, its output appended to
+    ``log_dir/{stdout,stderr}.log``; ``log_dir/error.json`` is its error file.
+
+    Forked from ``spawner``'s template where it can (a warm start), else through the
+    exec shim (a fresh interpreter)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     paths = {stream: log_dir / f"{stream}.log" for stream in STREAMS}
     error_file = log_dir / "error.json"
     error_file.unlink(missing_ok=True)  # a re-run attempt must not see a stale one
+    full_env = {**os.environ, **env, ERROR_FILE_ENV: str(error_file)}
+    if spawner is not None:
+        warm = spawner.spawn(argv, full_env, paths["stdout"], paths["stderr"])
+        if warm is not None:
+            return WorkerProcess(warm, paths, error_file)
     files: list[IO[bytes]] = [open(paths[s], "ab") for s in STREAMS]  # noqa: SIM115
     try:
         proc = subprocess.Popen(
             [sys.executable, *shim_args(os.getpid(), argv, cwd)],
-            env={**os.environ, **env, ERROR_FILE_ENV: str(error_file)},
+            env=full_env,
             stdin=subprocess.DEVNULL,
             stdout=files[0],
             stderr=files[1],
@@ -166,8 +180,10 @@ class WorkerGroup:
         cwd: Path | None,
         reap_timeout: float,
         spawned: Spawned = lambda pid: None,
+        spawner: Spawner | None = None,
     ) -> None:
-        """``reap_timeout``: how long to wait for a process to vanish after SIGKILL."""
+        """``reap_timeout``: how long to wait for a process to vanish after SIGKILL;
+        ``spawner``: forks warm workers (None: every worker starts fresh)."""
         self.assignment = assignment
         self.ranks = dict(enumerate(assignment.global_ranks))  # local -> global
         self._argv = list(worker_argv)
@@ -176,6 +192,7 @@ class WorkerGroup:
         self._cwd = cwd
         self._reap_timeout = reap_timeout
         self._spawned = spawned
+        self._spawner = spawner
         self._workers: dict[int, WorkerProcess] = {}  # local rank -> its current process
         self._exitcodes: dict[int, int] = {}  # local rank -> exit of its current process
 
@@ -251,6 +268,6 @@ class WorkerGroup:
         return dict(self._agent_env)
 
     def _spawn(self, env: Mapping[str, str], log_dir: Path) -> WorkerProcess:
-        worker = spawn_worker(self._argv, env, self._cwd, log_dir)
+        worker = spawn_worker(self._argv, env, self._cwd, log_dir, self._spawner)
         self._spawned(worker.pid)
         return worker

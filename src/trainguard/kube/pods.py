@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from trainguard.agent.warm import StartOptions
 from trainguard.kube.config import (
     GROUP,
     KIND,
@@ -181,7 +182,9 @@ def _agent_argv(job: TrainingJob, node_id: str, settings: OperatorConfig) -> lis
     ]
     for key, value in agent_env.items():
         argv += ["--env", f"{key}={value}"]
-    return argv
+    options = job.spec.trainguard
+    start = StartOptions(options.warm_start, tuple(options.preload_modules))
+    return [*argv, *start.agent_flags()]
 
 
 def _affinity(given: Obj | None, settings: OperatorConfig, avoid_hosts: Sequence[str]) -> Obj:

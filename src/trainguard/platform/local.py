@@ -20,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any, TextIO
 
+from trainguard.agent.warm import StartOptions
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.platform.book import ReportBook
 from trainguard.platform.config import control_config
@@ -164,7 +165,9 @@ class LocalRunner:
             for node_id in self.groups
         }
         groups: dict[str, NodeGroupPlan] = {n: group for n, (_, group) in self.groups.items()}
-        return AgentLauncher(self.job_dir, self.token_file, groups, env)
+        options = self.plan.job.spec.trainguard
+        start = StartOptions(options.warm_start, tuple(options.preload_modules))
+        return AgentLauncher(self.job_dir, self.token_file, groups, env, start)
 
     def _result(self, controller: JobController) -> JobResult:
         reason = controller.reason or ""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from trainguard.agent.client import AgentClient, AgentError
+from trainguard.agent.warm import WARM_STARTS, StartOptions
 from trainguard.platform.procs import kill_group
 from trainguard.spec.plan import NodeGroupPlan
 
@@ -117,12 +118,15 @@ class AgentLauncher:
         token_file: Path,
         groups: dict[str, NodeGroupPlan],
         env: dict[str, dict[str, str]],
+        start: StartOptions = WARM_STARTS,
     ) -> None:
-        """``groups``: each node id's group; ``env``: each node id's extra agent env."""
+        """``groups``: each node id's group; ``env``: each node id's extra agent env;
+        ``start``: how the agents start their workers (warm or fresh)."""
         self.job_dir = job_dir
         self.token_file = token_file
         self.groups = groups
         self.env = env
+        self.start = start
 
     def __call__(self, node_id: str, incarnation: str) -> LocalNode:
         group = self.groups[node_id]
@@ -155,7 +159,7 @@ class AgentLauncher:
         ]
         for key, value in {**group.env, **self.env.get(node_id, {})}.items():
             argv += ["--env", f"{key}={value}"]
-        argv += ["--", *group.command]
+        argv += [*self.start.agent_flags(), "--", *group.command]
         with open(agents_dir / f"{node_id}.log", "ab") as agent_log:
             process = subprocess.Popen(
                 argv,

@@ -8,7 +8,7 @@ import sys
 from trainguard.platform.inject import parse_injection
 from trainguard.platform.local import EXIT_INTERRUPTED, LocalRunner
 from trainguard.platform.store import Store, state_dir
-from trainguard.spec import SpecError, cli_job, load_job, resolve_plan
+from trainguard.spec import SpecError, TrainingJob, cli_job, load_job, resolve_plan
 
 EXIT_USAGE = 2
 _TORCHRUN_FLAGS = ("nnodes", "nproc_per_node", "max_restarts", "module", "no_python", "name")
@@ -41,6 +41,8 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 module=args.module,
                 no_python=args.no_python,
             )
+        if args.cold_start:
+            job = cold_started(job)
         plan = resolve_plan(job, source)
         injections = [parse_injection(text) for text in args.inject]
     except ValueError as exc:  # a bad --inject SPEC
@@ -67,3 +69,10 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         return result.exit_code
     finally:
         store.close()
+
+
+def cold_started(job: TrainingJob) -> TrainingJob:
+    """``job`` with warm worker starts turned off (``--cold-start``)."""
+    options = job.spec.trainguard.model_copy(update={"warm_start": False})
+    spec = job.spec.model_copy(update={"trainguard": options})
+    return job.model_copy(update={"spec": spec})

@@ -48,7 +48,17 @@ def _check_regex(value: str) -> str:
     return value
 
 
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _check_module_name(value: str) -> str:
+    if len(value) > 200 or not _MODULE_NAME.match(value):
+        raise ValueError("must be a dotted Python module name, e.g. transformers or my_pkg.model")
+    return value
+
+
 DnsName = Annotated[str, AfterValidator(_check_dns_label)]
+ModuleName = Annotated[str, AfterValidator(_check_module_name)]
 Regex = Annotated[str, AfterValidator(_check_regex)]
 
 

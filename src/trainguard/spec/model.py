@@ -23,6 +23,7 @@ from trainguard.spec.fields import (
     DNS_LABEL_HELP,
     FIELD_PROBLEM,
     DnsName,
+    ModuleName,
     NprocPerNode,
     Regex,
     Seconds,
@@ -280,6 +281,19 @@ class TrainguardOptions(SpecModel):
         description="trainguard extension: warm standby worker processes (script loaded, "
         "waiting) that take over a dead rank in an in-process restart; placed one per node, "
         "round robin from node 0.",
+    )
+    warm_start: bool = Field(
+        default=True,
+        description="trainguard extension: fork Python workers, at every start and process "
+        "restart, from a per-node template process that has already imported torch and the "
+        "script's other installed modules, instead of starting a fresh interpreter. Off: "
+        "every worker is a fresh `python` process.",
+    )
+    preload_modules: list[ModuleName] = Field(
+        default_factory=list,
+        max_length=64,
+        description="trainguard extension: modules the worker template imports too (besides "
+        "torch and the installed modules the script imports, found by reading it).",
     )
     restart_barrier_timeout_seconds: Seconds = Field(
         default=60.0,
