@@ -11,6 +11,8 @@ import pytest
 
 from trainguard.platform.actuate import SignalActuator
 from trainguard.platform.inject import Injector, Targets, parse_injection
+from trainguard.wire.requests import StepInjection
+from trainguard.wire.status import InjectedFault
 
 WAIT_SECONDS = 10.0
 
@@ -151,6 +153,22 @@ def test_step_injection_fires_once_at_its_step_and_not_after_a_restart() -> None
     assert inj.poll(110.0, 5, 100.5, ATTEMPT1) == []
     assert inj.poll(111.0, 9, 100.5, ATTEMPT1) == []
     assert rec.calls == [("kill", (102,))]
+
+
+def test_delegated_step_injections_are_left_to_the_agents_and_confirmed_once() -> None:
+    recorder = Recorder()
+    specs = ["kill:rank=2@step=5", "slow:rank=1@2s", "node-kill:node=0@step=3"]
+    inj = Injector([parse_injection(s) for s in specs], 4, 2, recorder, delegate_steps=True)
+    assert inj.delegated() == (StepInjection(id=0, kind="kill", rank=2, at_step=5),)
+    # The controller fires the others itself; never the delegated one.
+    fired = inj.poll(10.0, 9, 0.0, ATTEMPT0)
+    assert sorted(f.injection.text for f in fired) == sorted(specs[1:])
+    assert ("kill", (102,)) not in recorder.calls
+    report = InjectedFault(id=0, rank=2, step=5, pid=102, time=9.5)
+    hit = inj.confirm(report, node=1)
+    assert hit is not None and (hit.step, hit.rank, hit.node, hit.pids) == (5, 2, 1, (102,))
+    assert inj.confirm(report, node=1) is None  # reported again by a later status
+    assert inj.delegated() == () and inj.pending == []
 
 
 def test_a_step_already_passed_fires_at_once() -> None:

@@ -21,6 +21,7 @@ from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.requests import (
     Accepted,
     AttemptRequest,
+    InjectRequest,
     PersistRequest,
     ReplaceRequest,
     StopRequest,
@@ -45,6 +46,7 @@ class NodeControl(Protocol):
     def request_replace(self, request: ReplaceRequest) -> None: ...
     def request_stop(self, request: StopRequest) -> None: ...
     def request_persist(self, request: PersistRequest) -> None: ...
+    def request_inject(self, request: InjectRequest) -> None: ...
     def request_shutdown(self, reason: str) -> None: ...
 
 
@@ -78,6 +80,7 @@ class AgentApi:
             ("POST", "/replace"),
             ("POST", "/stop"),
             ("POST", "/persist"),
+            ("POST", "/inject"),
             ("POST", "/shutdown"),
         }
     )
@@ -142,6 +145,9 @@ class AgentApi:
             persist = parse_json(PersistRequest, body, "persist")
             node.request_persist(persist)
             return self._accepted(step=persist.step)
+        if path == "/inject":
+            node.request_inject(parse_json(InjectRequest, body, "inject"))
+            return self._accepted()
         assert path == "/shutdown"
         return Reply(
             202,

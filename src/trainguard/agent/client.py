@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from trainguard.wire.base import Wire, error_text
 from trainguard.wire.requests import (
     AttemptRequest,
+    InjectRequest,
     PersistRequest,
     ReplaceRequest,
     StopRequest,
@@ -95,6 +96,10 @@ class AgentClient:
     def persist(self, request: PersistRequest) -> None:
         """Ask the agent to persist a memory-tier step (asynchronous)."""
         self._request("POST", "/persist", request)
+
+    def inject(self, request: InjectRequest) -> None:
+        """Have the agent hold these step injections (replacing what it held)."""
+        self._request("POST", "/inject", request)
 
     def shutdown(self) -> None:
         """Ask the agent to kill its workers and exit."""

@@ -127,7 +127,7 @@ class LogTailer:
         self._layout = layout
         self._attempt = attempt
         self._ranks = dict(ranks)
-        self._interval = interval
+        self.interval = interval  # may change while it runs (an armed injection reads faster)
         self._console = console
         self._on_line = on_line
         self._max_line = max_line_bytes
@@ -187,7 +187,7 @@ class LogTailer:
                 self._pass(final)
                 if final:
                     return
-                self._stop.wait(self._interval)
+                self._stop.wait(self.interval)
         except Exception:
             logger.exception("log tailer for attempt %d failed", self._attempt)
         finally:

@@ -25,6 +25,7 @@ from pathlib import Path
 from trainguard.agent.api import Refused
 from trainguard.agent.board import Board, StartRefused
 from trainguard.agent.exits import ExitWatcher
+from trainguard.agent.inject import FAST_TAIL_INTERVAL, StepInjector
 from trainguard.agent.inprocess import Replaced, ResilientGroup
 from trainguard.agent.logs import Console, LineHook, LogLayout, LogTailer
 from trainguard.agent.monitoring import build_monitor
@@ -38,6 +39,7 @@ from trainguard.monitor.stacks import capture_stacks
 from trainguard.monitor.worker_events import EVENT_DIR_ENV
 from trainguard.wire.requests import (
     AttemptRequest,
+    InjectRequest,
     NodeAssignment,
     PersistRequest,
     ReplaceRequest,
@@ -80,6 +82,9 @@ class _Replace:
 @dataclass(frozen=True)
 class _Stop:
     request: StopRequest
+    # The attempt it stops, fixed when it was accepted: "whatever runs" means what ran
+    # then, never an attempt started after it (-1: none had started).
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,7 @@ class Supervisor:
         self._reporter = Reporter(self.snapshot, token)
         self.board.on_news = self._reporter.nudge
         self._exits = ExitWatcher(lambda: self._commands.put(_Wake()))
+        self._injector = StepInjector(on_fired=self._reporter.nudge)
         self._shutdown_requested = False
         self._group: WorkerGroup | None = None
         self._tailer: LogTailer | None = None
@@ -149,7 +155,9 @@ class Supervisor:
         return self._thread.is_alive()
 
     def snapshot(self) -> NodeStatus:
-        return self.board.snapshot(self._persister)
+        status = self.board.snapshot(self._persister)
+        injected = self._injector.fired
+        return status.model_copy(update={"injected": injected}) if injected else status
 
     def request_start(self, request: AttemptRequest) -> None:
         """Accept an attempt, or raise :class:`StartRefused` if workers may be alive.
@@ -183,7 +191,10 @@ class Supervisor:
         with self.board.lock:
             if self.board.matches(request.attempt) and self.board.busy():
                 self.board.set(NodeState.STOPPING, reason=f"stop requested ({request.mode})")
-            self._commands.put(_Stop(request))
+            target = request.attempt
+            if target is None:
+                target = self.board.attempt if self.board.attempt is not None else -1
+            self._commands.put(_Stop(request, target))
 
     def request_persist(self, request: PersistRequest) -> None:
         """Persist this node's memory shards of a step in the background (see
@@ -193,6 +204,11 @@ class Supervisor:
         if persister is None or not ranks:
             raise Refused("this node has no durable checkpoint tier (or no attempt started yet)")
         persister.request(request.step, request.world_size, request.commit, ranks)
+
+    def request_inject(self, request: InjectRequest) -> None:
+        """Hold these step injections (a rehearsal; see :mod:`trainguard.agent.inject`)."""
+        self._injector.arm(request.injections)
+        self._tail_fast_if_armed()
 
     def request_shutdown(self, reason: str) -> None:
         """Kill the workers and end the supervisor (then the agent exits)."""
@@ -230,7 +246,7 @@ class Supervisor:
                 elif isinstance(command, _Replace):
                     self._replace(command.request)
                 elif isinstance(command, _Stop):
-                    self._stop(command.request)
+                    self._stop(command.request, command.attempt)
                 if self._group is not None:
                     self._check_workers()
         except Exception:
@@ -240,6 +256,7 @@ class Supervisor:
             # If this fails too, the agent exits and the workers' death signal kills them.
             self._end_attempt(signal.SIGKILL, 0.0)
         finally:
+            self._injector.close()
             if self._spawner is not None:
                 self._spawner.close()
             self._exits.close()
@@ -293,8 +310,13 @@ class Supervisor:
             group.ranks,
             interval=self._timings.tail_interval,
             console=self._console,
-            on_line=_both(self.board.monitor_line, self._on_line),
+            on_line=_both(_both(self.board.monitor_line, self._injector.on_line), self._on_line),
         )
+        self._injector.attempt(
+            assignment.monitor.progress_pattern,
+            {group.ranks[local]: pid for local, pid in pids.items()},
+        )
+        self._tail_fast_if_armed()
         self._tailer.start()
         workers = {
             local: WorkerStatus(
@@ -357,8 +379,17 @@ class Supervisor:
                 "attempt %d: rank %d taken over by a %s (pid %d)",
                 group.assignment.attempt, group.ranks[local], how, pid,
             )  # fmt: skip
+        self._injector.took_over(
+            {group.ranks[local]: pid for local, (pid, _, _) in replaced.items()}
+        )
         with self.board.lock:
             self.board.took_over({local: pid for local, (pid, _, _) in replaced.items()})
+
+    def _tail_fast_if_armed(self) -> None:
+        tailer, group = self._tailer, self._group
+        if tailer is not None and group is not None:
+            armed = self._injector.armed_for(list(group.ranks.values()))
+            tailer.interval = FAST_TAIL_INTERVAL if armed else self._timings.tail_interval
 
     def _check_workers(self) -> None:
         """Record exits at once; report; clean up only once every worker has exited."""
@@ -384,9 +415,9 @@ class Supervisor:
             self._finish_attempt()
             logger.info("attempt %d %s", group.assignment.attempt, self.board.state.value)
 
-    def _stop(self, request: StopRequest) -> None:
+    def _stop(self, request: StopRequest, attempt: int) -> None:
         with self.board.lock:
-            if not self.board.matches(request.attempt):
+            if not self.board.matches(attempt):
                 return  # a late stop for an attempt that is no longer current
             if self.board.state is not NodeState.STOPPING:
                 self.board.set(NodeState.STOPPING, reason=f"stop requested ({request.mode})")

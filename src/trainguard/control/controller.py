@@ -149,10 +149,13 @@ class JobController:
         self.phase = JobPhase.STOPPING
         return [self._stop(now, attempt, "graceful", reason)]
 
-    def note_injection(self, now: float, spec: str, rank: int | None, node: str | None) -> None:
-        """A fault was injected on purpose; the next fault detected is marked as injected."""
+    def note_injection(
+        self, now: float, spec: str, rank: int | None, node: str | None, step: int | None = None
+    ) -> None:
+        """A fault was injected on purpose (at ``step``, when known); the next fault
+        detected is marked as injected."""
         attempt = self.current.number if self.current is not None else None
-        self.record.injection(now, spec, rank, node, attempt)
+        self.record.injection(now, spec, rank, node, attempt, step)
 
     def observe(
         self,

@@ -51,11 +51,16 @@ class JobRecord:
         self._events.append(Event(now, kind, message, attempt, node, rank, dict(data or {})))
 
     def injection(self, now: float, spec: str, rank: int | None, node: str | None,
-                  attempt: int | None) -> None:  # fmt: skip
-        """A fault was injected on purpose; the next fault recorded is marked as injected."""
+                  attempt: int | None, step: int | None = None) -> None:  # fmt: skip
+        """A fault was injected on purpose (at ``step``, the step its target had completed,
+        when known); the next fault recorded is marked as injected."""
         self._injections.append(spec)
-        data = {"spec": spec, "injected": True}
-        self.event(now, "FaultInjected", f"injected {spec}", attempt, node, rank, data)
+        data: dict[str, object] = {"spec": spec, "injected": True}
+        message = f"injected {spec}"
+        if step is not None:
+            data["step"] = step
+            message += f" (at step {step})"
+        self.event(now, "FaultInjected", message, attempt, node, rank, data)
 
     def fault(self, now: float, attempt: Attempt, fault: Fault) -> Fault:
         """Record ``fault`` of ``attempt``; returns it as recorded (maybe marked injected)."""

@@ -10,7 +10,12 @@ A SPEC names a fault, its target and its trigger::
 
 The :class:`Injector` decides (which injection is due, at which pid) and an
 :class:`Actuator` acts (signals, the throttle thread), so decisions can be
-tested without signals. Each injection fires at most once per job: once it
+tested without signals. With ``delegate_steps``, step-triggered kill, hang and
+slow injections are left to the node agents instead (:meth:`Injector.delegated`,
+:mod:`trainguard.agent.inject`): an agent reads every line of its ranks and hits
+the named step within one, where the controller sees progress only when it
+polls; the platform hands them out and :meth:`Injector.confirm` records what an
+agent reports it fired. Each injection fires at most once per job: once it
 has hit a live process it is never fired again, even when a restart passes
 the same step; until then (target not known yet, or already gone) it waits.
 
@@ -29,6 +34,8 @@ from types import TracebackType
 from typing import Protocol
 
 from trainguard.platform.actuate import SignalActuator
+from trainguard.wire.requests import StepInjection
+from trainguard.wire.status import InjectedFault
 
 KINDS = ("kill", "hang", "node-kill", "slow")
 _TARGET_KEY = {"kill": "rank", "hang": "rank", "slow": "rank", "node-kill": "node"}
@@ -194,6 +201,8 @@ class Injector:
         world_size: int,
         nnodes: int,
         actuator: Actuator | None = None,
+        *,
+        delegate_steps: bool = False,
     ) -> None:
         if world_size < 1 or nnodes < 1:
             raise ValueError(f"world size and nnodes must be >= 1, got {world_size}, {nnodes}")
@@ -208,7 +217,8 @@ class Injector:
                     f"--inject {injection.text!r}: node {injection.node} is out of range; "
                     f"the job has {nnodes} nodes (nodes 0..{nnodes - 1})"
                 )
-        self._pending = list(injections)
+        self._pending = dict(enumerate(injections))  # id -> injection, in the order given
+        self._delegate_steps = delegate_steps
         self._fired: list[Fired] = []
         self._actuator: Actuator = actuator if actuator is not None else SignalActuator()
         self._closed = False
@@ -216,7 +226,26 @@ class Injector:
     @property
     def pending(self) -> list[Injection]:
         """Injections that have not fired yet, in the order given."""
-        return list(self._pending)
+        return list(self._pending.values())
+
+    def delegated(self) -> tuple[StepInjection, ...]:
+        """The pending injections the node agents carry out (with ``delegate_steps``)."""
+        return tuple(
+            StepInjection(id=k, kind=i.kind, rank=i.rank, at_step=i.at_step)  # type: ignore[arg-type]
+            for k, i in self._pending.items()
+            if self._agents_fire(i) and i.rank is not None and i.at_step is not None
+        )
+
+    def confirm(self, fault: InjectedFault, node: int | None) -> Fired | None:
+        """An agent fired delegated injection ``fault.id``: record it (once)."""
+        if self._closed:
+            return None
+        injection = self._pending.pop(fault.id, None)
+        if injection is None:
+            return None
+        hit = Fired(injection, fault.time, fault.step, fault.rank, node, (fault.pid,))
+        self._fired.append(hit)
+        return hit
 
     @property
     def fired(self) -> list[Fired]:
@@ -234,16 +263,13 @@ class Injector:
         if self._closed:
             return []
         fired: list[Fired] = []
-        waiting: list[Injection] = []
-        for injection in self._pending:
-            hit = None
-            if _due(injection, now, step, first_step_at):
-                hit = self._fire(injection, now, step, targets)
-            if hit is None:
-                waiting.append(injection)
-            else:
+        for k, injection in list(self._pending.items()):
+            if self._agents_fire(injection) or not _due(injection, now, step, first_step_at):
+                continue
+            hit = self._fire(injection, now, step, targets)
+            if hit is not None:
+                del self._pending[k]
                 fired.append(hit)
-        self._pending = waiting
         self._fired += fired
         return fired
 
@@ -263,6 +289,11 @@ class Injector:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    def _agents_fire(self, injection: Injection) -> bool:
+        return (
+            self._delegate_steps and injection.at_step is not None and injection.kind != "node-kill"
+        )
 
     def _fire(
         self, injection: Injection, now: float, step: int | None, targets: Targets

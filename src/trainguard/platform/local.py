@@ -85,7 +85,7 @@ class LocalRunner:
         # Each node's memory tier: RAM that outlives its workers; removed when the job ends.
         self.memory_root = MEMORY_ROOT / self.job_id
         # Raises ValueError naming the SPEC when a target is out of range.
-        self.injector = Injector(injections, plan.world_size, plan.nnodes)
+        self.injector = Injector(injections, plan.world_size, plan.nnodes, delegate_steps=True)
         self.config, self.groups = control_config(plan, self.job_id, durable=True)
         self.launcher: NodeLauncher | None = None
         self.platform: LocalPlatform | None = None

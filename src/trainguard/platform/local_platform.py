@@ -12,6 +12,7 @@ SQLite store (one transaction per turn, only the rows that changed). It also fir
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 import time
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
+from trainguard.agent.client import AgentError
 from trainguard.control.actions import LaunchNodes
 from trainguard.control.assignment import Endpoint
 from trainguard.control.contact import Contact, contact
@@ -33,9 +35,12 @@ from trainguard.platform.node import LaunchedNode, NodeLauncher
 from trainguard.platform.procs import free_port
 from trainguard.platform.store import NodeRow, Store
 from trainguard.platform.transport import AgentTransport, Delivery
+from trainguard.wire.requests import InjectRequest, StepInjection
 from trainguard.wire.status import WorkerState
 
 __all__ = ["LocalPlatform"]
+
+logger = logging.getLogger(__name__)
 
 SHUTDOWN_CONCURRENCY = 64
 
@@ -71,6 +76,8 @@ class LocalPlatform:
         self._launches = 0
         self._first_step_at: float | None = None
         self._written: dict[str, object] = {}  # what the store has, by row key
+        # What each node's agent holds of the step injections: (its incarnation, them).
+        self._injections_out: dict[str, tuple[str, tuple[StepInjection, ...]]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -238,6 +245,7 @@ class LocalPlatform:
     # -- fault injection -------------------------------------------------------------------
 
     def _inject(self, controller: JobController, reports: Mapping[str, NodeReport]) -> None:
+        self._agents_inject(controller, reports)
         attempt = controller.current
         if not self.injector.pending or attempt is None:
             return
@@ -273,7 +281,36 @@ class LocalPlatform:
                 # A lost node loses its RAM: its memory tier goes with it.
                 shutil.rmtree(self.memory_root / by_rank[f.node], ignore_errors=True)
             target = None if f.node is None else by_rank.get(f.node)
-            controller.note_injection(f.time, f.injection.text, f.rank, target)
+            controller.note_injection(f.time, f.injection.text, f.rank, target, f.step)
+
+    def _agents_inject(self, controller: JobController, reports: Mapping[str, NodeReport]) -> None:
+        """Record the step injections agents fired; hand the pending ones to every agent
+        that answers (again when they change, or the agent is a new one)."""
+        if not self._injections_out and not self.injector.delegated():
+            return
+        attempt = controller.current
+        node_ranks = {a.node_id: a.node_rank for a in attempt.assignments} if attempt else {}
+        for node_id, report in reports.items():
+            for fault in report.status.injected if report.status is not None else ():
+                hit = self.injector.confirm(fault, node_ranks.get(node_id))
+                if hit is not None:
+                    controller.note_injection(
+                        hit.time, hit.injection.text, hit.rank, node_id, hit.step
+                    )
+        delegated = self.injector.delegated()
+        for node_id, report in reports.items():
+            status, client = report.status, self.transport.client(node_id)
+            if status is None or client is None:
+                continue
+            sent = (status.incarnation, delegated)
+            if self._injections_out.get(node_id) == sent:
+                continue
+            try:
+                client.inject(InjectRequest(injections=delegated))
+            except AgentError as exc:
+                logger.warning("could not hand injections to %s: %s", node_id, exc)
+                continue
+            self._injections_out[node_id] = sent
 
     def _say_event(self, event: Event) -> None:
         stamp = time.strftime("%H:%M:%S", time.localtime(event.time))

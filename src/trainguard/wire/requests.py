@@ -166,6 +166,24 @@ class PersistRequest(Wire):
     commit: bool = False
 
 
+class StepInjection(Wire):
+    """A fault to inject into ``rank`` once its output shows step ``at_step`` (a rehearsal,
+    ``trainguard run --inject``): carried out by the agent that runs the rank, at the line
+    itself, not at the controller's next look."""
+
+    id: int = Field(ge=0)
+    kind: Literal["kill", "hang", "slow"]
+    rank: int = Field(ge=0)
+    at_step: int = Field(ge=0)
+
+
+class InjectRequest(Wire):
+    """The step injections this agent should hold: they replace what it held (one that
+    fired never fires again)."""
+
+    injections: tuple[StepInjection, ...] = Field(default=(), max_length=1024)
+
+
 class Accepted(Wire):
     """The reply to an accepted request (the work goes on in the background)."""
 

@@ -197,6 +197,16 @@ class CheckpointStatus(Wire):
     failed: dict[int, str] = Field(default_factory=dict)
 
 
+class InjectedFault(Wire):
+    """A step injection this agent carried out: the rank's step when it hit, and the pid."""
+
+    id: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    step: int = Field(ge=0)
+    pid: int
+    time: float
+
+
 class NodeStatus(Wire):
     """One node agent's report: ``GET /status``, and what it pushes to the controller.
 
@@ -221,6 +231,7 @@ class NodeStatus(Wire):
     stacks: dict[int, str] = Field(default_factory=dict)
     events: tuple[WorkerEvent, ...] = ()
     checkpoint: CheckpointStatus = CheckpointStatus()
+    injected: tuple[InjectedFault, ...] = ()  # step injections carried out (rehearsals)
 
     @property
     def live_workers(self) -> int:
