@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import agent_cost
-from bench.clean import CleanRecord, torchrun_clean, trainguard_clean
+from bench.clean import CLEAN_VARIANTS, LIKE_FOR_LIKE, CleanRecord
 from bench.goodput import GOODPUT_VARIANTS, GoodputSetup
 from bench.layout import ratio_key, sides
 from bench.recovery import (
@@ -48,7 +48,7 @@ class Settings:
     # Runs of torchrun after a hang: nothing can notice a stopped rank before gloo's
     # collective timeout, so every run waits out the cap; more runs only re-measure it.
     capped_baseline_repeats: int = 1
-    clean_args: TrainArgs = field(default_factory=lambda: TrainArgs(steps=300, step_sleep=0.0))
+    clean_args: TrainArgs = field(default_factory=lambda: TrainArgs(steps=1000, step_sleep=0.0))
     goodput_args: TrainArgs = field(
         default_factory=lambda: TrainArgs(steps=1_000_000, step_sleep=0.05)
     )
@@ -199,43 +199,49 @@ def hang(ctx: Context) -> dict[str, Any]:
 def _clean_runs(ctx: Context) -> dict[str, list[CleanRecord]]:
     if not ctx.clean:
         s = ctx.settings
-        ctx.clean = {"trainguard": [], "baseline_torchrun": []}
+        ctx.clean = {name: [] for name, _ in CLEAN_VARIANTS}
         for rep in range(s.repeats):
-            for name, fn in (
-                ("trainguard", trainguard_clean),
-                ("baseline_torchrun", torchrun_clean),
-            ):
+            for name, fn in CLEAN_VARIANTS:
                 record = fn(ctx.workdir / "clean" / f"{name}-{rep}", s.clean_args, s.run_timeout)
                 ctx.log(f"clean run {rep + 1}/{s.repeats} {name}: {record}")
                 ctx.clean[name].append(record)
     return ctx.clean
 
 
-def _clean_scenario(ctx: Context, metric: str) -> dict[str, Any]:
+def _clean_scenario(
+    ctx: Context, metrics: Sequence[str], pairs: Sequence[tuple[str, str]]
+) -> dict[str, Any]:
     runs = _clean_runs(ctx)
     result: dict[str, Any] = {
         "setup": {
             "nodes": NNODES,
             "nproc_per_node": NPROC_PER_NODE,
             "steps": ctx.settings.clean_args.steps,
+            "checkpoint_every_steps": ctx.settings.clean_args.ckpt_every,
             "repeats": ctx.settings.repeats,
         }
     }
+    names = {name for pair in pairs for name in pair}
     for name, recs in runs.items():
-        result[name] = {
-            metric: summary([getattr(r, metric) for r in recs]),
-            "completed": sum(r.completed for r in recs),
-        }
-    result["ratio"] = _ratios(result, (metric,))
+        if name not in names:
+            continue
+        result[name] = {m: summary([getattr(r, m) for r in recs]) for m in metrics}
+        result[name]["completed"] = sum(r.completed for r in recs)
+    result["ratio"] = {
+        ratio_key(ours, m, theirs): ratio(result[ours][m], result[theirs][m])
+        for ours, theirs in pairs
+        for m in metrics
+    }
     return result
 
 
 def overhead(ctx: Context) -> dict[str, Any]:
-    return _clean_scenario(ctx, "steps_per_s")
+    """Throughput and the launcher's own CPU, like for like (see :mod:`bench.clean`)."""
+    return _clean_scenario(ctx, ("steps_per_s", "launcher_cpu_s_per_min"), LIKE_FOR_LIKE)
 
 
 def startup(ctx: Context) -> dict[str, Any]:
-    return _clean_scenario(ctx, "first_step_s")
+    return _clean_scenario(ctx, ("first_step_s",), LIKE_FOR_LIKE[:1])
 
 
 def goodput(ctx: Context) -> dict[str, Any]:

@@ -235,3 +235,21 @@ def test_every_worker_is_forked_by_the_one_template(spawner: Spawner, workdir: P
         assert int(stat.rsplit(")", 1)[1].split()[1]) == spawner.template.pid  # its ppid
         os.killpg(proc.pid, signal.SIGKILL)
     assert [p.wait(60) for p in sleepers] == [-signal.SIGKILL] * 3
+
+
+def test_a_worker_forked_after_torch_gets_its_own_thread_count(tmp_path: Path) -> None:
+    """The template imported torch without OMP_NUM_THREADS; a worker that has it set runs
+    that many intra-op threads, as a fresh interpreter would (oversubscribed otherwise)."""
+    script = tmp_path / "threads.py"
+    script.write_text("import torch\nprint(torch.get_num_threads())\n")
+    argv = [PY, "-u", str(script)]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    spawner = Spawner(argv, {}, tmp_path, tmp_path / "t.log")
+    try:
+        assert spawner.template is not None and spawner.template.wait_ready()
+        assert "torch" in spawner.template.preloaded
+        proc = spawner.spawn(argv, {**env, "OMP_NUM_THREADS": "1"}, tmp_path / "o", tmp_path / "e")
+        assert proc is not None and proc.wait(60) == 0, (tmp_path / "e").read_text()
+    finally:
+        spawner.close()
+    assert (tmp_path / "o").read_text() == "1\n"

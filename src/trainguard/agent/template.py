@@ -112,11 +112,23 @@ def become_worker(request: ForkRequest, template_pid: int) -> None:
     for name, stream in streams.items():
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
+    _follow_thread_settings()
     # A fresh interpreter seeds these from the OS; forks of one template would share them.
     random.seed()
     numpy_random = getattr(sys.modules.get("numpy"), "random", None)
     if numpy_random is not None and hasattr(numpy_random, "seed"):
         numpy_random.seed()
+
+
+def _follow_thread_settings() -> None:
+    """torch sized its intra-op thread pool (and OpenMP read ``OMP_NUM_THREADS``) when the
+    template imported it, under the template's environment: give the worker the size its
+    own ``OMP_NUM_THREADS`` asks for, as a fresh interpreter would have (4 workers of 2
+    threads each on 2 cores spin against each other in every collective)."""
+    torch = sys.modules.get("torch")
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and wanted.isdigit() and int(wanted) > 0:
+        torch.set_num_threads(int(wanted))
 
 
 def _text_stream(fd: int, unbuffered: bool, like: TextIO | None) -> io.TextIOWrapper:
