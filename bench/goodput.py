@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.baseline import Relaunch, signal_at_times
+from bench.lost_time import breakdown
 from bench.recovery import FAULTY_RANK, checkpointless_job, log_rules
 from bench.runs import Run, TrainArgs, TrainguardJob, TrainguardRun, event_times
 from bench.steps import StepRecord, goodput, median_step_seconds, recovery_after
@@ -44,6 +45,7 @@ class GoodputRecord:
     step_s: float | None  # median step duration
     stalls_s: list[float] = field(default_factory=list)  # each kill -> next completed step
     note: str = ""
+    lost: dict[str, float] = field(default_factory=dict)  # bench.lost_time.breakdown
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,8 +76,9 @@ def _trainguard(setup: GoodputSetup, job: TrainguardJob) -> GoodputRecord:
         run.wait(60)
     finally:
         run.stop()
-    kills = [t for t in event_times(run.describe(), "FaultInjected") if t <= end]
-    return _record(run.steps(), run.launched_at, end, kills)
+    job = run.describe()
+    kills = [t for t in event_times(job, "FaultInjected") if t <= end]
+    return _record(run.steps(), run.launched_at, end, kills, event_times(job, "Fault"))
 
 
 def relaunch_goodput(setup: GoodputSetup) -> GoodputRecord:
@@ -107,7 +110,11 @@ GOODPUT_VARIANTS: list[tuple[str, GoodputVariant]] = [
 
 
 def _record(
-    records: list[StepRecord], start: float, end: float, kills: list[float]
+    records: list[StepRecord],
+    start: float,
+    end: float,
+    kills: list[float],
+    decisions: list[float] | None = None,
 ) -> GoodputRecord:
     kept = [r for r in records if start <= r.start and r.end <= end]
     stalls = [rec.stall_s for t in kills if (rec := recovery_after(records, t)) is not None]
@@ -122,6 +129,7 @@ def _record(
         median_step_seconds(kept),
         stalls,
         note if missing else "",
+        breakdown(records, start, end, kills, decisions or []),
     )
 
 

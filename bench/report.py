@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.lost_time import PARTS
 from bench.table_rows import scale_table, summary_rows
 
 Number = float | int
@@ -119,10 +120,41 @@ def markdown(results: dict[str, Any]) -> str:
         ]
     if t.scale:
         lines += ["", t.scale]
+    lost = lost_time_table(results.get("goodput"))
+    if lost:
+        lines += ["", lost]
     notes = _notes(results)
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def lost_time_table(res: dict[str, Any] | None) -> str:
+    """The goodput scenario's window, split by where the time went (bench.lost_time)."""
+    runs = {
+        name: side["runs"][0]["lost"]
+        for name, side in (res or {}).items()
+        if isinstance(side, dict) and side.get("runs") and side["runs"][0].get("lost")
+    }
+    if not runs:
+        return ""
+    names = list(runs)
+    keys = ["useful", *PARTS, "slow steps after recovery"]
+    lines = [
+        "Goodput: where the window's time went (seconds, and share of the window; "
+        "`slow steps after recovery` is inside `useful`):",
+        "",
+        "| part | " + " | ".join(n.replace("_", " ") for n in names) + " |",
+        "| --- |" + " --- |" * len(names),
+    ]
+    for key in keys:
+        cells = []
+        for name in names:
+            lost = runs[name]
+            share = lost[key] / lost["window"] if lost.get("window") else 0.0
+            cells.append(f"{lost[key]:.1f} s ({100 * share:.1f}%)")
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _notes(results: dict[str, Any]) -> list[str]:

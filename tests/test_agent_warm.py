@@ -115,7 +115,7 @@ def test_imported_names_reads_every_import_once() -> None:
     source = (
         "import torch.nn as nn\nfrom numpy import x\nfrom . import sib\ndef f():\n import torch\n"
     )
-    assert imported_names(source) == ["torch", "numpy"]
+    assert imported_names(source) == ["torch.nn", "numpy", "numpy.x", "torch"]
     assert imported_names("this is not python(") == []
 
 

@@ -27,7 +27,13 @@ from bench.recovery import FaultRecord, checkpointless_job, log_rules  # noqa: E
 from bench.report import markdown, summary  # noqa: E402
 from bench.runs import TrainArgs, TrainguardJob, process_tree  # noqa: E402
 from bench.scale import measure  # noqa: E402
-from bench.steps import StepRecord, goodput, read_steps, recovery_after, throughput  # noqa: E402
+from bench.steps import (  # noqa: E402
+    StepRecord,
+    goodput,
+    read_steps,
+    recovery_after,
+    throughput,
+)
 from bench.suite import (  # noqa: E402
     AGENT_GOALS,
     DETECT_GOAL_S,
@@ -291,3 +297,24 @@ def test_a_baseline_that_recovered_sometimes_is_compared_in_those_runs_only() ->
     assert "10.5 s [1/3 runs]" in stall and "0.67x" in stall and "recovered in 1/3" in stall
     [lost] = [line for line in lines if "steps lost" in line]
     assert "| even" in lost
+
+
+def test_lost_time_parts_add_up_to_the_window() -> None:
+    """Steps of 1 s with 0.1 s gaps from t=5; a kill at 16 (decided at 16.05) after step
+    10; the next incarnation resumes at step 9 at t=18 with a 2 s first step."""
+    from bench.lost_time import breakdown
+
+    old = [StepRecord("a", i, 5 + (i - 1) * 1.1, 6 + (i - 1) * 1.1) for i in range(1, 11)]
+    new = [StepRecord("b", 9, 18.0, 20.0)]
+    new += [StepRecord("b", k, 20.1 + (k - 10) * 1.1, 21.1 + (k - 10) * 1.1) for k in range(10, 21)]
+    lost = breakdown(old + new, 0.0, 40.0, kills=[16.0], decisions=[16.05])
+    assert lost["useful"] == pytest.approx(21.0)  # steps 1-8 of a, 9-20 of b
+    assert lost["start-up"] == pytest.approx(5.0)
+    assert lost["detection"] == pytest.approx(0.05)
+    assert lost["stall"] == pytest.approx(1.95)
+    assert lost["redone steps"] == pytest.approx(2.0)  # a's steps 9 and 10
+    assert lost["between steps"] == pytest.approx(2.0)  # 20 gaps of 0.1 s outside the stall
+    assert lost["other"] == pytest.approx(8.0)  # 15.9-16.0, and the window's end after 32.1
+    assert lost["slow steps after recovery"] == pytest.approx(1.0)
+    parts = ("useful", "start-up", "detection", "stall", "redone steps", "between steps", "other")
+    assert sum(lost[p] for p in parts) == pytest.approx(lost["window"])

@@ -59,8 +59,9 @@ def warm_command(argv: Sequence[str], python: str = sys.executable) -> WarmComma
 
 
 def imported_names(source: str) -> list[str]:
-    """Top-level package names the code imports anywhere (``import a.b`` -> ``a``), in
-    order of appearance; relative imports are not names of packages."""
+    """Modules the code imports anywhere, in order of appearance: ``import a.b`` -> ``a.b``,
+    ``from a.b import c`` -> ``a.b`` and ``a.b.c`` (``c`` may be a submodule; a name that
+    is not fails to import, which is skipped). Relative imports name no package."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -70,39 +71,44 @@ def imported_names(source: str) -> list[str]:
         if isinstance(node, ast.Import):
             found = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found = [node.module]
+            found = [node.module, *(f"{node.module}.{a.name}" for a in node.names if a.name != "*")]
         else:
             continue
         for name in found:
-            top = name.split(".")[0]
-            if top not in names:
-                names.append(top)
+            if name not in names:
+                names.append(name)
     return names
 
 
 def installed_modules(names: Sequence[str], local_dirs: Sequence[str]) -> list[str]:
-    """The names that are installed packages or the standard library, not the user's own
-    modules beside the script (those may read the rank's environment when imported)."""
+    """The names whose top-level package is installed or in the standard library, not the
+    user's own beside the script (those may read the rank's environment when imported)."""
     local = [os.path.realpath(d) for d in local_dirs]
+    verdicts: dict[str, bool] = {}
     out: list[str] = []
     for name in names:
-        if name == "__main__":
+        top = name.split(".")[0]
+        if top == "__main__":
             continue
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            continue
-        if spec is None:
-            continue
-        origin = spec.origin or (list(spec.submodule_search_locations or []) or [""])[0]
-        if origin in ("built-in", "frozen") or not origin:
+        if top not in verdicts:
+            verdicts[top] = _installed(top, local)
+        if verdicts[top]:
             out.append(name)
-            continue
-        path = os.path.realpath(origin)
-        if any(path == d or path.startswith(d + os.sep) for d in local if d):
-            continue
-        out.append(name)
     return out
+
+
+def _installed(top: str, local: Sequence[str]) -> bool:
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    origin = spec.origin or (list(spec.submodule_search_locations or []) or [""])[0]
+    if origin in ("built-in", "frozen") or not origin:
+        return True
+    path = os.path.realpath(origin)
+    return not any(path == d or path.startswith(d + os.sep) for d in local if d)
 
 
 def script_source(command: WarmCommand) -> tuple[str, list[str]]:
@@ -126,14 +132,23 @@ def script_source(command: WarmCommand) -> tuple[str, list[str]]:
         return "", local
 
 
+LAZY_IMPORTS = {"torch": ("torch._dynamo",)}
+"""Modules a package imports on first use, not at import: with torch, ``torch._dynamo``
+(and ~900 modules, sympy among them), which the first optimizer a script builds imports:
+1 s per worker here, 3.7 s for 6 workers starting at once on 2 cores."""
+
+
 def preload(command: WarmCommand, extra: Sequence[str]) -> list[str]:
-    """Import what the worker will: the installed modules its script imports, and
-    ``extra``; returns what was imported. A module that fails to import is skipped (the
-    worker will meet that error itself, in its own log)."""
+    """Import what the worker will: the installed modules its script imports, what those
+    import on first use (:data:`LAZY_IMPORTS`), and ``extra``; returns what was imported.
+    A module that fails to import is skipped (the worker will meet that error itself, in
+    its own log)."""
     source, local = script_source(command)
     names = installed_modules(imported_names(source), local)
+    tops = {name.split(".")[0] for name in [*extra, *names]}
+    lazy = [m for top in sorted(tops) for m in LAZY_IMPORTS.get(top, ())]
     done: list[str] = []
-    for name in [*extra, *names]:
+    for name in [*extra, *names, *lazy]:
         if name in done:
             continue
         try:

@@ -121,7 +121,8 @@ class ReportBook:
     def wake(self) -> None:
         self._wake.set()
 
-    def wait(self, timeout: float) -> None:
-        """Until something worth looking at arrived, or ``timeout`` seconds."""
-        self._wake.wait(timeout)
+    def wait(self, timeout: float) -> bool:
+        """Until something worth looking at arrived (True), or ``timeout`` seconds."""
+        woken = self._wake.wait(timeout)
         self._wake.clear()
+        return woken

@@ -43,6 +43,8 @@ __all__ = ["LocalPlatform"]
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_CONCURRENCY = 64
+LOCATE_INTERVAL = 0.02  # how often the loop looks for a starting agent's port file (s)
+FAST_LOCATE_MAX = 64  # more starting agents than this: found at the loop's own pace
 
 
 class LocalPlatform:
@@ -135,16 +137,20 @@ class LocalPlatform:
         return self.transport.send(deliveries)
 
     def wait(self, timeout: float) -> None:
-        self.book.wait(timeout)
+        """Until news, ``timeout``, or (while agents start) one of them serves: an agent
+        is asked for its status the moment its port is known, not a poll later."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._unlocated or len(self._unlocated) > FAST_LOCATE_MAX:
+                self.book.wait(left)
+                return
+            if self.book.wait(min(left, LOCATE_INTERVAL)) or self._located():
+                return
 
     def observe(self, now: float) -> Observation:
-        for node_id in list(self._unlocated):
-            node = self.nodes.get(node_id)
-            if node is None:
-                self._unlocated.discard(node_id)
-            elif (port := node.port()) is not None:
-                self.book.located(node_id, f"http://127.0.0.1:{port}", "localhost")
-                self._unlocated.discard(node_id)
+        located = [n for n in list(self._unlocated) if self._locate(n)]
+        if located:
+            self.transport.poll(located)  # its answer is in this turn's reports
         for node_id, node in self.nodes.items():
             if (why := node.exited()) is not None:
                 self.book.gone(node_id, why)
@@ -154,6 +160,24 @@ class LocalPlatform:
         elif self.store.job(self.job_id).desired == "delete":
             cancel = Cancel("deleted by user")
         return Observation(self.book.reports(), cancel)
+
+    def _located(self) -> bool:
+        """Whether a starting agent's port file has appeared."""
+        return any(
+            (node := self.nodes.get(n)) is not None and node.port() is not None
+            for n in self._unlocated
+        )
+
+    def _locate(self, node_id: str) -> bool:
+        """Note where the node's agent serves, once it does; True when it just did."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            self._unlocated.discard(node_id)
+        elif (port := node.port()) is not None:
+            self.book.located(node_id, f"http://127.0.0.1:{port}", "localhost")
+            self._unlocated.discard(node_id)
+            return True
+        return False
 
     # -- the record ----------------------------------------------------------------------
 
