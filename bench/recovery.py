@@ -9,6 +9,7 @@ steps redone. Add a variant by appending it to :data:`RECOVERY_VARIANTS` (or
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -77,6 +78,8 @@ class FaultRecord:
     note: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
     step_at_fault: int | None = None  # last step completed when the fault hit
+    # trainguard: the step its injector hit minus the step it was named (None: not known)
+    injection_lag_steps: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -249,10 +252,22 @@ def trainguard_fault(run: TrainguardRun, injection: str, timeout: float) -> Faul
     ok = finished and job["phase"] == "Succeeded"
     note = "" if ok else f"job {job['phase']}: {job['reason']}"
     record = from_steps(run.steps(), fault_at, detect, note)
+    record = replace(record, injection_lag_steps=injection_lag(job))
     if faults:  # trainguard's own view of the same fault, for cross-checking
         own = {k: faults[0].get(k) for k in ("type", "recovery_seconds", "lost_steps", "scope")}
         record = replace(record, detail={"timeline": own})
     return record
+
+
+def injection_lag(job: dict[str, Any]) -> int | None:
+    """Steps between the step a job's first ``@step=S`` injection named and the one its
+    ``FaultInjected`` event says it hit."""
+    for event in job["events"]:
+        data = event.get("data") or {}
+        named = re.search(r"@step=(\d+)$", str(data.get("spec", "")))
+        if event["kind"] == "FaultInjected" and named and isinstance(data.get("step"), int):
+            return int(data["step"]) - int(named.group(1))
+    return None
 
 
 def _wait_for_recovery(run: Run, fault_at: float, until: float) -> None:

@@ -140,6 +140,11 @@ _ONLY_WHERE_MEASURED = {("recovery", "detect_s")}
 def fault_rows(scenario: str, res: dict[str, Any]) -> list[Row]:
     rows = []
     goals = res.get("goals") or {}
+    if "injection_lag_steps" in goals:
+        for variant in sides(res, "trainguard"):
+            lag = (res[variant].get("injection_lag_steps") or {}).get("max")
+            label = _labelled("step injection: steps past the named step, worst run", variant)
+            rows.append(goal_row(scenario, label, lag, goals["injection_lag_steps"], count))
     for key, label, fmt, lower in _FAULT_METRICS[scenario]:
         for variant in sides(res, "trainguard"):
             if key not in res[variant]:
