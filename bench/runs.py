@@ -39,9 +39,11 @@ class TrainArgs:
     step_sleep: float = 0.05
     hidden: int = 256
     ckpt_every: int = 10
+    log_all_ranks: bool = False  # every rank prints a progress line (rank 0 always does)
 
     def argv(self, out: Path, ckpt: str) -> list[str]:
         return [
+            *(["--log-all-ranks"] if self.log_all_ranks else []),
             "--steps",
             str(self.steps),
             "--step-sleep",

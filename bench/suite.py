@@ -42,7 +42,10 @@ class Settings:
     repeats: int = 3
     # trainguard's agents hit the named step; the baselines' injector (the benchmark) sees
     # steps late, as it reads the step file: steps of 0.1 s leave room for that.
-    fault_args: TrainArgs = field(default_factory=lambda: TrainArgs(steps=60, step_sleep=0.1))
+    # Every rank prints its progress: the agent of the faulty rank's node sees the step.
+    fault_args: TrainArgs = field(
+        default_factory=lambda: TrainArgs(steps=60, step_sleep=0.1, log_all_ranks=True)
+    )
     fault_step: int = 25  # mid-way between two checkpoints (every 10 steps)
     cap: float = 30.0  # how long a baseline that may never recover gets after the fault
     # Runs of torchrun after a hang: nothing can notice a stopped rank before gloo's

@@ -50,6 +50,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--ckpt-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--log-all-ranks",
+        action="store_true",
+        help="every rank prints a `Step N` line (rank 0 always prints its Batch line)",
+    )
     return parser.parse_args()
 
 
@@ -75,8 +80,11 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, argparse.Namespace]
 class Recorder:
     """Rank 0's step records and log line; every rank's pid file."""
 
-    def __init__(self, out: Path, rank: int, world: int, incarnation: str) -> None:
+    def __init__(
+        self, out: Path, rank: int, world: int, incarnation: str, log_all_ranks: bool = False
+    ) -> None:
         self.rank, self.world, self.incarnation = rank, world, incarnation
+        self.log_all_ranks = log_all_ranks
         (out / "pids").mkdir(parents=True, exist_ok=True)
         publish(out / "pids" / f"rank{rank}.json", {"pid": os.getpid(), "inc": incarnation})
         path = out / "steps.txt" if rank == 0 else Path(os.devnull)
@@ -106,6 +114,8 @@ class Recorder:
             speed = BATCH * self.world / max(t1 - t0, 1e-9)
             line = f"Batch {step} Loss: {loss.item():.5f}, Speed: {speed:.1f} samples/sec"
             print(line, flush=True)
+        elif self.log_all_ranks:
+            print(f"Step {step}", flush=True)
 
     def close(self) -> None:
         self.file.close()
@@ -122,7 +132,7 @@ def main() -> None:
         f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}."
         f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     )
-    recorder = Recorder(args.out, rank, world, incarnation)
+    recorder = Recorder(args.out, rank, world, incarnation, args.log_all_ranks)
     model = DistributedDataParallel(net)
 
     def state(step: int) -> dict[str, Any]:
@@ -192,7 +202,9 @@ def main_resilient(net: torch.nn.Module, optim: torch.optim.Optimizer, args: Any
     @resilient.restartable(resilient.TrainState(net, optim), fallback=from_checkpoint)
     def train(run: resilient.Run) -> None:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        recorder = Recorder(args.out, run.rank, run.world_size, f"{run_id}.{run.attempt}")
+        recorder = Recorder(
+            args.out, run.rank, run.world_size, f"{run_id}.{run.attempt}", args.log_all_ranks
+        )
         model = DistributedDataParallel(net)  # a new one per attempt: a new process group
         try:
             for completed in range(run.start_step, args.steps):

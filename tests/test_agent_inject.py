@@ -30,10 +30,9 @@ def test_fires_at_the_named_step_once(sleeper: subprocess.Popen[bytes]) -> None:
     injector.attempt(None, {3: sleeper.pid})
     assert injector.armed_for([2, 3]) and not injector.armed_for([0, 1])
     injector.on_line(3, "stdout", "Step 39", 0.0)
-    injector.on_line(2, "stdout", "Step 45", 0.0)  # another rank's progress
     injector.on_line(3, "stdout", "loss 40", 0.0)  # not a progress line
     assert sleeper.poll() is None and injector.fired == ()
-    injector.on_line(3, "stdout", "Step 40", 0.0)
+    injector.on_line(2, "stdout", "Step 40", 0.0)  # the node's other rank: the same step
     assert sleeper.wait(10) == -signal.SIGKILL
     [fired] = injector.fired
     assert (fired.id, fired.rank, fired.step, fired.pid) == (4, 3, 40, sleeper.pid)
@@ -46,5 +45,5 @@ def test_a_custom_progress_pattern_and_a_rank_without_a_process() -> None:
     injector = StepInjector()
     injector.arm([StepInjection(id=0, kind="hang", rank=1, at_step=2)])
     injector.attempt(r"it=(\d+)", {})
-    injector.on_line(1, "stdout", "it=5", 0.0)  # due, but rank 1 runs nowhere here
+    injector.on_line(0, "stdout", "it=5", 0.0)  # due, but rank 1 runs nowhere here
     assert injector.fired == () and injector.armed_for([1])

@@ -160,8 +160,10 @@ def test_delegated_step_injections_are_left_to_the_agents_and_confirmed_once() -
     specs = ["kill:rank=2@step=5", "slow:rank=1@2s", "node-kill:node=0@step=3"]
     inj = Injector([parse_injection(s) for s in specs], 4, 2, recorder, delegate_steps=True)
     assert inj.delegated() == (StepInjection(id=0, kind="kill", rank=2, at_step=5),)
-    # The controller fires the others itself; never the delegated one.
-    fired = inj.poll(10.0, 9, 0.0, ATTEMPT0)
+    # The controller fires the others itself, and the delegated one only where rank 2's
+    # node shows no progress of its own (its agent could not see the step).
+    seeing = Targets(ATTEMPT0.rank_pids, ATTEMPT0.node_pids, frozenset({2, 3}))
+    fired = inj.poll(10.0, 9, 0.0, seeing)
     assert sorted(f.injection.text for f in fired) == sorted(specs[1:])
     assert ("kill", (102,)) not in recorder.calls
     report = InjectedFault(id=0, rank=2, step=5, pid=102, time=9.5)
@@ -169,6 +171,9 @@ def test_delegated_step_injections_are_left_to_the_agents_and_confirmed_once() -
     assert hit is not None and (hit.step, hit.rank, hit.node, hit.pids) == (5, 2, 1, (102,))
     assert inj.confirm(report, node=1) is None  # reported again by a later status
     assert inj.delegated() == () and inj.pending == []
+    blind = Injector([parse_injection(specs[0])], 4, 2, Recorder(), delegate_steps=True)
+    [by_controller] = blind.poll(10.0, 9, 0.0, ATTEMPT0)  # no node shows progress
+    assert by_controller.pids == (102,) and blind.delegated() == ()
 
 
 def test_a_step_already_passed_fires_at_once() -> None:

@@ -4,9 +4,12 @@
 step 40. The controller sees progress only as often as it polls, so it would hit steps
 late (at step 74 of a 10 ms/step job); the agent reads each line its workers print, so
 it hits the named step within one. The controller hands these injections to every agent
-(``POST /inject``); the agent running the rank fires each once, reports it in its status
-(``injected``), and never fires it again. Seconds-triggered injections and node kills
-stay with the controller (:mod:`trainguard.platform.inject`).
+(``POST /inject``); the agent running the rank fires each once, when a progress line of
+any of its node's ranks shows the step, reports it in its status (``injected``), and
+never fires it again. Where the rank's node prints no progress (only rank 0 of a job
+does, say), the controller fires it from the job's progress, as it does the others.
+Seconds-triggered injections and node kills stay with the controller
+(:mod:`trainguard.platform.inject`).
 
 While an injection is armed for one of its ranks, the agent reads the workers' output
 every :data:`FAST_TAIL_INTERVAL` instead of its usual interval.
@@ -68,26 +71,34 @@ class StepInjector:
             return tuple(self._fired[k] for k in sorted(self._fired))
 
     def on_line(self, rank: int, stream: str, line: str, t: float) -> None:
-        """A worker's output line (the tailer's thread): fire what its step makes due."""
+        """A worker's output line (the tailer's thread): fire what its step makes due.
+
+        The step is the node's: any of its ranks' progress lines counts (a DDP job's ranks
+        move together, and often only one of them prints its progress)."""
         with self._lock:
-            due = [i for i in self._armed.values() if i.rank == rank]
-            if not due:
+            if not any(i.rank in self._pids for i in self._armed.values()):
                 return
             step = self._matcher.match(line)
             if step is None:
                 return
-            due = [i for i in due if step >= i.at_step]
-            pid = self._pids.get(rank)
-        for injection in due:
-            if pid is None or not self._act(injection, pid):
-                continue  # the rank has no live process here: wait for one
-            fired = InjectedFault(id=injection.id, rank=rank, step=step, pid=pid, time=time.time())
+            due = [
+                (i, self._pids[i.rank])
+                for i in self._armed.values()
+                if i.rank in self._pids and step >= i.at_step
+            ]
+        for injection, pid in due:
+            if not self._act(injection, pid):
+                continue  # that process is gone: wait for the rank's next one
+            fired = InjectedFault(
+                id=injection.id, rank=injection.rank, step=step, pid=pid, time=time.time()
+            )
             with self._lock:
                 self._armed.pop(injection.id, None)
                 self._fired[injection.id] = fired
             logger.warning(
-                "injected %s of rank %d (pid %d) at step %d", injection.kind, rank, pid, step
-            )
+                "injected %s of rank %d (pid %d) at step %d",
+                injection.kind, injection.rank, pid, step,
+            )  # fmt: skip
             self._on_fired()
 
     def close(self) -> None:

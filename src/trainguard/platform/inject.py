@@ -15,9 +15,11 @@ slow injections are left to the node agents instead (:meth:`Injector.delegated`,
 :mod:`trainguard.agent.inject`): an agent reads every line of its ranks and hits
 the named step within one, where the controller sees progress only when it
 polls; the platform hands them out and :meth:`Injector.confirm` records what an
-agent reports it fired. Each injection fires at most once per job: once it
-has hit a live process it is never fired again, even when a restart passes
-the same step; until then (target not known yet, or already gone) it waits.
+agent reports it fired. The controller still fires one whose rank's node shows no
+progress of its own (``Targets.agents_see``), from the job's progress.
+Each injection fires at most once per job: once it has hit a live process it is
+never fired again, even when a restart passes the same step; until then (target
+not known yet, or already gone) it waits.
 
 Assumptions: the pids in :class:`Targets` are current (the runner saw them on
 its last status poll); agents and workers each lead their own process group;
@@ -133,6 +135,8 @@ class Targets:
 
     rank_pids: Mapping[int, int]  # global rank -> worker pid (current attempt)
     node_pids: Mapping[int, tuple[int, tuple[int, ...]]]  # node rank -> (agent pid, worker pids)
+    # Ranks whose node's agent sees progress lines: it fires their delegated injections.
+    agents_see: frozenset[int] = frozenset()
 
     def node_of(self, pid: int) -> int | None:
         """The node rank whose workers include ``pid``, if known."""
@@ -264,7 +268,9 @@ class Injector:
             return []
         fired: list[Fired] = []
         for k, injection in list(self._pending.items()):
-            if self._agents_fire(injection) or not _due(injection, now, step, first_step_at):
+            if self._agents_fire(injection) and injection.rank in targets.agents_see:
+                continue
+            if not _due(injection, now, step, first_step_at):
                 continue
             hit = self._fire(injection, now, step, targets)
             if hit is not None:

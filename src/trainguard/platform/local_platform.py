@@ -279,6 +279,7 @@ class LocalPlatform:
         node_ranks = {a.node_id: a.node_rank for a in attempt.assignments}
         rank_pids: dict[int, int] = {}
         node_pids: dict[int, tuple[int, tuple[int, ...]]] = {}
+        agents_see: set[int] = set()
         for node_id, report in reports.items():
             status = report.about(attempt.number)
             node = self.nodes.get(node_id)
@@ -290,6 +291,8 @@ class LocalPlatform:
                 if w.pid is not None and w.state is WorkerState.RUNNING
             }
             rank_pids.update(alive)
+            if status.monitor.progress is not None:
+                agents_see.update(w.rank for w in status.workers)
             if node.pid is not None:
                 node_pids[node_ranks[node_id]] = (node.pid, tuple(alive.values()))
         now = time.time()
@@ -297,7 +300,7 @@ class LocalPlatform:
             now,
             progress.step if progress else None,
             self._first_step_at,
-            Targets(rank_pids, node_pids),
+            Targets(rank_pids, node_pids, frozenset(agents_see)),
         )
         by_rank = {v: k for k, v in node_ranks.items()}
         for f in fired:
