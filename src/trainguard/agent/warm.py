@@ -315,14 +315,12 @@ class Spawner:
         elif warm_command(worker_argv) is None:
             self.why_cold = "the worker command is not `python [-u] SCRIPT|-m MODULE`"
         else:
-            self.template = WorkerTemplate(
-                worker_argv,
-                env,
-                cwd,
-                log_file,
-                preload=options.preload,
-                on_exit=on_exit,
-            )
+            try:
+                self.template = WorkerTemplate(
+                    worker_argv, env, cwd, log_file, preload=options.preload, on_exit=on_exit
+                )
+            except OSError as exc:
+                self.why_cold = f"the worker template could not start: {exc}"
         if self.why_cold is not None:
             logger.info("workers start fresh: %s", self.why_cold)
 
