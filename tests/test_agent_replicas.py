@@ -139,3 +139,15 @@ def test_store_refuses_escaping_paths(tmp_path: Path) -> None:
         store.receive("node-0", "../x", io.BytesIO(b"x"), 1)
     with pytest.raises(ValueError):
         store.receive("..", "x", io.BytesIO(b"x"), 1)
+
+
+def test_a_push_takes_the_newest_step_every_rank_has() -> None:
+    from trainguard.agent.replicas import Shard, newest_whole_step
+
+    def shard(rank: int, step: int) -> Shard:
+        return Shard(f"r{rank}-{step}.meta", f"r{rank}-{step}.data", (step, 1), rank, step)
+
+    shards = [shard(0, 10), shard(0, 20), shard(0, 30), shard(1, 10), shard(1, 20)]
+    assert newest_whole_step(shards) == [shard(0, 20), shard(1, 20)]
+    assert newest_whole_step([shard(0, 30), shard(1, 20)]) == []  # nothing whole yet
+    assert newest_whole_step([]) == []

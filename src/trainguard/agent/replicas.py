@@ -18,6 +18,7 @@ atomically (tmp + rename), so a reader never sees half a file.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -26,9 +27,9 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, NamedTuple, Protocol
 
 from trainguard.checkpoint.files import checksum
 
@@ -61,8 +62,18 @@ def _safe_name(name: str) -> str:
     return name
 
 
-def checksummed_shards(root: Path) -> list[tuple[str, str, tuple[int, int]]]:
-    """``(meta, data, version)`` of every shard in a memory tier whose meta has a checksum."""
+class Shard(NamedTuple):
+    """A checksummed shard of a memory tier: its files, version, rank and step."""
+
+    meta: str
+    data: str
+    version: tuple[int, int]  # the meta's (mtime_ns, size)
+    rank: int
+    step: int
+
+
+def checksummed_shards(root: Path) -> list[Shard]:
+    """Every shard in a memory tier whose meta has a checksum."""
     shards = []
     for meta_path in sorted(root.glob("*.meta")) if root.is_dir() else []:
         data_path = meta_path.with_suffix(".data")
@@ -71,9 +82,26 @@ def checksummed_shards(root: Path) -> list[tuple[str, str, tuple[int, int]]]:
             meta = json.loads(meta_path.read_bytes())
         except (OSError, ValueError):
             continue  # being rewritten; the next pass sees it
-        if isinstance(meta, dict) and meta.get("checksum") and data_path.exists():
-            shards.append((meta_path.name, data_path.name, (st.st_mtime_ns, st.st_size)))
+        if not isinstance(meta, dict) or not meta.get("checksum") or not data_path.exists():
+            continue
+        rank, step = meta.get("rank"), meta.get("step")
+        if isinstance(rank, int) and isinstance(step, int):
+            version = (st.st_mtime_ns, st.st_size)
+            shards.append(Shard(meta_path.name, data_path.name, version, rank, step))
     return shards
+
+
+def newest_whole_step(shards: Sequence[Shard]) -> list[Shard]:
+    """The shards of the newest step every rank here has (a restore needs all of a node's
+    ranks at one step); older slots are superseded, and a peer keeps what it had of them."""
+    steps: dict[int, set[int]] = {}
+    for shard in shards:
+        steps.setdefault(shard.rank, set()).add(shard.step)
+    common = set.intersection(*steps.values()) if steps else set()
+    if not common:
+        return []
+    step = max(common)
+    return [shard for shard in shards if shard.step == step]
 
 
 def drop_unverified(root: Path) -> list[str]:
@@ -159,6 +187,50 @@ def replica_url(base: str, source: str, relpath: str = "") -> str:
     return f"{base}{REPLICA_PATH}{tail}"
 
 
+class _PeerConnection:
+    """One kept-alive connection to a replica peer's agent: a connection (and a server
+    thread) per file pushed cost the two agents more CPU than the copying."""
+
+    def __init__(self, base: str, token: str) -> None:
+        parsed = urllib.parse.urlsplit(base)
+        self._host, self._port = parsed.hostname or "127.0.0.1", parsed.port or 80
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._conn: http.client.HTTPConnection | None = None
+
+    def put(self, path: str, body: IO[bytes], size: int) -> None:
+        """PUT ``size`` bytes of ``body``; ``OSError`` when the peer refuses or is gone."""
+        for retry in (False, True):
+            conn = self._conn or http.client.HTTPConnection(
+                self._host, self._port, timeout=TRANSFER_TIMEOUT_SECONDS
+            )
+            self._conn = None
+            try:
+                headers = {
+                    **self._headers,
+                    "Content-Length": str(size),
+                    "Content-Type": "application/octet-stream",
+                }
+                conn.request("PUT", path, body=body, headers=headers)
+                response = conn.getresponse()
+                response.read()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                if retry:  # a kept connection the peer closed gets one fresh try
+                    raise OSError(f"PUT {path}: {exc}") from exc
+                body.seek(0)
+                continue
+            if response.status >= 400:
+                conn.close()
+                raise OSError(f"PUT {path}: HTTP {response.status}")
+            self._conn = conn
+            return
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
 class ReplicaPusher:
     """Pushes changed files of this node's memory tier to its replica peers, in the background."""
 
@@ -176,6 +248,7 @@ class ReplicaPusher:
         self.token = token
         self.interval = interval
         self._pushed: dict[tuple[str, str], tuple[int, int]] = {}  # (peer, path) -> (size, mtime)
+        self._peers = {url: _PeerConnection(url, token) for url in peer_urls}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainguard-replicas", daemon=True)
 
@@ -189,13 +262,18 @@ class ReplicaPusher:
             self._thread.join(TRANSFER_TIMEOUT_SECONDS)
 
     def push_once(self) -> int:
-        """Push every checksummed shard that changed since its last push; returns shards pushed.
+        """Push the shards of the newest step every rank of this node has checksummed, if
+        they changed since their last push; returns shards pushed.
 
         Only shards whose meta carries a checksum leave the node (a copy-complete meta
         without one is trusted on its own node only); data goes first, then the meta.
+        One step per pass: at 8 saves a second the older slots would be pushed only to
+        be replaced (half the agents' CPU went to those pushes and their receipt).
         """
         pushed = 0
-        for meta_rel, data_rel, version in checksummed_shards(self.memory_dir):
+        for meta_rel, data_rel, version, _, _ in newest_whole_step(
+            checksummed_shards(self.memory_dir)
+        ):
             for peer in self.peer_urls:
                 key = (peer, meta_rel)
                 if self._pushed.get(key) == version or self._stop.is_set():
@@ -205,10 +283,9 @@ class ReplicaPusher:
                         path = self.memory_dir / rel
                         with open(path, "rb") as f:
                             size = os.fstat(f.fileno()).st_size
-                            _request(
-                                replica_url(peer, self.node_id, rel), self.token, "PUT", f, size
-                            ).close()
-                except (OSError, urllib.error.URLError) as exc:
+                            target = urllib.parse.urlsplit(replica_url(peer, self.node_id, rel))
+                            self._peers[peer].put(target.path, f, size)
+                except OSError as exc:
                     logger.warning("replica push of %s to %s failed: %s", meta_rel, peer, exc)
                     continue
                 self._pushed[key] = version
@@ -216,8 +293,12 @@ class ReplicaPusher:
         return pushed
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.push_once()
+        try:
+            while not self._stop.wait(self.interval):
+                self.push_once()
+        finally:
+            for peer in self._peers.values():
+                peer.close()
 
 
 def restore_from_peers(
