@@ -16,7 +16,7 @@ import json
 import socket
 import threading
 import urllib.parse
-from typing import Any
+from typing import IO, Any
 
 from pydantic import ValidationError
 
@@ -105,6 +105,13 @@ class AgentClient:
         """Ask the agent to kill its workers and exit."""
         self._request("POST", "/shutdown", None)
 
+    def upload(self, path: str, body: IO[bytes], size: int) -> None:
+        """PUT ``size`` bytes of the file ``body`` (from its start) to ``path``: a replica
+        of a memory-tier file, sent with ``sendfile``."""
+        head = f"PUT {path} HTTP/1.1\r\n".encode() + self._head
+        head += b"Content-Type: application/octet-stream\r\nContent-Length: %d\r\n" % size
+        self._send("PUT", path, head + b"\r\n", (body, size))
+
     def close(self) -> None:
         """Close the idle connections."""
         with self._lock:
@@ -119,12 +126,18 @@ class AgentClient:
         head = f"{method} {path} HTTP/1.1\r\n".encode() + self._head
         if body or method == "POST":
             head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
-        message = head + b"\r\n" + body
+        return self._send(method, path, head + b"\r\n" + body)
+
+    def _send(
+        self, method: str, path: str, message: bytes, file: tuple[IO[bytes], int] | None = None
+    ) -> bytes:
+        """One request (``message``, then ``file``'s bytes if any); retried once on a
+        kept-alive connection the agent had closed."""
         url = self.base_url + path
         for attempt in (0, 1):
             sock, reused = self._connection(url, method)
             try:
-                status, keep, reply = _exchange(sock, message)
+                status, keep, reply = _exchange(sock, message, file)
             except _Dropped:
                 sock.close()
                 if reused and attempt == 0:
@@ -161,13 +174,18 @@ class AgentClient:
         sock.close()
 
 
-def _exchange(sock: socket.socket, message: bytes) -> tuple[int, bool, bytes]:
-    """Send ``message``, read one reply: (status, keep the connection, body).
+def _exchange(
+    sock: socket.socket, message: bytes, file: tuple[IO[bytes], int] | None = None
+) -> tuple[int, bool, bytes]:
+    """Send ``message`` (and ``file``'s first bytes, if any), read one reply: (status,
+    keep the connection, body).
 
     :class:`_Dropped` when the connection failed before any byte of a reply came back.
     """
     try:
         sock.sendall(message)
+        if file is not None:
+            sock.sendfile(file[0], 0, file[1])
         data = sock.recv(_CHUNK)
     except (ConnectionError, BrokenPipeError) as exc:
         raise _Dropped from exc

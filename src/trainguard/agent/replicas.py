@@ -18,7 +18,6 @@ atomically (tmp + rename), so a reader never sees half a file.
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, NamedTuple, Protocol
 
+from trainguard.agent.client import AgentClient, AgentError
 from trainguard.checkpoint.files import checksum
 
 logger = logging.getLogger(__name__)
@@ -187,50 +187,6 @@ def replica_url(base: str, source: str, relpath: str = "") -> str:
     return f"{base}{REPLICA_PATH}{tail}"
 
 
-class _PeerConnection:
-    """One kept-alive connection to a replica peer's agent: a connection (and a server
-    thread) per file pushed cost the two agents more CPU than the copying."""
-
-    def __init__(self, base: str, token: str) -> None:
-        parsed = urllib.parse.urlsplit(base)
-        self._host, self._port = parsed.hostname or "127.0.0.1", parsed.port or 80
-        self._headers = {"Authorization": f"Bearer {token}"}
-        self._conn: http.client.HTTPConnection | None = None
-
-    def put(self, path: str, body: IO[bytes], size: int) -> None:
-        """PUT ``size`` bytes of ``body``; ``OSError`` when the peer refuses or is gone."""
-        for retry in (False, True):
-            conn = self._conn or http.client.HTTPConnection(
-                self._host, self._port, timeout=TRANSFER_TIMEOUT_SECONDS
-            )
-            self._conn = None
-            try:
-                headers = {
-                    **self._headers,
-                    "Content-Length": str(size),
-                    "Content-Type": "application/octet-stream",
-                }
-                conn.request("PUT", path, body=body, headers=headers)
-                response = conn.getresponse()
-                response.read()
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                if retry:  # a kept connection the peer closed gets one fresh try
-                    raise OSError(f"PUT {path}: {exc}") from exc
-                body.seek(0)
-                continue
-            if response.status >= 400:
-                conn.close()
-                raise OSError(f"PUT {path}: HTTP {response.status}")
-            self._conn = conn
-            return
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-
 class ReplicaPusher:
     """Pushes changed files of this node's memory tier to its replica peers, in the background."""
 
@@ -248,7 +204,11 @@ class ReplicaPusher:
         self.token = token
         self.interval = interval
         self._pushed: dict[tuple[str, str], tuple[int, int]] = {}  # (peer, path) -> (size, mtime)
-        self._peers = {url: _PeerConnection(url, token) for url in peer_urls}
+        # Kept-alive connections: one per file pushed cost both agents more CPU (and the
+        # receiver a thread) than the copying.
+        self._peers = {
+            url: AgentClient(url, token, timeout=TRANSFER_TIMEOUT_SECONDS) for url in peer_urls
+        }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainguard-replicas", daemon=True)
 
@@ -284,8 +244,8 @@ class ReplicaPusher:
                         with open(path, "rb") as f:
                             size = os.fstat(f.fileno()).st_size
                             target = urllib.parse.urlsplit(replica_url(peer, self.node_id, rel))
-                            self._peers[peer].put(target.path, f, size)
-                except OSError as exc:
+                            self._peers[peer].upload(target.path, f, size)
+                except (OSError, AgentError) as exc:
                     logger.warning("replica push of %s to %s failed: %s", meta_rel, peer, exc)
                     continue
                 self._pushed[key] = version

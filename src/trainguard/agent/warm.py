@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Protocol
 
 from trainguard.agent.preload import warm_command
+from trainguard.platform.procs import alive
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,6 @@ class WorkerTemplate:
         self._closing = False  # close() was called: the workers' deaths are expected
         self.why_not: str | None = None  # why the template is not used, once known
         self.preloaded: list[str] = []
-        self.ready_seconds: float | None = None
         ours, theirs = socket.socketpair()
         self._sock = ours
         log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -236,10 +236,9 @@ class WorkerTemplate:
             if self._ok:
                 self.preloaded = [str(m) for m in message.get("preloaded") or []]  # type: ignore[attr-defined]
                 seconds = message.get("seconds")
-                self.ready_seconds = float(seconds) if isinstance(seconds, int | float) else None
                 logger.info(
                     "worker template ready in %.2f s (preloaded %s)",
-                    self.ready_seconds or 0.0,
+                    seconds if isinstance(seconds, int | float) else 0.0,
                     ", ".join(self.preloaded) or "nothing",
                 )
             else:
@@ -283,13 +282,7 @@ class WorkerTemplate:
 
 def _wait_gone(pid: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        except PermissionError:
-            return
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
