@@ -301,3 +301,28 @@ def test_warm_start_options_and_module_names() -> None:
     assert options.warm_start is False and options.preload_modules == ["a.b", "c"]
     bad = job_with(**{"spec.trainguard.preloadModules": ["ok", "not a module"]})
     assert errors_of(bad).startswith("job.yaml: spec.trainguard.preloadModules[1]: ")
+
+
+def test_straggler_options_defaults_and_bad_values() -> None:
+    options = parse_job(MINIMAL, "job.yaml").spec.trainguard
+    assert (options.straggler_threshold, options.straggler_window) == (1.3, 20)
+    assert options.straggler_action == "report"
+    given = {"stragglerThreshold": 2, "stragglerWindow": 50, "stragglerAction": "restart"}
+    options = parse_job(job_with(**{"spec.trainguard": given}), "job.yaml").spec.trainguard
+    assert (options.straggler_threshold, options.straggler_window) == (2.0, 50)
+    assert options.straggler_action == "restart"
+    off = job_with(**{"spec.trainguard.stragglerThreshold": None})
+    assert parse_job(off, "job.yaml").spec.trainguard.straggler_threshold is None
+    field = "job.yaml: spec.trainguard."
+    for key, bad, message in [
+        ("stragglerThreshold", 1, "must be > 1"),
+        ("stragglerThreshold", float("inf"), "input should be a finite number"),
+        ("stragglerThreshold", float("nan"), "input should be a finite number"),
+        ("stragglerThreshold", "fast", "must be a number"),
+        ("stragglerWindow", 1, "must be >= 2"),
+        ("stragglerWindow", 10_001, "must be <= 10000"),
+        ("stragglerWindow", 2.5, "must be an integer"),
+        ("stragglerAction", "kill", "must be one of: report, restart"),
+    ]:
+        data = job_with(**{f"spec.trainguard.{key}": bad})
+        assert errors_of(data) == f"{field}{key}: {message}"

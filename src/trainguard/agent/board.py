@@ -250,4 +250,5 @@ class Board:
             stacks=stacks,
             events=tuple(events),
             checkpoint=persister.status() if persister is not None else CheckpointStatus(),
+            hot_spares=group.idle_spares if isinstance(group, ResilientGroup) else 0,
         )

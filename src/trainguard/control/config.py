@@ -12,6 +12,13 @@ from dataclasses import dataclass, field
 
 from trainguard.control.persist import DurableCadence
 from trainguard.control.policy import PolicyConfig
+from trainguard.control.stragglers import (
+    DEFAULT_ACTION,
+    DEFAULT_THRESHOLD,
+    DEFAULT_WINDOW,
+    MAX_WINDOW,
+    StragglerAction,
+)
 from trainguard.monitor.rules import LogRuleSpec
 from trainguard.wire.requests import MonitorConfig
 
@@ -65,6 +72,14 @@ class ControlConfig:
     # long after the restart is deadlocked in a collective: it is replaced in place.
     stuck_rank_timeout: float = 3.0
 
+    # -- stragglers (control/stragglers.py) ------------------------------------------
+    # A rank whose seconds per step over its last `straggler_window` steps reach this
+    # many times the job's median is a straggler (None: paces measured, none reported).
+    straggler_threshold: float | None = DEFAULT_THRESHOLD
+    straggler_window: int = DEFAULT_WINDOW
+    # "report": an event; "restart": also a fault, and its node is replaced.
+    straggler_action: StragglerAction = DEFAULT_ACTION
+
     def __post_init__(self) -> None:
         if not self.node_ids:
             raise ValueError("node_ids: a job needs at least one node")
@@ -84,6 +99,16 @@ class ControlConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+        threshold = self.straggler_threshold
+        if threshold is not None and not (math.isfinite(threshold) and threshold > 1):
+            raise ValueError(f"straggler_threshold: must be a finite number > 1, got {threshold!r}")
+        window = self.straggler_window
+        if isinstance(window, bool) or not 2 <= window <= MAX_WINDOW:
+            raise ValueError(f"straggler_window: must be in [2, {MAX_WINDOW}], got {window!r}")
+        if self.straggler_action not in ("report", "restart"):
+            raise ValueError(
+                f"straggler_action: must be report or restart, got {self.straggler_action!r}"
+            )
         if self.stuck_rank_timeout >= self.barrier_timeout and self.in_process:
             raise ValueError(
                 f"stuck_rank_timeout ({self.stuck_rank_timeout:g} s) must be shorter than "

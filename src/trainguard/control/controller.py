@@ -51,8 +51,9 @@ from trainguard.control.persist import CheckpointPlanner, PersistCheckpoint
 from trainguard.control.policy import GiveUp, RestartRecord, RestartScope, decide_restart
 from trainguard.control.record import JobRecord
 from trainguard.control.reports import NodeReport, Refusal
+from trainguard.control.stragglers import StragglerWatch
 from trainguard.control.timeline import Timeline
-from trainguard.wire.status import NodeState, WorkerState
+from trainguard.wire.status import NodeState, NodeStatus, WorkerState
 
 __all__ = [
     "Action",
@@ -86,6 +87,7 @@ class JobController:
         self.reason: str | None = None
         self.attempts: list[Attempt] = []
         self.started_at: float | None = None
+        self.finished_at: float | None = None  # when the phase turned terminal
         self.nodes: tuple[str, ...] = config.node_ids
         self.spares: tuple[str, ...] = config.spare_node_ids
         self.history: list[RestartRecord] = []
@@ -96,6 +98,8 @@ class JobController:
         # Set when a stop was asked for from outside (delete, Ctrl-C, deadline).
         self._cancel: tuple[JobPhase, str] | None = None
         self.checkpoints = CheckpointPlanner(config.durable, config.world_size, 0.0)
+        # Each rank's pace in the current attempt (`stragglers.paces()`), and stragglers.
+        self.stragglers = StragglerWatch(config.straggler_threshold, config.straggler_window)
         # Set once every rank exited 0: until then the last checkpoint may still persist.
         self._final_persist_until: float | None = None
 
@@ -299,6 +303,7 @@ class JobController:
         current = attempt.watch.current(attempt.assignments, reports)
         faults = attempt.watch.faults(now, attempt.assignments, reports, current)
         faults += refusal_faults(now, attempt.number, refusals)
+        faults += self._stragglers(now, attempt, current)
         actions: list[Action] = []
         if attempt.rejoin is not None and not faults:
             replace, faults = self._watch_rejoin(now, attempt, attempt.rejoin, reports)
@@ -317,6 +322,18 @@ class JobController:
         ):
             return self._complete(now, attempt, reports, actions)
         return actions
+
+    def _stragglers(
+        self, now: float, attempt: Attempt, current: Sequence[tuple[str, NodeStatus]]
+    ) -> list[Fault]:
+        """Record each new straggler; with ``stragglerAction: restart``, each is a fault."""
+        found = self.stragglers.observe_statuses(attempt.number, current)
+        for s in found:
+            self._event(now, "Straggler", s.message, attempt.number, s.node, s.rank, s.to_json())
+        if self.config.straggler_action != "restart":
+            return []
+        progress = attempt.watch.progress
+        return [s.fault(now, attempt.number, progress.step if progress else None) for s in found]
 
     def _watch_rejoin(
         self, now: float, attempt: Attempt, rejoin: Rejoin, reports: Mapping[str, NodeReport]
@@ -538,6 +555,7 @@ class JobController:
     def _finish(self, now: float, phase: JobPhase, reason: str) -> list[Action]:
         self.phase = phase
         self.reason = reason
+        self.finished_at = now
         self._event(now, f"Job{phase.value}", reason)
         return [Finish(phase, reason)]
 

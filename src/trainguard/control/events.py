@@ -26,6 +26,8 @@ class FaultType(StrEnum):
     START_REFUSED = "StartRefused"
     REJOIN_REFUSED = "RejoinRefused"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
+    # A rank much slower than the job's median, with stragglerAction: restart.
+    STRAGGLER = "Straggler"
 
     @property
     def is_hang(self) -> bool:
@@ -34,8 +36,14 @@ class FaultType(StrEnum):
 
     @property
     def loses_node(self) -> bool:
-        """Faults after which the node's agent cannot be trusted to run the next attempt."""
-        return self in (FaultType.NODE_LOST, FaultType.NODE_STOP_TIMEOUT, FaultType.START_REFUSED)
+        """Faults after which the node is not used for the next attempt: its agent cannot
+        be trusted (lost, did not stop, refused), or it made a rank straggle."""
+        return self in (
+            FaultType.NODE_LOST,
+            FaultType.NODE_STOP_TIMEOUT,
+            FaultType.START_REFUSED,
+            FaultType.STRAGGLER,
+        )
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ the fault times per node and the available spares. It follows HyperPod's ``resta
 1. **Retry budget.** When the restarts so far (``len(history)``) reach ``jobMaxRetryCount``,
    give up. Every restart, of either scope, counts.
 2. **Unusable nodes.** A fault that makes its node unusable (:data:`NODE_FAULTS`: the agent
-   is lost or did not stop) requires a full job restart that replaces the node: by a spare
-   if one is left (in the order given), otherwise by a fresh node with the same id (locally:
-   a new agent process). Every other fault type is process-scope.
+   is lost, did not stop or refused the start, or one of its ranks straggled) requires a
+   full job restart that replaces the node: by a spare if one is left (in the order
+   given), otherwise by a fresh node with the same id (locally: a new agent process).
+   Every other fault type is process-scope.
 3. **Escalation.** Process-level restarts are counted within the last ``evalPeriodSeconds``
    (the whole job when unset), and only those after the most recent full job restart: a
    full restart starts the ladder afresh. When that count reaches

@@ -346,7 +346,8 @@ class NodeLogMonitor:
         return Progress(first_step=first_step, first_time=first_time, step=step, time=t)
 
     def snapshot(self) -> MonitorSnapshot:
-        """Per rule last match/count/stopped, per rank progress, detections."""
+        """Per rule last match/count/stopped, the node's progress, detections, and each
+        rank's latest step."""
         with self._lock:
             return MonitorSnapshot(
                 rules={
@@ -359,4 +360,5 @@ class NodeLogMonitor:
                 },
                 progress=self._progress_now(),
                 detections=tuple(self._detections),
+                rank_steps=dict(self._steps),
             )

@@ -65,5 +65,8 @@ def control_config(
         hot_spares=options.hot_spares,
         barrier_timeout=options.restart_barrier_timeout_seconds,
         stuck_rank_timeout=stuck_rank_timeout(options.restart_barrier_timeout_seconds),
+        straggler_threshold=options.straggler_threshold,
+        straggler_window=options.straggler_window,
+        straggler_action=options.straggler_action,
     )
     return config, groups

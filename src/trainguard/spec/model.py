@@ -64,6 +64,9 @@ KIND: Final = "TrainingJob"
 DEFAULT_STOP_GRACE_PERIOD_SECONDS = 10.0
 DEFAULT_POLL_INTERVAL_SECONDS = 0.5
 DEFAULT_NODE_START_TIMEOUT_SECONDS = 60.0
+DEFAULT_STRAGGLER_THRESHOLD = 1.3
+DEFAULT_STRAGGLER_WINDOW = 20
+MAX_STRAGGLER_WINDOW = 10_000
 
 
 class ReplicaSpec(SpecModel):
@@ -299,6 +302,27 @@ class TrainguardOptions(SpecModel):
         default=60.0,
         description="trainguard extension: how long every rank has to rejoin after an "
         "in-process restart; a rank that does not falls back to a process-level restart.",
+    )
+    straggler_threshold: float | None = Field(
+        default=DEFAULT_STRAGGLER_THRESHOLD,
+        gt=1,
+        allow_inf_nan=False,
+        description="trainguard extension: a rank whose seconds per step, over its last "
+        "stragglerWindow steps, reach this many times the job's median is a straggler "
+        "(a Straggler event). null: stragglers are not reported.",
+    )
+    straggler_window: int = Field(
+        default=DEFAULT_STRAGGLER_WINDOW,
+        ge=2,
+        le=MAX_STRAGGLER_WINDOW,
+        description="trainguard extension: how many of its latest steps a rank's step time "
+        "is measured over (from its progress lines, or heartbeats that give a step).",
+    )
+    straggler_action: Literal["report", "restart"] = Field(
+        default="report",
+        description="trainguard extension: what a straggler causes: report (an event), or "
+        "restart (also a Straggler fault: every rank stops, and its node is replaced, by a "
+        "spare when one is left).",
     )
 
     @model_validator(mode="after")

@@ -154,11 +154,14 @@ class Detection(Wire):
 
 
 class MonitorSnapshot(Wire):
-    """What the node's log monitor saw in the current attempt."""
+    """What the node's log monitor saw in the current attempt. ``rank_steps``: each rank's
+    latest completed step and the unix time its line was read (the controller's
+    straggler watch compares the ranks' paces; a few numbers per rank)."""
 
     rules: dict[str, RuleActivity] = Field(default_factory=dict)
     progress: Progress | None = None
     detections: tuple[Detection, ...] = ()
+    rank_steps: dict[int, tuple[int, float]] = Field(default_factory=dict)
 
 
 class Beat(Wire):
@@ -232,6 +235,7 @@ class NodeStatus(Wire):
     events: tuple[WorkerEvent, ...] = ()
     checkpoint: CheckpointStatus = CheckpointStatus()
     injected: tuple[InjectedFault, ...] = ()  # step injections carried out (rehearsals)
+    hot_spares: int = Field(default=0, ge=0)  # idle hot spare processes, ready to take a rank
 
     @property
     def live_workers(self) -> int:
