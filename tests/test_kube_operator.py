@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import FAKE_WORKER, REPO, wait_for
 from kube_harness import ApiServer, Kubelet, alive, free_port, quiet_port_base
@@ -69,6 +70,7 @@ class Cluster:
         return data
 
     def metrics(self) -> str:
+        """The operator's /metrics page (Prometheus' text format)."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             return str(response.read().decode())
@@ -160,6 +162,16 @@ def record(out: Path, rank: int, attempt: int) -> dict[str, Any]:
     return data
 
 
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples in a /metrics page whose labels include ``labels``."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
 def reasons(described: dict[str, Any]) -> list[str]:
     return [e["reason"] for e in described["events"]]
 
@@ -201,7 +213,7 @@ def test_jobs_run_to_completion_on_healthy_nodes_and_expire(cluster: Cluster) ->
         "[rank3]: stderr line from rank 3",
         "[rank3]: rank 3 done",
     ]
-    assert "trainguard_jobs_succeeded_total" in cluster.metrics()
+    assert metric(cluster.metrics(), "trainguard_jobs_successful_total") >= 1
 
     # The other job ran too, and was deleted (with its pods) a second after it ended.
     assert (quick / "rank-3-attempt-0.json").exists()
@@ -258,8 +270,10 @@ def test_worker_and_pod_faults_recover_then_delete_stops_everything(cluster: Clu
     assert "job-level restart 2 of 3" in messages[1]
     assert [e["type"] for e in described["events"] if e["reason"] == "Fault"] == ["Warning"] * 2
     metrics = cluster.metrics()
-    assert 'trainguard_jobs_restarted_total{scope="process"} 1' in metrics
-    assert 'trainguard_jobs_restarted_total{scope="job"} 1' in metrics
+    restarts = "trainguard_jobs_restarted_total"
+    assert metric(metrics, restarts, job="default/fake-faults", scope="process") == 1
+    assert metric(metrics, restarts, job="default/fake-faults", scope="job") == 1
+    assert metric(metrics, "trainguard_faults_total", job="default/fake-faults") == 2
 
     # Deletion: the job, its pods and every process are gone.
     done = cluster.tg("delete", "--kube", "fake-faults", "--timeout", "60")

@@ -75,6 +75,31 @@ def _parser() -> argparse.ArgumentParser:
         help="start every worker as a fresh interpreter, not forked from a warm template "
         "(the same as spec.trainguard.warmStart: false)",
     )
+    run.add_argument(
+        "--no-live",
+        action="store_true",
+        help="no live progress line at the bottom of the terminal (there is none when "
+        "stdout is not a terminal, or TERM=dumb)",
+    )
+    run.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        help="serve the job's Prometheus metrics on http://HOST:PORT/metrics (0: any free port)",
+    )
+    run.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the address --metrics-port binds (default 127.0.0.1: this machine only)",
+    )
+    run.add_argument(
+        "--metrics-linger",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep serving metrics this long after the job ends, for a last scrape",
+    )
     run.add_argument("script", nargs="?", help="training script (torchrun-style form)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
 
@@ -89,6 +114,18 @@ def _parser() -> argparse.ArgumentParser:
     desc.add_argument("job", help="job id or name")
     desc.add_argument("-o", "--output", choices=["text", "json"], default="text")
     add_cluster_flags(desc)
+
+    report = sub.add_parser(
+        "report",
+        parents=[common],
+        help="write a job's report: one HTML page and a PNG of its main figure",
+        description="Write a self-contained HTML report of a job (running or ended) and, "
+        "beside it, a PNG of its main figure (the step over time, faults, recovery).",
+    )
+    report.add_argument("job", help="job id or name")
+    report.add_argument(
+        "-o", "--output", metavar="FILE.html", help="the page (default: ./<job>-report.html)"
+    )
 
     logs = sub.add_parser("logs", parents=[common], help="print a job's worker output")
     logs.add_argument("job", help="job id or name")
@@ -129,6 +166,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be <= 65535, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 3600, got {text}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -159,6 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return views.list_jobs(store, args.output)
         if args.verb == "describe":
             return views.describe(store, args.job, args.output)
+        if args.verb == "report":
+            from trainguard.observe.report import report_command
+
+            return report_command(store, args.job, args.output)
         if args.verb == "logs":
             return views.logs(store, args.job, args.rank, args.follow)
         if args.verb == "delete":

@@ -23,6 +23,7 @@ import torch
 from trainguard.checkpoint.agreement import agree_on_step, all_ranks_succeeded
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.memory import MemoryShard, MemoryTier
+from trainguard.checkpoint.save_times import SaveTimes
 from trainguard.checkpoint.shard import ShardInvalid, checksum, make_meta, verify
 from trainguard.checkpoint.state import Layout, flatten, restore
 from trainguard.monitor import worker_events
@@ -112,6 +113,7 @@ class Checkpointer:
             hold=cfg.durable_writer == "agent",
         )
         self.last_restore: Restore | None = None
+        self._save_times = SaveTimes(enabled=cfg.rank == 0)
         self._durable: DurableTier | None = None
         self._queue: queue.Queue[_Task | None] = queue.Queue()
         self._cond = threading.Condition()
@@ -140,6 +142,7 @@ class Checkpointer:
         self._raise_background_error()
         if not force and step % self.config.memory_every_steps:
             return False
+        started = time.perf_counter()
         layout, tensors = flatten(state)
         slot = self.memory.choose_slot(step)
         self._wait_for_slot(slot, step)
@@ -167,6 +170,7 @@ class Checkpointer:
             self._pending += 1
         self._ensure_thread()
         self._queue.put(task)
+        self._save_times.add(step, time.perf_counter() - started)
         return True
 
     def _durable_due(self, step: int, force: bool) -> bool:
@@ -216,6 +220,7 @@ class Checkpointer:
         if self._closed:
             return
         try:
+            self._save_times.flush()
             self.wait(timeout)
         finally:
             self._closed = True

@@ -7,7 +7,7 @@
 - ``node`` / ``kube_platform``: a node's pod, and the platform the control loop drives
   (pods launched, retired, observed);
 - ``runner``: one job (set-up, the loop on a worker thread, clean-up);
-- ``status`` / ``record``: the custom resource's status and Events from the controller;
-  ``metrics``: Prometheus;
+- ``status`` / ``record``: the custom resource's status, Events and metrics
+  (``trainguard.observe.metrics``) from the controller;
 - ``operator``: the kopf handlers (``python -m trainguard.kube.operator``); ``cli``: verbs.
 """

@@ -274,7 +274,7 @@ class KubePlatform:
         pods = [
             node.info(self._state(reports.get(node_id))) for node_id, node in self.nodes.items()
         ]
-        self.recorder.record(controller, pods, {**self.nodes, **self._seen}, self.clock())
+        self.recorder.record(controller, pods, {**self.nodes, **self._seen}, self.clock(), reports)
 
     def _state(self, report: NodeReport | None) -> str:
         verdict = contact(report, self.unreachable_after)

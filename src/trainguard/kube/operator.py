@@ -37,10 +37,10 @@ from trainguard.kube.config import (
     VERSION,
     OperatorConfig,
 )
-from trainguard.kube.metrics import OperatorMetrics, serve_metrics
 from trainguard.kube.pods import job_selector, secret_name, service_name
 from trainguard.kube.runner import KubeJob
 from trainguard.kube.status import parse_time, rfc3339
+from trainguard.observe.metrics import Metrics, serve
 from trainguard.platform.inbox import Inbox
 from trainguard.platform.procs import tune_gc_for_a_controller
 from trainguard.spec import SpecError
@@ -57,7 +57,7 @@ DETACH_SECONDS = 20.0
 # Where a pod learns its namespace (the operator's, for its own Service's name).
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
-_metrics = OperatorMetrics()
+_metrics = Metrics()
 _state: dict[str, Any] = {}
 _state_lock = threading.Lock()
 # The running jobs, by (namespace, name).
@@ -138,6 +138,8 @@ def _deleted(name: str, namespace: str | None, **_: Any) -> None:
         api.delete_pod(namespace, pod["metadata"]["name"])
     api.delete_owned(namespace, service_name(name), secret_name(name))
     _metrics.deleted.inc()
+    if job is not None:
+        job.record.observer.forget()
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=DAEMON_CANCEL_SECONDS)
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     tune_gc_for_a_controller()  # the operator holds every job's agent statuses
     if settings.metrics_port:
-        serve_metrics(_metrics, settings.metrics_port)
+        serve(_metrics, settings.metrics_port, host="0.0.0.0")  # in-cluster Prometheus scrapes it
     liveness = (
         f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port is not None else None
     )

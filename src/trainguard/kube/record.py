@@ -14,10 +14,11 @@ from typing import Any
 from trainguard.control.controller import JobController
 from trainguard.control.events import Event, FaultType
 from trainguard.control.policy import RestartScope
+from trainguard.control.reports import NodeReport
 from trainguard.kube.api import KubeApi, KubeError, NotFound
-from trainguard.kube.metrics import OperatorMetrics
 from trainguard.kube.node import PodNode
 from trainguard.kube.status import Conditions, FaultyPods, PodInfo, job_status, k8s_event
+from trainguard.observe.job import JobObserver
 
 __all__ = ["COMPONENT", "ClusterRecord"]
 
@@ -30,11 +31,11 @@ COMPONENT = "trainguard-operator"
 class ClusterRecord:
     """One TrainingJob's status, Events and metrics (see the module docstring)."""
 
-    def __init__(self, api: KubeApi, body: Obj, metrics: OperatorMetrics) -> None:
+    def __init__(self, api: KubeApi, body: Obj, observer: JobObserver) -> None:
         meta = body.get("metadata") or {}
         self.api = api
         self.body = body
-        self.metrics = metrics
+        self.observer = observer  # the job's metrics (label job="<namespace>/<name>")
         self.name = str(meta.get("name"))
         self.namespace = str(meta.get("namespace") or "default")
         self.source = f"{self.namespace}/{self.name}"
@@ -48,12 +49,15 @@ class ClusterRecord:
         pods: Sequence[PodInfo],
         seen: Mapping[str, PodNode],
         now: float,
+        reports: Mapping[str, NodeReport] | None = None,
     ) -> None:
         """Record the controller's new events, then its state; ``seen``: each node's pod
         when the events were decided (a fault names the pod it happened in, even when
         the node has a new pod by now)."""
-        for event in controller.drain_events():
+        events = controller.drain_events()
+        for event in events:
             self._event(event, seen)
+        self.observer.turn(now, controller, events, reports)
         status = job_status(controller, self.conditions, pods, self.faulty, now)
         if status == self._last_status:
             return
@@ -71,16 +75,7 @@ class ClusterRecord:
             self._note_fault(event, seen.get(event.node) if event.node else None)
         elif event.kind == "RestartScheduled":
             scope = str(event.data.get("scope", ""))
-            self.metrics.restarted.inc(scope)
             self.faulty.restart_type = RestartScope(scope).hyperpod if scope else None
-        elif event.kind == "Recovered":
-            seconds = event.data.get("recovery_seconds")
-            if isinstance(seconds, int | float):
-                self.metrics.restart_latency.observe(float(seconds))
-        elif event.kind == "JobSucceeded":
-            self.metrics.succeeded.inc()
-        elif event.kind == "JobFailed":
-            self.metrics.failed.inc()
         try:
             self.api.create_event(self.namespace, k8s_event(self.body, event, COMPONENT))
         except KubeError as exc:
@@ -89,9 +84,8 @@ class ClusterRecord:
     def _note_fault(self, event: Event, node: PodNode | None) -> None:
         self.faulty.note_fault(event, node.pod_name if node else None)
         kind = str(event.data.get("type", "Fault"))
-        self.metrics.faults.inc(kind)
         if node is None or kind != FaultType.NODE_LOST.value:
             return
         ended = node.ended()
         if ended is not None and ended[1] is not None:
-            self.metrics.fault_detection_latency.observe(event.time - ended[1])
+            self.observer.detected(event.time - ended[1])

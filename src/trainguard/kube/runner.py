@@ -26,7 +26,6 @@ from trainguard.control.controller import JobController
 from trainguard.kube.api import KubeApi, KubeError, NotFound
 from trainguard.kube.config import OperatorConfig
 from trainguard.kube.kube_platform import Detached, KubePlatform, Outside
-from trainguard.kube.metrics import OperatorMetrics
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.pods import (
     headless_service,
@@ -36,6 +35,8 @@ from trainguard.kube.pods import (
     token_secret,
 )
 from trainguard.kube.record import ClusterRecord
+from trainguard.observe.job import JobObserver
+from trainguard.observe.metrics import Metrics
 from trainguard.platform.book import ReportBook
 from trainguard.platform.config import control_config
 from trainguard.platform.drive import drive
@@ -64,7 +65,7 @@ class KubeJob:
         api: KubeApi,
         body: Obj,
         settings: OperatorConfig,
-        metrics: OperatorMetrics,
+        metrics: Metrics,
         inbox: Inbox | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -88,7 +89,8 @@ class KubeJob:
         self.book = ReportBook()
         self.outside = Outside(self.book)
         self.controller = JobController(self.config, self._endpoint)
-        self.record = ClusterRecord(api, body, metrics)
+        observer = JobObserver(self.name, self.source, metrics.job(self.source))
+        self.record = ClusterRecord(api, body, observer)
         self.transport: AgentTransport | None = None
         self.platform: KubePlatform | None = None
         self.ended = threading.Event()  # run() returned
@@ -107,7 +109,6 @@ class KubeJob:
             if self.outside.requested:
                 return  # deleted (or the operator is exiting) before it began
             platform = self._set_up()
-            self.metrics.created.inc()
             drive(self.controller, platform, self.clock)
         except Detached:
             logger.info("%s: let go of (operator exiting); its pods keep running", self.source)

@@ -145,7 +145,7 @@ def job_status(
     if controller.started_at is not None:
         status["startTime"] = rfc3339(controller.started_at)
     if controller.phase.terminal:
-        status["completionTime"] = rfc3339(now)
+        status["completionTime"] = rfc3339(controller.finished_at or now)
     if faulty.attempt >= 0:
         status["latestFaultyPodInstanceList"] = faulty.to_json()
     return status

@@ -14,14 +14,19 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any, TextIO
+from wsgiref.simple_server import WSGIServer
 
 from trainguard.agent.warm import StartOptions
 from trainguard.control.controller import JobController, JobPhase
+from trainguard.observe.job import JobObserver
+from trainguard.observe.live import LiveLine
+from trainguard.observe.metrics import Metrics, serve
 from trainguard.platform.book import ReportBook
 from trainguard.platform.config import control_config
 from trainguard.platform.drive import drive
@@ -39,6 +44,19 @@ EXIT_INTERRUPTED = 130
 MEMORY_ROOT = Path("/dev/shm/trainguard")
 
 SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+@dataclass(frozen=True)
+class MetricsOptions:
+    """``--metrics-port``: where a run serves its metrics, and how long after its end."""
+
+    port: int
+    host: str = "127.0.0.1"
+    linger: float = 0.0
+
+
+class MetricsPortError(ValueError):
+    """The metrics port cannot be bound (a usage error)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,8 @@ class LocalRunner:
         injections: Sequence[Injection] = (),
         out: TextIO | None = None,
         err: TextIO | None = None,
+        live: bool = False,
+        metrics: MetricsOptions | None = None,
     ) -> None:
         self.plan = plan
         self.store = store
@@ -92,6 +112,9 @@ class LocalRunner:
         self._interrupts = 0
         self._out_lock = threading.Lock()
         self._console_log: TextIO | None = None
+        self.metrics = metrics  # serve Prometheus metrics (--metrics-port)
+        self._live_wanted = live  # the live line on ``out`` (a terminal; observe/live.py)
+        self._live: LiveLine | None = None
 
     @property
     def interrupted(self) -> bool:
@@ -100,6 +123,8 @@ class LocalRunner:
 
     def run(self) -> JobResult:
         tune_gc_for_a_controller()
+        observer = JobObserver(self.job_id, self.plan.name)
+        server = self._serve_metrics(observer)  # first: a port in use is a usage error
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         token = secrets.token_urlsafe(32)
         self.token_file.touch(mode=0o600)
@@ -113,6 +138,8 @@ class LocalRunner:
             self.plan.nproc_per_node,
             self.plan.job.model_dump(mode="json", by_alias=True),
         )
+        if self._live_wanted:
+            self._live = LiveLine(self.out)
         book = ReportBook()
         inbox = Inbox()
         report_url = inbox.register(self.job_id, token, lambda s: book.answered(s, push=True))
@@ -129,6 +156,8 @@ class LocalRunner:
             say=self._say,
             pump=self._pump,
             interrupted=lambda: self._interrupts > 0,
+            observer=observer,
+            live=self._live,
         )
         controller = JobController(self.config, platform.endpoint)
         previous = self._install_signal_handlers()
@@ -146,12 +175,40 @@ class LocalRunner:
                 platform.close()
                 inbox.close()
                 shutil.rmtree(self.memory_root, ignore_errors=True)
+                if self._live is not None:
+                    self._live.close()
+                if server is not None:
+                    self._stop_metrics(server)
                 with self._out_lock:
                     self._console_log = None
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
     # -- internals -----------------------------------------------------------
+
+    def _serve_metrics(self, observer: JobObserver) -> WSGIServer | None:
+        if self.metrics is None:
+            return None
+        metrics = Metrics()
+        observer.metrics = metrics.job(self.plan.name)
+        try:
+            server = serve(metrics, self.metrics.port, self.metrics.host)
+        except OSError as exc:
+            raise MetricsPortError(
+                f"--metrics-port {self.metrics.port}: cannot listen on "
+                f"{self.metrics.host}: {exc.strerror or exc}"
+            ) from None
+        self._say(f"metrics: http://{self.metrics.host}:{server.server_port}/metrics")
+        return server
+
+    def _stop_metrics(self, server: WSGIServer) -> None:
+        """Keep serving for ``linger`` seconds (a last scrape sees the end), then stop."""
+        assert self.metrics is not None
+        if self.metrics.linger > 0 and not self.interrupted:
+            self._say(f"metrics: serving {self.metrics.linger:g} s more for a last scrape")
+            time.sleep(self.metrics.linger)
+        server.shutdown()
+        server.server_close()
 
     def _agent_launcher(self) -> AgentLauncher:
         checkpointing = self.plan.job.spec.checkpointing
@@ -182,8 +239,11 @@ class LocalRunner:
             for raw in iter(stream.readline, b""):
                 line = raw.decode("utf-8", errors="replace")
                 with self._out_lock:
-                    self.out.write(line)
-                    self.out.flush()
+                    if self._live is not None:
+                        self._live.above(self.out, line)
+                    else:
+                        self.out.write(line)
+                        self.out.flush()
                     if self._console_log is not None:
                         self._console_log.write(line)
                         self._console_log.flush()
@@ -192,6 +252,9 @@ class LocalRunner:
 
     def _say(self, message: str) -> None:
         with self._out_lock:
+            if self._live is not None:
+                self._live.above(self.err, f"[trainguard] {message}\n")
+                return
             self.err.write(f"[trainguard] {message}\n")
             self.err.flush()
 

@@ -28,6 +28,8 @@ from trainguard.control.contact import Contact, contact
 from trainguard.control.controller import JobController
 from trainguard.control.events import Event
 from trainguard.control.reports import NodeReport, Refusal
+from trainguard.observe.job import JobObserver
+from trainguard.observe.live import LiveLine
 from trainguard.platform.base import Cancel, Observation
 from trainguard.platform.book import ReportBook
 from trainguard.platform.inject import Injector, Targets
@@ -62,6 +64,8 @@ class LocalPlatform:
         say: Callable[[str], None],
         pump: Callable[[IO[bytes]], None],
         interrupted: Callable[[], bool],
+        observer: JobObserver | None = None,
+        live: LiveLine | None = None,
     ) -> None:
         self.job_id = job_id
         self.store = store
@@ -75,6 +79,8 @@ class LocalPlatform:
         self._say = say  # a line to the user
         self._pump = pump  # copies an agent's console to the job's
         self._interrupted = interrupted
+        self.observer = observer  # samples for the store, metrics
+        self._live = live  # the live line on the terminal, if one
         self._launches = 0
         self._first_step_at: float | None = None
         self._written: dict[str, object] = {}  # what the store has, by row key
@@ -187,8 +193,15 @@ class LocalPlatform:
         events = controller.drain_events()
         for event in events:
             self._say_event(event)
+        if self._live is not None:
+            self._live.update(controller, events, time.time())
+        samples = []
+        if self.observer is not None:
+            reports = observation.reports if observation is not None else None
+            samples = self.observer.turn(time.time(), controller, events, reports)
         with self.store.batch():
             self.store.add_events(self.job_id, events)
+            self.store.add_samples(self.job_id, [s.row() for s in samples])
             self._record_attempts(controller)
             if observation is not None:
                 self._record_nodes(controller, observation.reports)
@@ -255,8 +268,8 @@ class LocalPlatform:
         }
         if controller.started_at is not None:
             fields["started_at"] = controller.started_at
-        if controller.phase.terminal:
-            fields["finished_at"] = time.time()
+        if controller.finished_at is not None:
+            fields["finished_at"] = controller.finished_at
         if self._changed("job", json.dumps(fields, sort_keys=True, default=str)):
             self.store.update_job(self.job_id, **fields)
 

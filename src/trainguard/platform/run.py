@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trainguard.observe.live import live_wanted
 from trainguard.platform.inject import parse_injection
-from trainguard.platform.local import EXIT_INTERRUPTED, LocalRunner
+from trainguard.platform.local import (
+    EXIT_INTERRUPTED,
+    LocalRunner,
+    MetricsOptions,
+    MetricsPortError,
+)
 from trainguard.platform.store import Store, state_dir
 from trainguard.spec import SpecError, TrainingJob, cli_job, load_job, resolve_plan
 
@@ -55,12 +61,19 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     store = Store(state_dir(args.state_dir))
     try:
         try:
-            runner = LocalRunner(plan, store, source, injections)
+            live = not args.no_live and live_wanted(sys.stdout)
+            metrics = None
+            if args.metrics_port is not None:
+                metrics = MetricsOptions(args.metrics_port, args.metrics_host, args.metrics_linger)
+            runner = LocalRunner(plan, store, source, injections, live=live, metrics=metrics)
         except ValueError as exc:  # an --inject target outside the job
             print(f"trainguard: {exc}", file=sys.stderr)
             return EXIT_USAGE
         try:
             result = runner.run()
+        except MetricsPortError as exc:
+            print(f"trainguard: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         except KeyboardInterrupt:
             print("[trainguard] interrupted; every worker was stopped", file=sys.stderr)
             return EXIT_INTERRUPTED

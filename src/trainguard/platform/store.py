@@ -81,7 +81,17 @@ CREATE TABLE IF NOT EXISTS events (
     data_json TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS events_job ON events (job_id, id);
+CREATE TABLE IF NOT EXISTS samples (
+    job_id TEXT NOT NULL,
+    time REAL NOT NULL,
+    attempt INTEGER NOT NULL,
+    rank INTEGER NOT NULL,
+    value REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS samples_job ON samples (job_id, rank, time);
 """
+# ``samples`` rows: the job's progress (``rank`` -1, ``value`` the step) and each rank's
+# pace (``value`` its seconds per step), as trainguard.observe.history.Sample.
 
 
 def state_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
@@ -257,6 +267,7 @@ class Store:
                 ("attempts", "job_id"),
                 ("nodes", "job_id"),
                 ("events", "job_id"),
+                ("samples", "job_id"),
             ):
                 db.execute(f"DELETE FROM {table} WHERE {key} = ?", (job_id,))
 
@@ -352,6 +363,23 @@ class Store:
                     for e in events
                 ],
             )
+
+    def add_samples(self, job_id: str, rows: Sequence[tuple[float, int, int, float]]) -> None:
+        """Append ``(time, attempt, rank, value)`` rows (see ``samples`` in the schema)."""
+        if rows:
+            with self._tx() as db:
+                db.executemany(
+                    "INSERT INTO samples (job_id, time, attempt, rank, value) VALUES (?,?,?,?,?)",
+                    [(job_id, *row) for row in rows],
+                )
+
+    def samples(self, job_id: str) -> list[tuple[float, int, int, float]]:
+        """Every ``(time, attempt, rank, value)`` row of the job, oldest first."""
+        rows = self._db.execute(
+            "SELECT time, attempt, rank, value FROM samples WHERE job_id = ? ORDER BY time",
+            (job_id,),
+        ).fetchall()
+        return [(r["time"], r["attempt"], r["rank"], r["value"]) for r in rows]
 
     def events(self, job_id: str) -> list[Event]:
         rows = self._db.execute(

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainguard.observe.account import account
+from trainguard.observe.history import load_history
 from trainguard.platform.local import MEMORY_ROOT
 from trainguard.platform.procs import alive, kill_group
 from trainguard.platform.store import JobRow, Store
@@ -56,6 +58,7 @@ def job_json(store: Store, job: JobRow) -> dict[str, Any]:
         "nodes": store.nodes(job.id),
         "attempts": store.attempts(job.id),
         "faults": json.loads(job.faults_json),
+        "accounting": account(load_history(store, job.id), time.time()).to_json(),
         "events": [e.to_json() for e in store.events(job.id)],
         "spec": json.loads(job.spec_json),
     }
@@ -117,6 +120,7 @@ def describe(store: Store, ref: str, output: str) -> int:
         ("Started", _stamp(data["started_at"])),
         ("Finished", _stamp(data["finished_at"])),
         ("Duration", f"{duration:.1f}s" if duration is not None else "-"),
+        ("Goodput", _goodput(data["accounting"])),
         ("Logs", data["logs_dir"]),
     ]:
         print(f"{label + ':':<10} {value}")
@@ -203,6 +207,22 @@ def describe(store: Store, ref: str, output: str) -> int:
         indent=2,
     )
     return 0
+
+
+def _goodput(accounting: dict[str, Any]) -> str:
+    """``93.1% (downtime: WorkerCrash 3.2s, startup 2.0s; 4 steps lost)``."""
+    goodput = accounting["goodput"]
+    if goodput is None:
+        return "-"
+    parts = [
+        f"{cause} {seconds:.1f}s"
+        for cause, seconds in sorted(accounting["downtime_seconds"].items(), key=lambda kv: -kv[1])
+        if seconds >= 0.05
+    ]
+    text = f"{goodput:.1%}"
+    if parts:
+        text += f" (downtime: {', '.join(parts)}; {accounting['lost_steps']} steps lost)"
+    return text
 
 
 def _dash(value: object) -> str:
