@@ -207,3 +207,24 @@ def test_timeline_measures_recovery_and_lost_steps() -> None:
     assert record["evidence"]["injected"] == "kill:rank=3@step=50"
     kinds = [e.kind for e in c.drain_events()]
     assert "FaultInjected" in kinds and "Recovered" in kinds
+
+
+def test_an_injection_confirmed_with_its_fault_still_marks_that_fault() -> None:
+    # The agent's report of the kill and of the worker's death came together: the
+    # controller saw the fault first, and hears of the injection only afterwards.
+    c = make()
+    c.observe(1.0, running(step=50, t=0.9))
+    c.drain_events()
+    c.observe(2.0, crash(0))
+    c.note_injection(1.5, "kill:rank=3@step=50", 3, "node-1", step=50)
+    assert c.timeline.to_json()[0]["evidence"]["injected"] == "kill:rank=3@step=50"
+    events = c.drain_events()
+    kinds = [e.kind for e in events]
+    assert kinds.index("FaultInjected") == kinds.index("Fault") - 1
+    fault = next(e for e in events if e.kind == "Fault")
+    assert fault.data["evidence"]["injected"] == "kill:rank=3@step=50"
+    # Nothing is left pending: the next fault is not taken for an injected one.
+    c.observe(3.0, stopped(0))
+    c.observe(9.0, running(attempt=1, step=44, first=41, t=8.0))
+    c.observe(10.0, crash(1))
+    assert "injected" not in c.timeline.to_json()[1]["evidence"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from trainguard.control.attempt import Attempt
@@ -54,13 +55,40 @@ class JobRecord:
                   attempt: int | None, step: int | None = None) -> None:  # fmt: skip
         """A fault was injected on purpose (at ``step``, the step its target had completed,
         when known); the next fault recorded is marked as injected."""
-        self._injections.append(spec)
         data: dict[str, object] = {"spec": spec, "injected": True}
         message = f"injected {spec}"
         if step is not None:
             data["step"] = step
             message += f" (at step {step})"
-        self.event(now, "FaultInjected", message, attempt, node, rank, data)
+        noted = Event(now, "FaultInjected", message, attempt, node, rank, data)
+        if not self._mark_seen(noted, spec):
+            self._injections.append(spec)
+            self._events.append(noted)
+
+    def _mark_seen(self, noted: Event, spec: str) -> bool:
+        """Mark the fault the injection caused when it was seen first (the agent's report of
+        the worker's death and of its injection came together): the newest unmarked fault
+        since the injection, of its rank (or node); its event, not yet drained, follows
+        the injection's."""
+        for record in reversed(self.timeline.records):
+            fault = record.fault
+            if fault.time < noted.time:
+                return False
+            if "injected" in fault.evidence:
+                continue
+            if (noted.rank is None or fault.rank == noted.rank) and (
+                noted.node is None or fault.node in (None, noted.node)
+            ):
+                marked = with_evidence(fault, injected=spec)
+                self.timeline.update_fault(fault, marked)
+                for i, event in enumerate(self._events):
+                    if event.kind == "Fault" and event.data == fault.to_json():
+                        self._events[i] = replace(event, data=marked.to_json())
+                        self._events.insert(i, noted)
+                        return True
+                self._events.append(noted)
+                return True
+        return False
 
     def fault(self, now: float, attempt: Attempt, fault: Fault) -> Fault:
         """Record ``fault`` of ``attempt``; returns it as recorded (maybe marked injected)."""
