@@ -59,6 +59,13 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "rbac.authorization.k8s.io/v1/clusterrolebindings": kmock.ResourceInfo(
         namespaced=False, kind="ClusterRoleBinding"
     ),
+    "rbac.authorization.k8s.io/v1/roles": kmock.ResourceInfo(namespaced=True, kind="Role"),
+    "rbac.authorization.k8s.io/v1/rolebindings": kmock.ResourceInfo(
+        namespaced=True, kind="RoleBinding"
+    ),
+    "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(
+        namespaced=True, kind="NetworkPolicy"
+    ),
     "trainguard.dev/v1/trainingjobs": kmock.ResourceInfo(
         namespaced=True,
         kind="TrainingJob",

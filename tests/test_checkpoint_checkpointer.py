@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from trainguard.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
+from trainguard.checkpoint.config import writer_attempt
 
 
 @pytest.fixture
@@ -45,9 +46,11 @@ def _assert_restored(state: dict[str, Any], step: int) -> None:
     assert state["step"] == step and state["data"] == want["data"]
 
 
-def _ckpt(memory_dir: str, **kwargs: Any) -> Checkpointer:
+def _ckpt(memory_dir: str, attempt: int | None = None, **kwargs: Any) -> Checkpointer:
+    """A Checkpointer of job-a; ``attempt``: this process's TRAINGUARD_ATTEMPT (None: unset)."""
     kwargs.setdefault("job_id", "job-a")
-    return Checkpointer(memory_dir=memory_dir, environ={}, **kwargs)
+    environ = {} if attempt is None else {"TRAINGUARD_ATTEMPT": str(attempt)}
+    return Checkpointer(memory_dir=memory_dir, environ=environ, **kwargs)
 
 
 def test_memory_round_trip_and_cadence(shm: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,21 +103,105 @@ def test_corrupt_shard_is_skipped(shm: str, caplog: pytest.LogCaptureFixture) ->
     assert "slot" in caplog.text
 
 
-def test_copy_complete_shard_loads_and_torn_shard_does_not(shm: str) -> None:
-    with _ckpt(shm) as ckpt:
+def _uncheck(memory_dir: str, step: int, writer: dict[str, Any] | None = None) -> None:
+    """Remove the checksum from ``step``'s meta, as a worker killed before its background
+    checksum leaves it (and, given, make ``writer`` its writer; ``{}``: none recorded)."""
+    meta_path = _slot_of(memory_dir, step)
+    meta = json.loads(meta_path.read_text())
+    meta["checksum"] = None
+    if writer == {}:
+        del meta["writer"]
+    elif writer is not None:
+        meta["writer"] = writer
+    meta_path.write_text(json.dumps(meta))
+
+
+def _corrupt(memory_dir: str, step: int) -> None:
+    with open(_slot_of(memory_dir, step).with_suffix(".data"), "r+b") as file:
+        file.seek(100)
+        byte = file.read(1)
+        file.seek(100)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_copy_complete_shard_loads_for_its_writer_and_torn_shard_does_not(shm: str) -> None:
+    with _ckpt(shm, attempt=3) as ckpt:
         ckpt.save(1, _state(1))
         ckpt.save(2, _state(2))
-    meta_path = _slot_of(shm, 2)
-    meta = json.loads(meta_path.read_text())
-    meta["checksum"] = None  # as left by a worker killed before its background checksum
-    meta_path.write_text(json.dumps(meta))
+    assert json.loads(_slot_of(shm, 2).read_text())["writer"] == {"rank": 0, "attempt": 3}
+    _uncheck(shm, 2)
     state = _blank()
-    with _ckpt(shm) as ckpt:
+    with _ckpt(shm, attempt=3) as ckpt:  # the same rank, within its attempt
         assert ckpt.load_latest(state) == 2
     _assert_restored(state, 2)
-    meta_path.unlink()  # as left by a crash during the copy into the slot
-    with _ckpt(shm) as ckpt:
+    _slot_of(shm, 2).unlink()  # as left by a crash during the copy into the slot
+    with _ckpt(shm, attempt=3) as ckpt:
         assert ckpt.load_latest(_blank()) == 1
+
+
+@pytest.mark.parametrize(
+    ("writer", "attempt", "why"),
+    [
+        (
+            {"rank": 1, "attempt": 0},
+            0,
+            "written by rank 1 in attempt 0, not by rank 0 in attempt 0",
+        ),
+        (
+            {"rank": 0, "attempt": 0},
+            1,
+            "written by rank 0 in attempt 0, not by rank 0 in attempt 1",
+        ),
+        ({"rank": 0, "attempt": None}, None, "the attempt loading it is unknown"),
+        ({}, 0, "no writer recorded"),
+    ],
+    ids=["another-rank", "a-later-attempt", "unknown-attempt", "no-writer"],
+)
+def test_corrupt_copy_complete_shard_is_not_loaded_by_another_rank_or_attempt(
+    shm: str,
+    writer: dict[str, Any],
+    attempt: int | None,
+    why: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    with _ckpt(shm, attempt=0) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.save(2, _state(2))
+    _corrupt(shm, 2)
+    _uncheck(shm, 2, writer)  # only the meta's writer tells whose shard it is
+    monkeypatch.setenv("TRAINGUARD_EVENT_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    state = _blank()
+    with caplog.at_level(logging.WARNING), _ckpt(shm, attempt=attempt) as ckpt:
+        assert ckpt.load_latest(state) == 1
+    _assert_restored(state, 1)
+    assert f"skipping {_slot_of(shm, 1).parent}" in caplog.text and why in caplog.text
+    [event] = [json.loads(line) for line in (tmp_path / "rank-0.jsonl").read_text().splitlines()
+               if json.loads(line)["kind"] == "CheckpointSkipped"]  # fmt: skip
+    assert event["data"]["step"] == 2 and why in event["data"]["reason"]
+
+
+def test_a_checksum_is_verified_even_for_the_writer(
+    shm: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _ckpt(shm, attempt=0) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.save(2, _state(2))
+    _corrupt(shm, 2)
+    state = _blank()
+    with caplog.at_level(logging.WARNING), _ckpt(shm, attempt=0) as ckpt:
+        assert ckpt.load_latest(state) == 1
+    _assert_restored(state, 1)
+    assert "checksum mismatch" in caplog.text
+
+
+def test_the_writer_attempt_comes_from_the_environment() -> None:
+    assert writer_attempt({}) is None
+    assert writer_attempt({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2
+    assert writer_attempt({"TRAINGUARD_ATTEMPT": "5", "TORCHELASTIC_RESTART_COUNT": "2"}) == 5
+    assert writer_attempt({"TRAINGUARD_ATTEMPT": "x"}) is None
 
 
 @pytest.mark.parametrize("other", [{"job_id": "job-b"}, {"world_size": 2, "rank": 1}])

@@ -126,23 +126,37 @@ def _last_json(stdout: str) -> dict[str, object]:
     return data
 
 
-def test_sigkill_right_after_save_restores_bit_identical(shm: str) -> None:
+def test_sigkill_right_after_save_restores_bit_identical_within_its_attempt(shm: str) -> None:
+    """Step 10 has no checksum (the process died first): loaded by the same rank within
+    the same attempt, and by no later attempt, which restores step 5 instead."""
+    attempt = {"TRAINGUARD_ATTEMPT": "0"}
     killed = subprocess.run(
-        [sys.executable, "-c", KILLED, shm], env=_env(), capture_output=True, text=True, timeout=120
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    saved = _last_json(killed.stdout)
-    restored = subprocess.run(
-        [sys.executable, "-c", RESTORE, shm],
-        env=_env(),
+        [sys.executable, "-c", KILLED, shm],
+        env=_env(**attempt),
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert restored.returncode == 0, restored.stderr
-    result = _last_json(restored.stdout)
-    assert result == {"step": 10, "digest": saved["digest"]}
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    saved = _last_json(killed.stdout)
+
+    def restore(attempt: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, "-c", RESTORE, shm],
+            env=_env(TRAINGUARD_ATTEMPT=attempt),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        return done
+
+    restored = restore("0")
+    assert _last_json(restored.stdout) == {"step": 10, "digest": saved["digest"]}
     assert "Restored step 10 from memory" in restored.stdout
+    later = restore("1")
+    assert _last_json(later.stdout)["step"] == 5
+    assert "not by rank 0 in attempt 1" in later.stderr
 
 
 def _free_port() -> int:

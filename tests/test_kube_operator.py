@@ -186,6 +186,11 @@ def test_jobs_run_to_completion_on_healthy_nodes_and_expire(cluster: Cluster) ->
     envs = [record(out, rank, 0)["env"] for rank in range(4)]
     assert sorted(e["RANK"] for e in envs) == ["0", "1", "2", "3"]
     assert {e["WORLD_SIZE"] for e in envs} == {"4"}
+    # The agent's settings came in the pod's env (not its command), and reached the workers.
+    assert {e["TRAINGUARD_JOB_DIR"] for e in envs} == {str(cluster.root / "jobs/default/fake-ok")}
+    assert all(
+        "TRAINGUARD_CHECKPOINT_MEMORY_DIR" in e and "TRAINGUARD_JOB_ENV" not in e for e in envs
+    )
     pods = status["nodes"]
     assert len(pods) == 2
     assert "sick" not in {p["hostNode"] for p in pods}  # labelled Unschedulable
@@ -227,6 +232,10 @@ def test_jobs_run_to_completion_on_healthy_nodes_and_expire(cluster: Cluster) ->
 
     wait_for(expired, JOB_TIMEOUT)
     assert cluster.api.list_pods("default", {"trainguard.dev/job": "fake-ttl"}) == []
+    # Each job has its NetworkPolicy (kube/pods.py), deleted with the job.
+    policies = cluster.api.networking.list_namespaced_network_policy("default").items
+    names = {p.metadata.name for p in policies}
+    assert "fake-ok" in names and "fake-ttl" not in names
 
 
 def test_worker_and_pod_faults_recover_then_delete_stops_everything(cluster: Cluster) -> None:
@@ -299,6 +308,18 @@ def test_bad_spec_is_refused_on_submit_and_fails_in_the_operator(cluster: Cluste
     cluster.api.create_job("default", manifest)
     status = cluster.wait_phase("bad", "Failed")
     assert "spec.replicaSpecs[0].replicas" in status["reason"]
+
+
+def test_privileged_pod_template_fails_in_the_operator(cluster: Cluster) -> None:
+    manifest = job_manifest("root", ["python", "x.py"])
+    manifest["metadata"]["namespace"] = "default"
+    pod = manifest["spec"]["replicaSpecs"][0]["template"]["spec"]
+    pod["containers"][0]["securityContext"] = {"privileged": True}
+    cluster.api.create_job("default", manifest)  # as kubectl would: no up-front check
+    status = cluster.wait_phase("root", "Failed")
+    where = "spec.replicaSpecs[0].template.spec.containers[0].securityContext.privileged"
+    assert where in status["reason"] and "--allow-privileged-pods" in status["reason"]
+    assert not cluster.api.list_pods("default", {"trainguard.dev/job": "root"})
 
 
 @pytest.mark.e2e

@@ -59,7 +59,9 @@ def test_custom_pattern_first_group_is_the_step() -> None:
     assert matcher.match("Batch 5 Loss: 1") is None
 
 
-@pytest.mark.parametrize(("pattern", "problem"), [("(", "invalid regex"), (".*", "capture group")])
+@pytest.mark.parametrize(
+    ("pattern", "problem"), [("(", "invalid regular expression"), (".*", "capture group")]
+)
 def test_bad_custom_pattern(pattern: str, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         ProgressMatcher(pattern)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from trainguard.monitor.rules import (
     LogRuleSpec,
     NodeLogMonitor,
 )
+from trainguard.spec import SpecError, parse_job
 from trainguard.spec.model import LogRule
 
 SPEED = r".*Speed: ([^ ]+) samples/sec.*"
@@ -33,6 +35,18 @@ def feed(monitor: NodeLogMonitor, rank: int, lines: list[str], t0: float = 1000.
 
 def kinds(monitor: NodeLogMonitor) -> list[tuple[str, str, int]]:
     return [(d["kind"], d["rule"], d["rank"]) for d in monitor.snapshot().to_json()["detections"]]
+
+
+def _job(spec: dict[str, Any]) -> dict[str, Any]:
+    """A minimal job whose spec also has ``spec``."""
+    container = {"name": "c", "command": ["python", "t.py"]}
+    group = {"name": "worker", "template": {"spec": {"containers": [container]}}}
+    return {
+        "apiVersion": "trainguard.dev/v1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "tiny"},
+        "spec": {"replicaSpecs": [group], **spec},
+    }
 
 
 def rule_view(monitor: NodeLogMonitor, name: str) -> dict[str, Any]:
@@ -259,6 +273,86 @@ def test_from_model_matches_from_json() -> None:
 def test_bad_rule_names_the_field(data: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         LogRuleSpec.from_json(data)
+
+
+# --- RE2: no pattern can stall the log reader -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pattern", "why"),
+    [
+        (r"(a)\1", "backreferences are not supported"),
+        (r"(?P<x>a)(?P=x)", "backreferences are not supported"),
+        (r"Loss(?=:)", "lookahead is not supported"),
+        (r"(?<!x)Loss", "lookbehind is not supported"),
+        (r"a*+b", "possessive quantifiers are not supported"),
+        (r"(?>a+)b", "atomic groups are not supported"),
+    ],
+)
+def test_patterns_re2_cannot_compile_are_refused_with_the_field_path(
+    pattern: str, why: str
+) -> None:
+    with pytest.raises(ValueError, match=f"log rule 'r': logPattern: RE2 .*{why}"):
+        LogRuleSpec.from_json({"name": "r", "logPattern": pattern})
+    with pytest.raises(ValueError, match=f"stopPattern: RE2 .*{why}"):
+        LogRuleSpec.from_json({"name": "r", "logPattern": ".*", "stopPattern": pattern})
+    # In a spec: exit 2's one line names the field.
+    for key, where in [
+        ("logPattern", "spec.runPolicy.logMonitoringConfiguration[0].logPattern"),
+        ("stopPattern", "spec.runPolicy.logMonitoringConfiguration[0].stopPattern"),
+    ]:
+        rule = {"name": "r", "logPattern": ".*", key: pattern}
+        data = _job({"runPolicy": {"logMonitoringConfiguration": [rule]}})
+        with pytest.raises(SpecError) as info:
+            parse_job(data, "job.yaml")
+        assert str(info.value).startswith(f"job.yaml: {where}: RE2 (linear-time matching)")
+        assert why in str(info.value) and "\n" not in str(info.value)
+    data = _job({"trainguard": {"progressPattern": pattern}})
+    with pytest.raises(SpecError, match=r"job.yaml: spec.trainguard.progressPattern: RE2 "):
+        parse_job(data, "job.yaml")
+
+
+def test_a_catastrophic_pattern_is_accepted_and_bounded_in_time() -> None:
+    """``(a+)+$`` backtracks exponentially in Python's re; RE2 runs it in linear time."""
+    catastrophic = r"(a+)+$"
+    parse_job(
+        _job(
+            {
+                "runPolicy": {
+                    "logMonitoringConfiguration": [
+                        {"name": "r", "logPattern": catastrophic, "stopPattern": catastrophic}
+                    ]
+                },
+                "trainguard": {"progressPattern": r"(a+)+(\d+)$"},
+            }
+        ),
+        "job.yaml",
+    )
+    rule = LogRuleSpec("r", catastrophic, fault_on_match=True)
+    monitor = NodeLogMonitor([rule], ProgressMatcher(r"(a+)+(\d+)$"))
+    started = time.monotonic()
+    for line in ["a" * 40 + "!", "a" * 100_000 + "!", "a" * 1_000_000 + "!"]:
+        monitor.on_line(0, "stdout", line, 1.0)
+    elapsed = time.monotonic() - started
+    assert elapsed < 5.0  # Python's re: about 2**40 steps for the first line alone
+    assert rule_view(monitor, "r")["matches"] == 0
+    monitor.on_line(0, "stdout", "a" * 40, 2.0)
+    assert kinds(monitor) == [("LogFault", "r", 0)]
+
+
+def test_re2_keeps_re_match_semantics_and_group_one() -> None:
+    rule = LogRuleSpec(
+        "speed", r"(?i).*speed: (?P<v>[^ ]+) samples/sec", operator="lt", metric_threshold=50.0
+    )
+    monitor = NodeLogMonitor([rule])
+    monitor.on_line(0, "stdout", "x " + batch(1, speed=10.0), 1.0)  # not anchored at the end
+    monitor.on_line(1, "stdout", batch(1, speed=20.0).upper(), 2.0)  # (?i)
+    monitor.on_line(2, "stdout", batch(1, speed=60.0), 3.0)
+    assert kinds(monitor) == [("LogSlow", "speed", 0), ("LogSlow", "speed", 1)]
+    assert [d.value for d in monitor.detections()] == [10.0, 20.0]
+    anchored = NodeLogMonitor([LogRuleSpec("a", r"Loss: (\d+)", fault_on_match=True)])
+    anchored.on_line(0, "stdout", "Batch 1 Loss: 2", 1.0)  # re.match: at the start only
+    assert kinds(anchored) == []
 
 
 def test_duplicate_rule_names_are_refused() -> None:

@@ -7,7 +7,7 @@ import signal
 import sqlite3
 from pathlib import Path
 
-from conftest import FAKE_WORKER, Trainguard, pid_alive, wait_for, worker_pids
+from conftest import FAKE_WORKER, Trainguard, pid_alive, wait_for, worker_pids, write_job
 from trainguard.platform.store import DB_NAME, Store
 
 TORCHRUN_KEYS = (
@@ -207,20 +207,16 @@ def test_unknown_job_is_exit_2(tg: Trainguard) -> None:
     assert done.returncode == 2 and "nope" in done.stderr
 
 
-def test_killed_controller_leaves_no_orphans(tg: Trainguard, tmp_path: Path) -> None:
+def test_killed_controller_without_grace_leaves_no_orphans(tg: Trainguard, tmp_path: Path) -> None:
+    # controllerGraceSeconds: 0 — the agents die with their controller (the default keeps
+    # them training for `trainguard resume`: tests/test_run_resume.py).
     out = tmp_path / "out"
-    proc = tg.popen(
-        "run",
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        str(FAKE_WORKER),
-        "--out",
-        str(out),
-        "--sleep",
-        "120",
-    )
+    command = ["python", str(FAKE_WORKER), "--out", str(out), "--sleep", "120"]
+    spec = write_job(
+        tmp_path / "job.yaml", "orphans", command, nprocPerNode=1,
+        trainguard={"controllerGraceSeconds": 0},
+    )  # fmt: skip
+    proc = tg.popen("run", "-f", str(spec))
     wait_for(lambda: len(list(out.glob("rank-*.json"))) == 2)
     pids = worker_pids(out)
     proc.kill()

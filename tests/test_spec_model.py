@@ -316,8 +316,8 @@ def test_straggler_options_defaults_and_bad_values() -> None:
     field = "job.yaml: spec.trainguard."
     for key, bad, message in [
         ("stragglerThreshold", 1, "must be > 1"),
-        ("stragglerThreshold", float("inf"), "input should be a finite number"),
-        ("stragglerThreshold", float("nan"), "input should be a finite number"),
+        ("stragglerThreshold", float("inf"), "must be a finite number"),
+        ("stragglerThreshold", float("nan"), "must be a finite number"),
         ("stragglerThreshold", "fast", "must be a number"),
         ("stragglerWindow", 1, "must be >= 2"),
         ("stragglerWindow", 10_001, "must be <= 10000"),

@@ -183,13 +183,13 @@ def test_empty_command_is_an_error() -> None:
     assert text.startswith(f"job.yaml: {CMD}: empty")
 
 
-def test_value_from_is_not_supported_locally() -> None:
-    env = [{"name": "A", "value": "1"}, {"name": "B", "valueFrom": {"secretKeyRef": {}}}]
+def test_value_from_is_not_supported_locally_but_for_secret_key_refs() -> None:
+    env = [{"name": "A", "value": "1"}, {"name": "B", "valueFrom": {"fieldRef": {}}}]
     text = plan_error(["python", "t.py"], container={"env": env})
     assert text == (
         "job.yaml: spec.replicaSpecs[0].template.spec.containers[0].env[1].valueFrom: "
-        "not supported by the local platform"
-    )
+        "not supported by the local platform (only secretKeyRef)"
+    )  # secretKeyRef: tests/test_secrets.py
 
 
 def test_env_from_is_not_supported_locally() -> None:

@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from trainguard.kube.flags import (
     add_cluster_flags,
     add_install_flags,
+    add_submit_flags,
     run_on_cluster,
     wants_cluster,
 )
 from trainguard.platform import views
 from trainguard.platform.inject import INJECT_HELP
-from trainguard.platform.store import JobNotFound, Store, state_dir
+from trainguard.platform.store import JobNotFound, StateDirError, open_store
 
 EXIT_USAGE = 2
 
@@ -69,6 +70,15 @@ def _parser() -> argparse.ArgumentParser:
         "--no-python", action="store_true", help="run the script directly instead of through Python"
     )
     run.add_argument("--inject", action="append", default=[], metavar="SPEC", help=INJECT_HELP)
+    run.add_argument(
+        "--env-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="KEY=VALUE lines where the spec's env valueFrom.secretKeyRef keys are looked up "
+        "before this command's environment (repeatable; a later file wins); read now, "
+        "never stored",
+    )
     run.add_argument(
         "--cold-start",
         action="store_true",
@@ -133,6 +143,28 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
     add_cluster_flags(logs)
 
+    resume = sub.add_parser(
+        "resume",
+        parents=[common],
+        help="go on with a job whose controller died (re-attach, or restart from a checkpoint)",
+        description=(
+            "Take a Lost job (its `trainguard run` was killed or crashed) over: re-attach to its "
+            "node agents if they still train (spec.trainguard.controllerGraceSeconds), else "
+            "restart it from its newest checkpoint. The job keeps its id."
+        ),
+    )
+    resume.add_argument("job", help="job id or name")
+    resume.add_argument(
+        "-f", "--file", help="the job's spec (needed to restart a job whose spec has secrets)"
+    )
+    resume.add_argument(
+        "--env-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="KEY=VALUE lines for the spec's env valueFrom.secretKeyRef keys (as for run)",
+    )
+
     delete = sub.add_parser("delete", parents=[common], help="stop a job and remove it")
     delete.add_argument("job", help="job id or name")
     delete.add_argument(
@@ -141,11 +173,19 @@ def _parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds to wait for a running job to stop (default 60)",
     )
+    delete.add_argument(
+        "--force",
+        action="store_true",
+        help="also when its controller does not stop in time (it is killed) or its record "
+        "is odd: kill what is left of it and remove it (only processes whose start time "
+        "matches the recorded one are ever signalled)",
+    )
     add_cluster_flags(delete)
 
     submit = sub.add_parser("submit", help="submit a job to the Kubernetes cluster")
     submit.add_argument("-f", "--file", required=True, help="a TrainingJob (or HyperPod) YAML")
     add_cluster_flags(submit, kube_flag=False)
+    add_submit_flags(submit)
     manifests = sub.add_parser(
         "manifests", help="print the CRD, RBAC and operator Deployment as YAML"
     )
@@ -207,7 +247,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from trainguard.platform.run import run_command
 
         return run_command(args, parser)
-    store = Store(state_dir(args.state_dir))
+    if args.verb == "resume":
+        from trainguard.platform.resume_command import resume_command
+
+        return resume_command(args)
+    try:
+        store = open_store(args.state_dir, writable=False)
+    except StateDirError as exc:
+        print(f"trainguard: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         if args.verb == "list":
             return views.list_jobs(store, args.output)
@@ -220,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verb == "logs":
             return views.logs(store, args.job, args.rank, args.follow)
         if args.verb == "delete":
-            return views.delete(store, args.job, args.timeout)
+            return views.delete(store, args.job, args.timeout, args.force)
     except JobNotFound as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return EXIT_USAGE

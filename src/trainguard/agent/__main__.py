@@ -1,9 +1,14 @@
 """``python -m trainguard.agent``: the node agent.
 
     python -m trainguard.agent --node-id ID (--token-file FILE | --token-env VAR) --log-dir DIR
-        [--host 127.0.0.1] [--port 0] [--port-file FILE] [--parent-pid PID]
+        [--host 127.0.0.1] [--port 0] [--port-file FILE] [--parent-pid PID
+        [--controller-grace SECONDS]]
         [--incarnation NAME] [--cwd DIR] [--env KEY=VALUE]... [--cold-start]
-        [--preload MODULE]... -- WORKER_ARGV...
+        [--preload MODULE]... [--max-replica-bytes BYTES] -- WORKER_ARGV...
+
+The workers' extra environment may also come in ``$TRAINGUARD_JOB_ENV`` (a JSON object;
+see :mod:`trainguard.agent.jobenv`): the way to hand them secrets, as ``--env`` is on the
+command line, which every local user can read. ``--env`` wins over it for the same name.
 
 Arguments are checked before the agent's own modules are imported, so a bad command line
 fails fast. The agent never imports torch: it supervises, its workers train.
@@ -20,11 +25,14 @@ import time
 from pathlib import Path
 
 from trainguard.agent.exec_worker import set_parent_death_signal
+from trainguard.agent.jobenv import take_job_env
 
 logger = logging.getLogger("trainguard.agent")
 
 EXIT_PARENT_GONE = 1
 EXIT_STUCK = 1
+MAX_REPLICA_BYTES_ENV = "TRAINGUARD_MAX_REPLICA_BYTES"
+MAX_CONTROLLER_GRACE = 7 * 24 * 3600.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     parser.add_argument("--port", type=int, default=0, help="port to bind (0: any free port)")
     parser.add_argument("--port-file", type=Path, help="write the bound port here once serving")
-    parser.add_argument("--parent-pid", type=int, help="die with this parent (PR_SET_PDEATHSIG)")
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        help="the controller that launched the agent: it dies with it (PR_SET_PDEATHSIG), or "
+        "outlives it by --controller-grace",
+    )
+    parser.add_argument(
+        "--controller-grace",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --parent-pid: keep the workers running this long after the controller is "
+        "gone, for one to attach (POST /attach); 0: die with it",
+    )
     parser.add_argument(
         "--incarnation",
         default="",
@@ -65,8 +86,24 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="also import this module in the worker template",
     )
+    parser.add_argument(
+        "--max-replica-bytes",
+        type=replica_bytes,
+        default=os.environ.get(MAX_REPLICA_BYTES_ENV) or None,
+        metavar="BYTES",
+        help="the most bytes of peers' memory-tier replicas this agent holds (default: "
+        f"${MAX_REPLICA_BYTES_ENV}, else what the memory filesystem has room for)",
+    )
     parser.add_argument("--log-level", default="INFO", help="agent log level (default: INFO)")
     return parser
+
+
+def replica_bytes(raw: str) -> int:
+    """``--max-replica-bytes``: a positive count of bytes."""
+    value = raw.strip()
+    if not value.isdigit() or not 0 < int(value) < 2**63:
+        raise argparse.ArgumentTypeError(f"expected a positive count of bytes, got {raw!r}")
+    return int(value)
 
 
 def read_token(path: Path) -> str:
@@ -94,8 +131,8 @@ def parse_env(items: list[str]) -> dict[str, str]:
     env: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key or "\0" in item:
-            raise ValueError(f"--env: expected KEY=VALUE, got {item!r}")
+        if not sep or not key or "\0" in item:  # quote no value: it may be a secret
+            raise ValueError(f"--env: expected KEY=VALUE, got {key[:40]!r}{sep}...")
         env[key] = value
     return env
 
@@ -118,14 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     if not worker_argv:
         parser.error("WORKER_ARGV after '--' is empty")
 
+    if not 0 <= args.controller_grace <= MAX_CONTROLLER_GRACE:
+        parser.error(f"--controller-grace: must be between 0 and {MAX_CONTROLLER_GRACE:g}")
     if args.parent_pid is not None:
-        set_parent_death_signal(signal.SIGTERM)
+        if not args.controller_grace:
+            set_parent_death_signal(signal.SIGTERM)
         if os.getppid() != args.parent_pid:
             print(f"trainguard agent: parent {args.parent_pid} is gone; exiting", file=sys.stderr)
             return EXIT_PARENT_GONE
     try:
         token = read_token(args.token_file) if args.token_file else read_token_env(args.token_env)
-        agent_env = parse_env(args.env)
+        agent_env = {**take_job_env(), **parse_env(args.env)}
     except ValueError as exc:
         parser.error(str(exc))
     if args.cwd is not None and not args.cwd.is_dir():
@@ -137,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         parser.error(f"--log-dir: cannot create {args.log_dir}: {exc.strerror}")
 
+    from trainguard.agent.logcap import CappedStderrHandler  # its log file stays bounded
+
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s agent {args.node_id} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+        handlers=[CappedStderrHandler()],
     )
     return _serve(args, token, agent_env, worker_argv, parser)
 
@@ -153,6 +195,7 @@ def _serve(
     parser: argparse.ArgumentParser,
 ) -> int:
     # The agent's own modules only once the command line is known to be good.
+    from trainguard.agent.controller_watch import ControllerWatch
     from trainguard.agent.logs import Console, LogLayout
     from trainguard.agent.persist import MEMORY_DIR_ENV
     from trainguard.agent.replicas import ReplicaStore
@@ -178,9 +221,15 @@ def _serve(
         incarnation=args.incarnation,
         start_options=StartOptions(warm=not args.cold_start, preload=tuple(args.preload)),
     )
+    if args.parent_pid is not None and args.controller_grace:
+        supervisor.controller = ControllerWatch(args.parent_pid, args.controller_grace)
     memory_dir = agent_env.get(MEMORY_DIR_ENV)
     # Replicas of other nodes' memory tiers live beside this node's own (also in RAM).
-    replicas = ReplicaStore(Path(memory_dir).parent / "replicas") if memory_dir else None
+    replicas = (
+        ReplicaStore(Path(memory_dir).parent / "replicas", args.max_replica_bytes)
+        if memory_dir
+        else None
+    )
     try:
         server = AgentHTTPServer(args.host, args.port, supervisor, token, replicas)
     except OSError as exc:
@@ -198,12 +247,28 @@ def _serve(
 
     exit_code = 0
     deadline: float | None = None
+    watch, orphaned = supervisor.controller, False
     while not supervisor.done.wait(0.2):
         if received and deadline is None:
             name = signal.Signals(received[0]).name
             exit_code = 128 + received[0]
             supervisor.request_shutdown(f"agent received {name}")
             deadline = time.monotonic() + timings.shutdown_timeout
+        elif watch is not None and deadline is None:
+            if watch.gone_for() is not None and not orphaned:
+                orphaned = True
+                logger.warning(
+                    "controller pid %d is gone: the workers keep running for %g s "
+                    "(trainguard resume re-attaches)", watch.pid, watch.grace,
+                )  # fmt: skip
+            if (why := watch.expired()) is not None:
+                supervisor.request_shutdown(why)
+                deadline = time.monotonic() + timings.shutdown_timeout
+                if memory_dir:  # nobody will resume from this node's memory tier: free it
+                    _remove_memory(Path(memory_dir).parent)
+            elif orphaned and watch.gone_for() is None:
+                orphaned = False
+                logger.info("controller pid %d attached", watch.pid)
         elif deadline is not None and time.monotonic() > deadline:
             # Exiting is enough: the workers' parent-death signal kills them.
             logger.error("supervisor did not stop its workers in time; exiting anyway")
@@ -211,6 +276,16 @@ def _serve(
     server.stop()
     logger.info("agent exits: %s", supervisor.snapshot().reason)
     return exit_code
+
+
+def _remove_memory(node_dir: Path) -> None:
+    """This node's memory tier and replicas (RAM); the job's directory once it is empty."""
+    import contextlib
+    import shutil
+
+    shutil.rmtree(node_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):  # other nodes' tiers are still there
+        node_dir.parent.rmdir()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Transport-free: :class:`AgentApi` turns ``(method, path, body)`` into a :class:`
 so the agent's HTTP server (:mod:`trainguard.agent.server`) and any other front end
 serve exactly the same API. The routes and their bodies are listed in
 :mod:`trainguard.wire.requests`. Errors are ``{"error": "..."}`` with 400 (a bad body,
-naming the field), 401 (token), 404 (path), 405 (method), 409 (refused now).
+naming the field), 401 (token), 404 (path), 405 (method), 409 (refused now), 413 (a
+body over its route's bound, :meth:`AgentApi.body_limit`).
 Handlers only validate and queue; the supervisor's thread does the work.
 """
 
@@ -20,6 +21,7 @@ from trainguard.agent.monitoring import build_monitor
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.requests import (
     Accepted,
+    AttachRequest,
     AttemptRequest,
     InjectRequest,
     PersistRequest,
@@ -28,7 +30,18 @@ from trainguard.wire.requests import (
 )
 from trainguard.wire.status import NodeStatus
 
-__all__ = ["AgentApi", "NodeControl", "Refused", "Reply", "error_reply", "json_reply"]
+__all__ = [
+    "MAX_JSON_BYTES",
+    "AgentApi",
+    "NodeControl",
+    "Refused",
+    "Reply",
+    "error_reply",
+    "json_reply",
+]
+
+MAX_JSON_BYTES = 1024 * 1024
+"""The bound of a JSON body (an assignment with its env and log rules is a few KiB)."""
 
 
 class Refused(Exception):
@@ -47,6 +60,7 @@ class NodeControl(Protocol):
     def request_stop(self, request: StopRequest) -> None: ...
     def request_persist(self, request: PersistRequest) -> None: ...
     def request_inject(self, request: InjectRequest) -> None: ...
+    def request_attach(self, request: AttachRequest) -> None: ...
     def request_shutdown(self, reason: str) -> None: ...
 
 
@@ -81,8 +95,12 @@ class AgentApi:
             ("POST", "/stop"),
             ("POST", "/persist"),
             ("POST", "/inject"),
+            ("POST", "/attach"),
             ("POST", "/shutdown"),
         }
+    )
+    BODILESS: ClassVar[frozenset[tuple[str, str]]] = frozenset(
+        {("GET", "/status"), ("POST", "/shutdown")}
     )
 
     def __init__(self, node: NodeControl, token: str) -> None:
@@ -109,12 +127,21 @@ class AgentApi:
             return error_reply(405, f"{path} takes {allowed[0]}", Allow=allowed[0])
         return error_reply(404, f"no such path: {path}")
 
+    def body_limit(self, method: str, path: str) -> int:
+        """The most bytes of body a route takes (check before reading a body): none for
+        ``GET /status`` and ``POST /shutdown``, :data:`MAX_JSON_BYTES` for the others."""
+        return 0 if (method, path.split("?", 1)[0]) in self.BODILESS else MAX_JSON_BYTES
+
     def handle(self, method: str, path: str, body: bytes) -> Reply:
         """An authorized request (see :meth:`authorized`) to a route."""
         path = path.split("?", 1)[0]
         unknown = self.route(method, path)
         if unknown is not None:
             return unknown
+        limit = self.body_limit(method, path)
+        if len(body) > limit:
+            detail = "takes no body" if limit == 0 else f"body larger than {limit} bytes"
+            return error_reply(413, f"{method} {path} {detail}")
         try:
             return self._dispatch(path, body)
         except WireError as exc:
@@ -147,6 +174,9 @@ class AgentApi:
             return self._accepted(step=persist.step)
         if path == "/inject":
             node.request_inject(parse_json(InjectRequest, body, "inject"))
+            return self._accepted()
+        if path == "/attach":
+            node.request_attach(parse_json(AttachRequest, body, "attach"))
             return self._accepted()
         assert path == "/shutdown"
         return Reply(

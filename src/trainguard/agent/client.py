@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from trainguard.wire.base import Wire, error_text
 from trainguard.wire.requests import (
+    AttachRequest,
     AttemptRequest,
     InjectRequest,
     PersistRequest,
@@ -101,15 +102,21 @@ class AgentClient:
         """Have the agent hold these step injections (replacing what it held)."""
         self._request("POST", "/inject", request)
 
+    def attach(self, request: AttachRequest) -> None:
+        """Take this agent over for a resumed job's controller (``POST /attach``)."""
+        self._request("POST", "/attach", request)
+
     def shutdown(self) -> None:
         """Ask the agent to kill its workers and exit."""
         self._request("POST", "/shutdown", None)
 
     def upload(self, path: str, body: IO[bytes], size: int) -> None:
         """PUT ``size`` bytes of the file ``body`` (from its start) to ``path``: a replica
-        of a memory-tier file, sent with ``sendfile``."""
+        of a memory-tier file, sent with ``sendfile`` once the agent has said it takes
+        it (``Expect: 100-continue``: a refusal, e.g. 413, comes before the body)."""
         head = f"PUT {path} HTTP/1.1\r\n".encode() + self._head
         head += b"Content-Type: application/octet-stream\r\nContent-Length: %d\r\n" % size
+        head += b"Expect: 100-continue\r\n"
         self._send("PUT", path, head + b"\r\n", (body, size))
 
     def close(self) -> None:
@@ -177,16 +184,23 @@ class AgentClient:
 def _exchange(
     sock: socket.socket, message: bytes, file: tuple[IO[bytes], int] | None = None
 ) -> tuple[int, bool, bytes]:
-    """Send ``message`` (and ``file``'s first bytes, if any), read one reply: (status,
-    keep the connection, body).
+    """Send ``message`` (and ``file``'s first bytes, if any, once the agent answers
+    ``100 Continue``), read one reply: (status, keep the connection, body).
 
     :class:`_Dropped` when the connection failed before any byte of a reply came back.
     """
     try:
         sock.sendall(message)
-        if file is not None:
-            sock.sendfile(file[0], 0, file[1])
         data = sock.recv(_CHUNK)
+        if file is not None and data.startswith(b"HTTP/1.1 100 "):
+            while b"\r\n\r\n" not in data:
+                more = sock.recv(_CHUNK)
+                if not more:
+                    raise ValueError("reply ended inside its headers")
+                data += more
+            data = data.partition(b"\r\n\r\n")[2]
+            sock.sendfile(file[0], 0, file[1])
+            data = data or sock.recv(_CHUNK)
     except (ConnectionError, BrokenPipeError) as exc:
         raise _Dropped from exc
     if not data:

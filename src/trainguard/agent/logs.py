@@ -8,9 +8,21 @@ machine; each global rank belongs to exactly one agent at a time)::
     DIR/attempt-{n}/rank-{R}/error.json   torch elastic's error file, if any
     DIR/rank-{R}.log                      every attempt of rank R, appended,
                                           "=== trainguard: attempt {n} ===" first
+    DIR/rank-{R}.log.1 .. .{keep}         its rotations, newest first
 
 The agent's console (its stdout) gets every line of its workers as
 ``[rank{R}]: line``. No torch import here.
+
+Disk use (``spec.trainguard.logs``: ``maxBytesPerRank`` = C, ``keep`` = K). ``rank-{R}.log``
+is rotated by rename before it passes C, K old files kept (:mod:`trainguard.agent.logcap`):
+at most C x (K + 1). A worker's ``stdout.log``/``stderr.log`` is a spool
+(:mod:`trainguard.agent.spool`): the worker appends, the tailer reads and gives back the
+disk space of what it has read once C/8 has piled up; an unread backlog past C/4 (a worker
+writing faster than the tailer reads) is skipped but for its newest C/16, and
+``rank-{R}.log`` says how many bytes were skipped. Per rank, at most C x (K + 2) at each
+look of the tailer; between two looks a worker adds what it writes in 20 ms (the tailer
+looks at once while a worker is ahead of it). A spool the tailer has finished with is
+truncated past 1 MiB (all of it is in ``rank-{R}.log``).
 """
 
 from __future__ import annotations
@@ -22,7 +34,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Final
+
+from trainguard.agent.logcap import RotatingFile
+from trainguard.agent.spool import Spool
+from trainguard.wire.logs import LogLimits
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +49,10 @@ LineHook = Callable[[int, str, str, float], None]
 """``on_line(rank, stream, line, t)``: a worker line (no newline), read at unix time ``t``."""
 
 _READ_CHUNK = 64 * 1024
+_CHECK_EVERY = 4 * _READ_CHUNK  # while reading, how often to look how far the writer is
+_WATCH_INTERVAL = 0.02  # between passes, how often to look whether a spool grows fast
+SPOOL_KEPT_WHEN_DONE: Final = 1024 * 1024
+"""A finished worker's spool file (all of it in rank-{R}.log) is emptied past this size."""
 
 
 @dataclass(frozen=True)
@@ -96,8 +116,7 @@ class _Followed:
     local_rank: int
     rank: int
     stream: str
-    path: Path
-    file: BinaryIO | None = None
+    spool: Spool
     pending: bytes = b""
     done: bool = False
     finishing: bool = False  # its process has exited: read to the end, then stop
@@ -109,7 +128,8 @@ class LogTailer:
     Every complete line goes to the rank's combined log, to the console and to
     ``on_line``. A partial last line is held until its newline arrives, or until
     the worker is known to have exited (:meth:`finish_rank`) or the tailer is
-    stopped; :meth:`stop` drains everything before it returns.
+    stopped; :meth:`stop` drains everything before it returns. Disk use is bounded by
+    ``limits`` (see the module docstring).
     """
 
     def __init__(
@@ -122,8 +142,10 @@ class LogTailer:
         console: Console | None = None,
         on_line: LineHook | None = None,
         max_line_bytes: int = 1024 * 1024,
+        limits: LogLimits | None = None,
     ) -> None:
-        """``ranks`` maps local rank -> global rank; ``interval`` is the poll period (s)."""
+        """``ranks`` maps local rank -> global rank; ``interval`` is the poll period (s);
+        ``limits``: each rank's cap on disk (None: the defaults)."""
         self._layout = layout
         self._attempt = attempt
         self._ranks = dict(ranks)
@@ -131,12 +153,13 @@ class LogTailer:
         self._console = console
         self._on_line = on_line
         self._max_line = max_line_bytes
+        self._limits = limits or LogLimits()
         self._followed = [
-            _Followed(local, rank, stream, layout.stream(attempt, rank, stream))
+            _Followed(local, rank, stream, self._spool(layout.stream(attempt, rank, stream)))
             for local, rank in sorted(self._ranks.items())
             for stream in STREAMS
         ]
-        self._combined: dict[int, BinaryIO] = {}
+        self._combined: dict[int, RotatingFile] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._hook_failed = False
@@ -149,7 +172,7 @@ class LogTailer:
         self._layout.root.mkdir(parents=True, exist_ok=True)
         marker = ATTEMPT_MARKER.format(attempt=self._attempt).encode() + b"\n"
         for rank in sorted(self._ranks.values()):
-            log = open(self._layout.combined(rank), "ab")  # noqa: SIM115 - closed by _run
+            log = RotatingFile(self._layout.combined(rank), self._limits)  # closed by _run
             log.write(marker)
             log.flush()
             self._combined[rank] = log
@@ -167,11 +190,15 @@ class LogTailer:
         whose ``stdout``/``stderr`` files are ``paths``."""
         with self._lock:
             if rank not in self._combined:
-                log = open(self._layout.combined(rank), "ab")  # noqa: SIM115 - closed by _run
-                self._combined[rank] = log
+                self._combined[rank] = RotatingFile(self._layout.combined(rank), self._limits)
             self._followed += [
-                _Followed(local_rank, rank, stream, paths[stream]) for stream in STREAMS
+                _Followed(local_rank, rank, stream, self._spool(paths[stream]))
+                for stream in STREAMS
             ]
+
+    def _spool(self, path: Path) -> Spool:
+        cap = self._limits.max_bytes_per_rank
+        return Spool(path, trim=max(_READ_CHUNK, cap // 8), max_unread=cap // 4, tail=cap // 16)
 
     def stop(self, timeout: float) -> bool:
         """Drain every file and stop; False if the drain did not end within ``timeout``."""
@@ -184,58 +211,106 @@ class LogTailer:
         try:
             while True:
                 final = self._stop.is_set()
-                self._pass(final)
+                behind = self._pass(final)
                 if final:
                     return
-                self._stop.wait(self.interval)
+                # A worker that writes faster than one pass reads: look again at once.
+                self._idle(0 if behind else self.interval)
         except Exception:
             logger.exception("log tailer for attempt %d failed", self._attempt)
         finally:
             for followed in self._followed:
-                if followed.file is not None:
-                    followed.file.close()
+                followed.spool.close()
             for log in self._combined.values():
                 log.close()
 
-    def _pass(self, final: bool) -> None:
+    def _idle(self, seconds: float) -> None:
+        """Wait ``seconds`` for the next pass, or less: until stopped, or until a worker
+        has written a lot since (a flood starts between two passes: its spool stays small)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self._stop.wait(min(left, _WATCH_INTERVAL)):
+                return
+            with self._lock:
+                spools = [f.spool for f in self._followed if not f.done]
+            for spool in spools:
+                if spool.file is not None and spool.unread() > self._max_line:
+                    return
+
+    def _pass(self, final: bool) -> bool:
+        """Read every file once; True when one of them has more to read already."""
+        behind = False
         with self._lock:
             followed_now = [(f, f.finishing) for f in self._followed]
         for followed, finishing in followed_now:
             if followed.done:
                 continue
-            ending = final or finishing
-            self._read(followed, to_eof=ending)
-            if ending:
+            if final or finishing:
+                self._read(followed, None)
                 if followed.pending:
                     self._emit(followed, followed.pending)
                     followed.pending = b""
                 followed.done = True
-                if followed.file is not None:
-                    followed.file.close()
-                    followed.file = None
+                followed.spool.finish(SPOOL_KEPT_WHEN_DONE)  # all of it is in rank-{R}.log
+                continue
+            behind = self._read(followed, self._max_line * 4) or behind
+            followed.spool.release()
         with self._lock:
             logs = list(self._combined.values())
         for log in logs:
             log.flush()
+        return behind
 
-    def _read(self, followed: _Followed, to_eof: bool) -> None:
-        if followed.file is None:
-            try:
-                followed.file = open(followed.path, "rb", buffering=0)  # noqa: SIM115
-            except FileNotFoundError:
-                return
-        budget = self._max_line * 4
-        while to_eof or budget > 0:
-            chunk = followed.file.read(_READ_CHUNK)
+    def _read(self, followed: _Followed, budget: int | None) -> bool:
+        """Read about ``budget`` bytes (None: to the end of the file) and emit their lines;
+        True when it stopped before the end (the budget is spent, or the writer is so far
+        ahead that most of its backlog was skipped; to the end, it goes on after a skip)."""
+        spool = followed.spool
+        if not spool.open():
+            return False
+        read = 0
+        while budget is None or read < budget:
+            chunk = spool.read(_READ_CHUNK)
             if not chunk:
-                return
-            budget -= len(chunk)
-            *lines, followed.pending = (followed.pending + chunk).split(b"\n")
-            for line in lines:
-                self._emit(followed, line)
-            if len(followed.pending) > self._max_line:  # no newline in sight: cut it
+                return False
+            read += len(chunk)
+            self._feed(followed, chunk)
+            checking = read % _CHECK_EVERY < len(chunk)  # now and then
+            if checking and spool.unread() > spool.max_unread:
+                self._skip(followed)
+                if budget is not None:
+                    return True
+        return True
+
+    def _feed(self, followed: _Followed, chunk: bytes) -> None:
+        """Emit the complete lines of ``chunk`` (after what is pending); keep the rest."""
+        *lines, followed.pending = (followed.pending + chunk).split(b"\n")
+        for line in lines:
+            self._emit(followed, line)
+        if len(followed.pending) > self._max_line:  # no newline in sight: cut it
+            self._emit(followed, followed.pending)
+            followed.pending = b""
+
+    def _skip(self, followed: _Followed) -> None:
+        """The writer is too far ahead: skip its backlog but the newest part, and say so."""
+        skipped, kept = followed.spool.skip()
+        if skipped:
+            if followed.pending:  # its end is among the skipped bytes
                 self._emit(followed, followed.pending)
                 followed.pending = b""
+            self._note(followed, skipped)
+        if kept:
+            self._feed(followed, kept)
+
+    def _note(self, followed: _Followed, dropped: int) -> None:
+        """Say in the rank's log (and the console) that ``dropped`` bytes were not kept."""
+        line = (
+            f"[trainguard] {dropped} bytes of rank {followed.rank}'s {followed.stream} not "
+            "kept: written faster than the agent reads (spec.trainguard.logs.maxBytesPerRank)"
+        ).encode()
+        self._combined[followed.rank].write(line + b"\n")
+        if self._console is not None:
+            self._console.write_line(followed.rank, line)
 
     def _emit(self, followed: _Followed, line: bytes) -> None:
         t = time.time()

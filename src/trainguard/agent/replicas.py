@@ -51,13 +51,13 @@ class ReplicaError(ValueError):
 
 def _safe_relpath(relpath: str) -> Path:
     path = Path(relpath)
-    if not relpath or path.is_absolute() or ".." in path.parts:
+    if not relpath or path.is_absolute() or ".." in path.parts or "\0" in relpath:
         raise ReplicaError(f"replica path {relpath!r} is not a plain relative path")
     return path
 
 
 def _safe_name(name: str) -> str:
-    if not name or "/" in name or name in (".", ".."):
+    if not name or "/" in name or name in (".", "..") or "\0" in name:
         raise ReplicaError(f"node id {name!r} is not a plain name")
     return name
 
@@ -141,25 +141,46 @@ def list_files(root: Path) -> list[dict[str, Any]]:
 
 
 class ReplicaStore:
-    """The copies this node holds of other nodes' memory tiers: ``<root>/<source node>/...``."""
+    """The copies this node holds of other nodes' memory tiers: ``<root>/<source node>/...``.
 
-    def __init__(self, root: Path) -> None:
+    ``max_bytes`` (the agent's ``--max-replica-bytes``): the most bytes of replicas it
+    holds, of every peer together; None: as much as the filesystem has room for.
+    """
+
+    def __init__(self, root: Path, max_bytes: int | None = None) -> None:
         self.root = root
+        self.max_bytes = max_bytes
+
+    def room(self, source: str, relpath: str) -> int:
+        """The most bytes a received ``source/relpath`` may have: the free space of the
+        replicas' filesystem (RAM), and what ``max_bytes`` leaves beside the other files
+        held (the file it replaces does not count). :class:`ReplicaError` for a bad path."""
+        target = self.root / _safe_name(source) / _safe_relpath(relpath)
+        room = _free_bytes(self.root)
+        if self.max_bytes is not None:
+            held = sum(_size(p) for p in _files(self.root) if p != target)
+            room = min(room, self.max_bytes - held)
+        return max(0, room)
 
     def receive(self, source: str, relpath: str, stream: Readable, length: int) -> None:
+        """Write ``length`` bytes of ``stream`` to ``source/relpath`` (atomically: nothing
+        of it stays when the stream fails or ends early)."""
         target = self.root / _safe_name(source) / _safe_relpath(relpath)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f".tmp-{target.name}-{threading.get_ident()}"
         remaining = length
-        with open(tmp, "wb") as out:
-            while remaining > 0:
-                chunk = stream.read(min(CHUNK_BYTES, remaining))
-                if not chunk:
-                    tmp.unlink(missing_ok=True)
-                    raise ReplicaError(f"replica {relpath}: body ended {remaining} bytes early")
-                out.write(chunk)
-                remaining -= len(chunk)
-        os.replace(tmp, target)
+        try:
+            with open(tmp, "wb") as out:
+                while remaining > 0:
+                    chunk = stream.read(min(CHUNK_BYTES, remaining))
+                    if not chunk:
+                        raise ReplicaError(f"replica {relpath}: body ended {remaining} bytes early")
+                    out.write(chunk)
+                    remaining -= len(chunk)
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def listing(self, source: str) -> list[dict[str, Any]]:
         return list_files(self.root / _safe_name(source))
@@ -169,6 +190,29 @@ class ReplicaStore:
         if not path.is_file():
             raise FileNotFoundError(f"no replica {source}/{relpath}")
         return path
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
+
+
+def _size(path: Path) -> int:
+    """``path``'s size; 0 if it went away meanwhile (a replica being replaced)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes of the filesystem ``path`` is (or will be) on."""
+    for candidate in (path, *path.parents):
+        try:
+            st = os.statvfs(candidate)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        return st.f_bavail * st.f_frsize
+    return 0
 
 
 def _request(

@@ -1,37 +1,101 @@
-"""The agent's HTTP server: :class:`~trainguard.agent.api.AgentApi` over ``http.server``.
+"""The agent's HTTP server: :class:`~trainguard.agent.api.AgentApi` over HTTP/1.1.
 
-HTTP/1.1 with keep-alive (the controller reuses one connection per agent), one thread
-per connection. The token is checked before a body is read; a body over
-:data:`MAX_BODY_BYTES` is refused unread. Besides the API's JSON routes, it streams the
-memory-tier replicas peers push and pull (``/replica/...``, see
-:mod:`trainguard.agent.replicas`).
+Kept-alive connections (the controller reuses a few per agent, each replica peer one),
+with bounded threads, connections, heads, bodies and time; every number is in
+:class:`ServerLimits`:
+
+- One thread, the *selector*, accepts connections, watches every idle one and reads
+  each request's head. A request whose head is in goes to a pool of at most
+  ``workers`` threads, which check its token, read its body, answer and hand the
+  connection back. An idle connection costs a file descriptor, never a thread: however
+  many are open, the server has 1 + ``workers`` threads.
+- At most ``connections`` are open. One more closes the open connection that has gone
+  longest without finishing a request (idle, or still sending its head; never one a
+  worker serves). A client's kept-alive connection closed that way is reopened by it
+  (:class:`~trainguard.agent.client.AgentClient` retries once).
+- A head must be in within ``head_seconds`` of its first byte and fit ``head_bytes``
+  (else 408, 431); a connection with no request for ``idle_seconds`` is closed; a body
+  must be in within ``io_seconds`` (408), and every write or streamed read waits at
+  most as long.
+- The token is checked once the head is in, before any byte of the body is read. A
+  request refused before its body (401, 404, 405, 411, 413) is answered and its
+  connection closed with the body unread.
+- Bodies are bounded per route (:meth:`AgentApi.body_limit`); a replica ``PUT`` by the
+  room of the memory tier's replicas (:meth:`ReplicaStore.room`), and at most
+  ``replica_transfers`` stream at once (503 beyond), which leaves workers for the
+  controller.
+- A client that hangs up is one debug line. An unexpected error is a 500 and one
+  warning line (its traceback only at debug level).
+
+A worker's part, one request, is :mod:`trainguard.agent.http_handler`'s; the protocol's
+pieces (head, body reads, replies) are :mod:`trainguard.agent.http_conn`'s.
+
+Besides the API's JSON routes, it streams the memory-tier replicas peers push and pull
+(``/replica/...``, see :mod:`trainguard.agent.replicas`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import shutil
-import sys
+import math
+import queue
+import selectors
+import socket
 import threading
-import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+from dataclasses import dataclass
 from typing import Any
 
-from trainguard.agent.api import AgentApi, NodeControl, Reply, error_reply, json_reply
-from trainguard.agent.replicas import REPLICA_PATH, ReplicaError, ReplicaStore
+from trainguard.agent.api import MAX_JSON_BYTES, AgentApi, NodeControl
+from trainguard.agent.http_conn import Connection, HttpError, head_end, reply_bytes
+from trainguard.agent.http_handler import RequestHandler
+from trainguard.agent.replicas import ReplicaStore
+
+__all__ = ["MAX_BODY_BYTES", "AgentHTTPServer", "ServerLimits"]
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 1024 * 1024
-IDLE_SECONDS = 300.0
-"""A kept-alive connection with no request for this long is closed."""
+MAX_BODY_BYTES = MAX_JSON_BYTES
+"""The largest JSON body of any route."""
 
 
-class AgentHTTPServer(ThreadingHTTPServer):
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one agent's HTTP server allows (see the module docstring).
+
+    An agent serves one controller (one request at a time per poll or send, on 1-4
+    kept-alive connections) and the peers that push replicas to it (one connection and
+    one transfer each): far below these numbers.
+    """
+
+    workers: int = 8
+    """Threads serving requests (the selector thread is one more)."""
+    replica_transfers: int = 6
+    """Replica files streamed at once; the other workers stay free for the controller."""
+    connections: int = 64
+    """Connections open at once."""
+    head_bytes: int = 16 * 1024
+    head_seconds: float = 10.0
+    idle_seconds: float = 120.0
+    io_seconds: float = 30.0
+    backlog: int = 128
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.replica_transfers < self.workers:
+            raise ValueError("ServerLimits: expected 1 <= replica_transfers < workers")
+        if self.connections <= self.workers:
+            raise ValueError("ServerLimits: expected connections > workers")
+        if min(self.head_seconds, self.idle_seconds, self.io_seconds) <= 0:
+            raise ValueError("ServerLimits: timeouts must be positive")
+
+
+_LISTENER = "listener"
+_WAKE = "wake"
+
+
+class AgentHTTPServer:
     """Serves one node's API; binds on construction (port 0: any free port)."""
-
-    daemon_threads = True
-    request_queue_size = 128
 
     def __init__(
         self,
@@ -40,127 +104,249 @@ class AgentHTTPServer(ThreadingHTTPServer):
         node: NodeControl,
         token: str,
         replicas: ReplicaStore | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.api = AgentApi(node, token)
         self.replicas = replicas
+        self.limits = limits or ServerLimits()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family, backlog=self.limits.backlog)
+        self.socket.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.socket, selectors.EVENT_READ, _LISTENER)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._lock = threading.Lock()
+        self._open: set[Connection] = set()  # every connection (under _lock)
+        self._waiting: set[Connection] = set()  # in the selector (its thread only)
+        self._returned: queue.SimpleQueue[Connection] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[Connection | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._idle_workers = threading.Semaphore(0)
+        self._handler = RequestHandler(
+            self.api, replicas, self.limits.io_seconds, self.limits.replica_transfers
+        )
+        self._accept_paused_until: float | None = None
+        self._accept_warned = -math.inf
+        self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        super().__init__((host, port), _Handler)
 
     @property
     def port(self) -> int:
-        return int(self.server_address[1])
+        return int(self.socket.getsockname()[1])
 
     def start(self) -> None:
         """Serve on a background thread."""
-        self._thread = threading.Thread(
-            target=self.serve_forever, name="trainguard-agent-http", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="trainguard-agent-http", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop serving and close every connection (requests under way are cut off)."""
+        self._stopping.set()
+        self._wake()
         if self._thread is not None:
-            self.shutdown()
-        self.server_close()
+            self._thread.join(5.0)
+        with self._lock:
+            connections, self._open = list(self._open), set()
+        for conn in connections:
+            conn.close()
+        for _ in self._workers:
+            self._work.put(None)
+        self._selector.close()
+        self.socket.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A peer that hung up is no news; anything else is logged once, briefly."""
-        error = sys.exc_info()[1]
-        if isinstance(error, ConnectionError | TimeoutError):
-            logger.debug("connection from %s dropped: %s", client_address, error)
-        else:
-            logger.warning("request from %s failed: %r", client_address, error)
+    def connection_count(self) -> int:
+        with self._lock:
+            return len(self._open)
 
+    # -- the selector thread --------------------------------------------------------------
 
-class _Handler(BaseHTTPRequestHandler):
-    server: AgentHTTPServer
-    server_version = "trainguard-agent"
-    protocol_version = "HTTP/1.1"
-    timeout = IDLE_SECONDS
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._turn()
+            except Exception as exc:  # never stop serving: a bug costs one line a turn
+                if self._stopping.is_set():
+                    return
+                logger.warning("HTTP server: %r", exc)
+                logger.debug("the traceback of %r", exc, exc_info=True)
+                time.sleep(0.1)
 
-    def do_GET(self) -> None:
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:
-        self._dispatch("POST")
-
-    def do_PUT(self) -> None:
-        self._dispatch("PUT")
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("%s %s", self.address_string(), format % args)
-
-    def _dispatch(self, method: str) -> None:
-        api = self.server.api
-        if not api.authorized(self.headers.get("Authorization")):
-            self.close_connection = True  # the body, if any, stays unread
-            self._send(error_reply(401, "missing or wrong bearer token"))
-            return
-        if self.path.startswith(REPLICA_PATH):
-            self._replica(method)
-            return
-        unknown = api.route(method, self.path)
-        if unknown is not None:
-            self.close_connection = True
-            self._send(unknown)
-            return
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            self.close_connection = True
-            self._send(error_reply(400, "Content-Length: not a number"))
-            return
-        if length > MAX_BODY_BYTES:
-            self.close_connection = True
-            self._send(error_reply(413, f"body larger than {MAX_BODY_BYTES} bytes"))
-            return
-        body = self.rfile.read(length) if length > 0 else b""
-        reply = api.handle(method, self.path, body)
-        try:
-            self._send(reply)
-        finally:  # even if the caller hung up before reading the reply
-            if reply.after is not None:
-                reply.after()
-
-    def _replica(self, method: str) -> None:
-        """``PUT /replica/<node>/<file>`` (streamed), ``GET /replica/<node>[/<file>]``."""
-        store = self.server.replicas
-        if store is None:
-            self.close_connection = True
-            self._send(error_reply(404, "this agent keeps no replicas (no memory tier)"))
-            return
-        rest = urllib.parse.unquote(self.path.split("?", 1)[0][len(REPLICA_PATH) :])
-        source, _, relpath = rest.partition("/")
-        try:
-            if method == "PUT" and relpath:
-                length = int(self.headers.get("Content-Length") or 0)
-                store.receive(source, relpath, self.rfile, length)
-                self._send(json_reply(201, {"stored": relpath}))
-            elif method == "GET" and not relpath:
-                self._send(json_reply(200, {"files": store.listing(source)}))
-            elif method == "GET":
-                path = store.path(source, relpath)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(path.stat().st_size))
-                self.end_headers()
-                with open(path, "rb") as f:
-                    shutil.copyfileobj(f, self.wfile, 4 * 1024 * 1024)
+    def _turn(self) -> None:
+        timeout = self._next_deadline(time.monotonic())
+        for key, _ in self._selector.select(timeout):
+            if key.data is _LISTENER:
+                self._accept()
+            elif key.data is _WAKE:
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(4096)
             else:
-                self.close_connection = True
-                self._send(error_reply(405, f"{method} {REPLICA_PATH}... is not supported"))
-        except (ReplicaError, ValueError) as exc:
-            self.close_connection = True
-            self._send(error_reply(400, str(exc)))
-        except FileNotFoundError as exc:
-            self.close_connection = True
-            self._send(error_reply(404, str(exc)))
+                self._read(key.data)
+        self._take_back()
+        self._expire(time.monotonic())
 
-    def _send(self, reply: Reply) -> None:
-        self.send_response(reply.status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(reply.body)))
-        for name, value in reply.headers.items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(reply.body)
-        self.wfile.flush()
+    def _next_deadline(self, now: float) -> float:
+        limits = self.limits
+        soonest = now + limits.idle_seconds
+        for conn in self._waiting:
+            if conn.head_since is not None:
+                soonest = min(soonest, conn.head_since + limits.head_seconds)
+            else:
+                soonest = min(soonest, conn.settled + limits.idle_seconds)
+        if self._accept_paused_until is not None:
+            soonest = min(soonest, self._accept_paused_until)
+        return max(0.0, soonest - now)
+
+    def _accept(self) -> None:
+        for _ in range(32):
+            try:
+                sock, address = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. out of file descriptors: try again shortly
+                now = time.monotonic()
+                if now - self._accept_warned > 60.0:
+                    self._accept_warned = now
+                    logger.warning("cannot accept connections for now: %s", exc)
+                self._selector.unregister(self.socket)
+                self._accept_paused_until = now + 0.5
+                return
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Connection(sock, _peer(address), time.monotonic())
+            with self._lock:
+                self._open.add(conn)
+                count = len(self._open)
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+            self._waiting.add(conn)
+            if count > self.limits.connections:
+                self._evict()
+
+    def _evict(self) -> None:
+        """Close the waiting connection that has gone longest without finishing a
+        request (idle, or still sending its head)."""
+        victim = min(self._waiting, key=lambda c: c.settled)
+        logger.debug(
+            "%s: closed: over %d connections, and the longest without a request",
+            victim.peer,
+            self.limits.connections,
+        )
+        self._drop(victim)
+
+    def _read(self, conn: Connection) -> None:
+        limit = self.limits.head_bytes
+        try:
+            data = conn.sock.recv(limit)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            logger.debug("%s: connection dropped: %s", conn.peer, exc)
+            self._drop(conn)
+            return
+        if not data:  # the client closed it
+            self._drop(conn)
+            return
+        if conn.head_since is None:
+            conn.head_since = time.monotonic()
+        conn.buffer += data
+        end = head_end(conn.buffer)
+        if end is not None and end <= limit:
+            self._dispatch(conn)
+        elif end is not None or len(conn.buffer) > limit:
+            self._refuse(conn, HttpError(431, f"request head larger than {limit} bytes"))
+
+    def _expire(self, now: float) -> None:
+        limits = self.limits
+        for conn in list(self._waiting):
+            if conn.head_since is not None and now - conn.head_since > limits.head_seconds:
+                seconds = limits.head_seconds
+                self._refuse(conn, HttpError(408, f"request head incomplete after {seconds:g} s"))
+            elif conn.head_since is None and now - conn.settled > limits.idle_seconds:
+                logger.debug("%s: closed after %g s idle", conn.peer, limits.idle_seconds)
+                self._drop(conn)
+        if self._accept_paused_until is not None and now >= self._accept_paused_until:
+            self._accept_paused_until = None
+            self._selector.register(self.socket, selectors.EVENT_READ, _LISTENER)
+
+    def _take_back(self) -> None:
+        """Wait again on the connections workers have answered a request on."""
+        now = time.monotonic()
+        while True:
+            try:
+                conn = self._returned.get_nowait()
+            except queue.Empty:
+                return
+            if self._stopping.is_set():
+                self._forget(conn)
+                continue
+            conn.settled = now
+            conn.head_since = now if conn.buffer else None
+            conn.sock.setblocking(False)
+            if head_end(conn.buffer) is not None:  # pipelined: the next head is in
+                self._work_on(conn)
+                continue
+            self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+            self._waiting.add(conn)
+
+    def _dispatch(self, conn: Connection) -> None:
+        self._selector.unregister(conn.sock)
+        self._waiting.discard(conn)
+        self._work_on(conn)
+
+    def _work_on(self, conn: Connection) -> None:
+        self._work.put(conn)
+        if self._idle_workers.acquire(blocking=False):
+            return
+        if len(self._workers) < self.limits.workers:
+            name = f"trainguard-agent-http-{len(self._workers)}"
+            thread = threading.Thread(target=self._work_forever, name=name, daemon=True)
+            self._workers.append(thread)
+            thread.start()
+
+    def _refuse(self, conn: Connection, error: HttpError) -> None:
+        """Answer ``error`` if the socket takes it at once, and close."""
+        logger.debug("%s: %d %s", conn.peer, error.status, error)
+        with contextlib.suppress(OSError):
+            conn.sock.send(reply_bytes(error.reply(), close=True))
+        self._drop(conn)
+
+    def _drop(self, conn: Connection) -> None:
+        if conn in self._waiting:
+            self._waiting.discard(conn)
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn.sock)
+        self._forget(conn)
+
+    def _forget(self, conn: Connection) -> None:
+        with self._lock:
+            self._open.discard(conn)
+        conn.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full: the selector wakes anyway
+            self._wake_w.send(b"x")
+
+    # -- the workers ----------------------------------------------------------------------
+
+    def _work_forever(self) -> None:
+        while True:
+            conn = self._work.get()
+            if conn is None:
+                return
+            if self._handler.serve(conn) and not self._stopping.is_set():
+                self._returned.put(conn)
+                self._wake()
+            else:
+                self._forget(conn)
+            self._idle_workers.release()
+
+
+def _peer(address: Any) -> str:
+    if isinstance(address, tuple) and len(address) >= 2:
+        return f"{address[0]}:{address[1]}"
+    return str(address)

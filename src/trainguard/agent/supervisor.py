@@ -24,6 +24,7 @@ from pathlib import Path
 
 from trainguard.agent.api import Refused
 from trainguard.agent.board import Board, StartRefused
+from trainguard.agent.controller_watch import ControllerWatch
 from trainguard.agent.exits import ExitWatcher
 from trainguard.agent.inject import FAST_TAIL_INTERVAL, StepInjector
 from trainguard.agent.inprocess import Replaced, ResilientGroup
@@ -38,6 +39,7 @@ from trainguard.monitor.heartbeat import HEARTBEAT_DIR_ENV
 from trainguard.monitor.stacks import capture_stacks
 from trainguard.monitor.worker_events import EVENT_DIR_ENV
 from trainguard.wire.requests import (
+    AttachRequest,
     AttemptRequest,
     InjectRequest,
     NodeAssignment,
@@ -135,6 +137,8 @@ class Supervisor:
         self.board.on_news = self._reporter.nudge
         self._exits = ExitWatcher(lambda: self._commands.put(_Wake()))
         self._injector = StepInjector(on_fired=self._reporter.nudge)
+        # The controller this agent lives for (None: it dies with its parent instead).
+        self.controller: ControllerWatch | None = None
         self._shutdown_requested = False
         self._group: WorkerGroup | None = None
         self._tailer: LogTailer | None = None
@@ -209,6 +213,14 @@ class Supervisor:
         """Hold these step injections (a rehearsal; see :mod:`trainguard.agent.inject`)."""
         self._injector.arm(request.injections)
         self._tail_fast_if_armed()
+
+    def request_attach(self, request: AttachRequest) -> None:
+        """A controller took the job over (``trainguard resume``): push to it, live for it."""
+        self._reporter.target(request.report_url)
+        if self.controller is not None:
+            self.controller.attach(request.pid, request.start)
+        logger.info("controller pid %d attached; reports go to %s", request.pid, request.report_url)
+        self._reporter.nudge()
 
     def request_shutdown(self, reason: str) -> None:
         """Kill the workers and end the supervisor (then the agent exits)."""
@@ -311,6 +323,7 @@ class Supervisor:
             interval=self._timings.tail_interval,
             console=self._console,
             on_line=_both(_both(self.board.monitor_line, self._injector.on_line), self._on_line),
+            limits=assignment.monitor.logs,
         )
         self._injector.attempt(
             assignment.monitor.progress_pattern,

@@ -21,10 +21,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainguard.checkpoint.agreement import agree_on_step, all_ranks_succeeded
-from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.config import CheckpointConfig, writer_attempt
 from trainguard.checkpoint.memory import MemoryShard, MemoryTier
 from trainguard.checkpoint.save_times import SaveTimes
-from trainguard.checkpoint.shard import ShardInvalid, checksum, make_meta, verify
+from trainguard.checkpoint.shard import (
+    ShardInvalid,
+    checksum,
+    make_meta,
+    unchecked_refusal,
+    verify,
+)
 from trainguard.checkpoint.state import Layout, flatten, restore
 from trainguard.monitor import worker_events
 
@@ -101,6 +107,7 @@ class Checkpointer:
             world_size=world_size,
             commit_timeout=commit_timeout,
         )
+        self._environ = environ  # read again at each save and load: the attempt may change
         cfg = self.config
         if cfg.replicas:
             log.debug("checkpoint replicas (%d) are not implemented yet; ignored", cfg.replicas)
@@ -154,7 +161,7 @@ class Checkpointer:
         cfg = self.config
         meta = make_meta(
             layout, job_id=cfg.job_id, step=step, rank=cfg.rank, world_size=cfg.world_size,
-            digest=None,
+            digest=None, attempt=writer_attempt(self._environ),
         )  # fmt: skip
         durable = self._durable_due(step, force)
         if cfg.durable_writer == "agent":
@@ -249,13 +256,16 @@ class Checkpointer:
         Each rank reads its shard from the fastest tier that has the step (memory, then
         durable) and verifies it before anything is changed; a corrupt, foreign or
         missing shard is logged and skipped, and the ranks fall back to an older step.
+        A memory shard whose checksum the writer never added is loaded only by its writer
+        (this rank, within this attempt); for any other it is skipped the same way.
         Also pre-faults the memory slots for ``state``, so the first save() is fast.
         """
         if self._thread is not None:
             self.wait()
         started = time.perf_counter()
         cfg = self.config
-        memory = self.memory.shards()
+        attempt = writer_attempt(self._environ)
+        memory = self._trusted(self.memory.shards(), attempt)
         durable: list[int] = []
         if cfg.durable:
             try:
@@ -268,7 +278,7 @@ class Checkpointer:
             step = agree_on_step(sorted(offer), cfg.world_size, MAX_CANDIDATES)
             if step is None:
                 break
-            loaded = self._fetch(step, memory.get(step), step in durable)
+            loaded = self._fetch(step, memory.get(step), step in durable, attempt)
             if all_ranks_succeeded(loaded is not None, cfg.world_size):
                 break
             offer.discard(step)
@@ -296,8 +306,36 @@ class Checkpointer:
             print(f"Restored step {step} from {tier} in {seconds:.3f} s", flush=True)
         return step
 
+    def _trusted(
+        self, shards: dict[int, MemoryShard], attempt: int | None
+    ) -> dict[int, MemoryShard]:
+        """The memory shards this rank may load: those without a checksum only if this
+        rank wrote them within ``attempt`` (the others are skipped, with the reason)."""
+        trusted = {}
+        for step, shard in shards.items():
+            refusal = None
+            if shard.meta.get("checksum") is None:
+                refusal = unchecked_refusal(shard.meta, rank=self.config.rank, attempt=attempt)
+            if refusal is None:
+                trusted[step] = shard
+            else:
+                self._skipped("memory", step, self.memory.meta_path(shard.slot), refusal)
+        return trusted
+
+    def _skipped(self, tier: str, step: int, where: str, why: object) -> None:
+        """Log, and put on the job's timeline, a shard of this rank that is not loaded."""
+        rank = self.config.rank
+        log.warning("%s tier: skipping %s (step %d, rank %d): %s", tier, where, step, rank, why)
+        worker_events.emit(
+            "CheckpointSkipped",
+            f"rank {rank} skipped step {step} in {tier}: {why}",
+            step=step,
+            tier=tier,
+            reason=str(why),
+        )
+
     def _fetch(
-        self, step: int, memory: MemoryShard | None, durable: bool
+        self, step: int, memory: MemoryShard | None, durable: bool, attempt: int | None
     ) -> tuple[str, Layout, torch.Tensor] | None:
         """This rank's verified shard of ``step`` from the fastest tier; None if none."""
         cfg = self.config
@@ -308,13 +346,10 @@ class Checkpointer:
             try:
                 nbytes = int(memory.meta["nbytes"])
                 with self.memory.data(memory.slot, nbytes) as data:
-                    layout = check(data, memory.meta, require_checksum=False)
+                    layout = check(data, memory.meta, attempt=attempt)
                 return "memory", layout, self.memory.buffer(memory.slot)[:nbytes]
             except (ShardInvalid, OSError, ValueError) as exc:
-                log.warning(
-                    "memory tier: skipping %s (step %d, rank %d): %s",
-                    self.memory.meta_path(memory.slot), step, cfg.rank, exc,
-                )  # fmt: skip
+                self._skipped("memory", step, self.memory.meta_path(memory.slot), exc)
                 self.memory.drop(memory.slot)
         if durable:
             try:
@@ -322,10 +357,7 @@ class Checkpointer:
                 layout = check(data_bytes, meta)
                 return "durable", layout, _as_tensor(data_bytes)
             except Exception as exc:
-                log.warning(
-                    "durable tier: skipping step %d of rank %d at %s: %s",
-                    step, cfg.rank, cfg.durable_url, exc,
-                )  # fmt: skip
+                self._skipped("durable", step, str(cfg.durable_url), exc)
         return None
 
     # -- the background thread ------------------------------------------------------------

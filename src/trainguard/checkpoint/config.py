@@ -8,6 +8,8 @@ Under trainguard the node agent sets::
                                       "durableWriter": "agent"}
     TRAINGUARD_CHECKPOINT_MEMORY_DIR  the node's memory-tier directory (agent-owned)
     TRAINGUARD_JOB_ID                 shards of other jobs are never loaded
+    TRAINGUARD_ATTEMPT                the attempt (plain torchrun: TORCHELASTIC_RESTART_COUNT);
+                                      read at each save and load, see writer_attempt()
     RANK, WORLD_SIZE                  torchrun's
 
 Outside trainguard the same variables may be set by hand; otherwise the defaults below
@@ -25,13 +27,15 @@ from typing import Any
 
 from trainguard.checkpoint.memory import default_memory_dir
 
-__all__ = ["CONFIG_ENV", "JOB_ID_ENV", "MEMORY_DIR_ENV", "CheckpointConfig"]
+__all__ = ["ATTEMPT_ENV", "CONFIG_ENV", "JOB_ID_ENV", "MEMORY_DIR_ENV", "CheckpointConfig"]
 
 log = logging.getLogger(__name__)
 
 CONFIG_ENV = "TRAINGUARD_CHECKPOINT_CONFIG"
 MEMORY_DIR_ENV = "TRAINGUARD_CHECKPOINT_MEMORY_DIR"
 JOB_ID_ENV = "TRAINGUARD_JOB_ID"
+ATTEMPT_ENV = "TRAINGUARD_ATTEMPT"  # as trainguard.wire.control_files.ATTEMPT_ENV
+TORCHRUN_ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 DEFAULT_COMMIT_TIMEOUT = 60.0
 """Seconds rank 0 waits for every rank's durable shard of a step before giving up on it."""
@@ -181,3 +185,24 @@ def _camel(message: str) -> str:
 def _require_int(name: str, value: Any, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+
+
+def writer_attempt(environ: Mapping[str, str] | None = None) -> int | None:
+    """This process's attempt, as a shard's writer: ``TRAINGUARD_ATTEMPT`` (set by the
+    agent, and changed in place by an in-process restart), else torchrun's restart count;
+    None when neither is set (or not an integer): an unknown attempt."""
+    env = os.environ if environ is None else environ
+    for name in (ATTEMPT_ENV, TORCHRUN_ATTEMPT_ENV):
+        raw = env.get(name)
+        if raw:
+            try:
+                return int(raw)
+            except ValueError:
+                if (name, raw) not in _WARNED:
+                    _WARNED.add((name, raw))
+                    log.warning("%s=%r: not an integer; the attempt is unknown", name, raw)
+                return None
+    return None
+
+
+_WARNED: set[tuple[str, str]] = set()

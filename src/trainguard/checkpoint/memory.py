@@ -18,10 +18,13 @@ copy wrote is in the page cache the moment the copy returns and survives the pro
 (not the node: the memory tier never outlives its node). A meta, with or without a
 checksum, exists only for a slot whose copy finished, because the meta is unlinked
 before a slot is reused and written only after the copy. Hence a copy-complete meta
-names complete data and is loadable from this node's memory tier (this is what lets a
-rank killed right after ``save()`` returns restore that step); a slot torn by a crash
-mid-copy has no meta and is never offered. Checksums then guard against corruption of
-the memory after the fact; shards leave the node (durable tier) only with a checksum.
+names complete data, and a slot torn by a crash mid-copy has no meta and is never
+offered. Checksums then guard against corruption of the memory after the fact: a shard
+with one is loaded only if its data matches it; a copy-complete shard, which nothing can
+verify, only by its writer (the same rank within the same attempt, recorded as the meta's
+``writer``; see :func:`~trainguard.checkpoint.shard.unchecked_refusal`). Any other
+reader, a restarted rank in a later attempt included, falls back to an older step. Shards
+leave the node (replicas, durable tier) only with a checksum.
 
 Holding a step for the durable tier (when the node agent persists, ``hold=True``): each
 rank then has one slot more than ``keep``, and one slot is kept out of rotation: the one
@@ -194,7 +197,8 @@ class MemoryTier:
         """Step -> shard for every slot whose meta belongs to this job and rank.
 
         Cheap (no checksum): foreign, malformed or short shards are logged and skipped;
-        the checksum is checked by :meth:`load` on the step actually restored.
+        the checksum (or, without one, the writer) is checked by the Checkpointer on the
+        step actually restored.
         """
         found: dict[int, MemoryShard] = {}
         for slot in self._slot_indexes():

@@ -4,10 +4,14 @@ Meta (the same on every tier)::
 
     {"format": 1, "job_id": str, "step": int, "rank": int, "world_size": int,
      "nbytes": int, "tensors": [TensorEntry.to_json(), ...], "plain": <state tree>,
-     "checksum": "xxh3_128:<32 hex>" | null, "created_at": <unix seconds>}
+     "checksum": "xxh3_128:<32 hex>" | null, "created_at": <unix seconds>,
+     "writer": {"rank": int, "attempt": int | null}}
 
 ``checksum`` is null only in a memory-tier *copy-complete* meta (see
-``trainguard.checkpoint.memory``); durable shards always carry it.
+``trainguard.checkpoint.memory``); durable shards always carry it. Such a shard cannot be
+verified, so it is loaded only by its ``writer``: the same rank, within the same attempt
+(:func:`unchecked_refusal`). ``writer.attempt`` is null where the writer's attempt is
+unknown; its shards then need their checksum everywhere.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ __all__ = [
     "checksum",
     "layout_of",
     "make_meta",
+    "unchecked_refusal",
     "verify",
 ]
 
@@ -36,9 +41,17 @@ class ShardInvalid(Exception):
 
 
 def make_meta(
-    layout: Layout, *, job_id: str, step: int, rank: int, world_size: int, digest: str | None
+    layout: Layout,
+    *,
+    job_id: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    digest: str | None,
+    attempt: int | None = None,
 ) -> dict[str, Any]:
-    """The meta of a shard laid out by ``layout`` (``digest`` None: not yet checksummed)."""
+    """The meta of a shard laid out by ``layout`` (``digest`` None: not yet checksummed),
+    written by ``rank`` in ``attempt`` (None: unknown)."""
     return {
         "format": FORMAT,
         "job_id": job_id,
@@ -50,6 +63,7 @@ def make_meta(
         "plain": layout.tree,
         "checksum": digest,
         "created_at": time.time(),
+        "writer": {"rank": rank, "attempt": attempt},
     }
 
 
@@ -94,12 +108,14 @@ def verify(
     world_size: int,
     rank: int,
     step: int | None = None,
-    require_checksum: bool = True,
+    attempt: int | None = None,
 ) -> Layout:
     """Check a shard before it is loaded; returns its layout or raises :class:`ShardInvalid`.
 
     Checks the format, job id, world size, rank, step, the data size and the checksum
-    (a meta without a checksum passes only with ``require_checksum=False``).
+    whenever the meta has one. A meta without a checksum passes only when ``rank``
+    wrote it within ``attempt`` (the loader's attempt; None: never), see
+    :func:`unchecked_refusal`.
     """
     check_identity(meta, job_id=job_id, world_size=world_size, step=step, rank=rank)
     layout = layout_of(meta)
@@ -107,8 +123,9 @@ def verify(
         raise ShardInvalid(f"data has {len(data)} bytes, meta says {layout.nbytes}")
     expected = meta.get("checksum")
     if expected is None:
-        if require_checksum:
-            raise ShardInvalid("no checksum")
+        refusal = unchecked_refusal(meta, rank=rank, attempt=attempt)
+        if refusal is not None:
+            raise ShardInvalid(refusal)
         return layout
     if not isinstance(expected, str) or not expected.startswith(f"{CHECKSUM_ALGORITHM}:"):
         raise ShardInvalid(f"unsupported checksum {expected!r}")
@@ -116,3 +133,25 @@ def verify(
     if actual != expected:
         raise ShardInvalid(f"checksum mismatch: data {actual}, meta {expected}")
     return layout
+
+
+def unchecked_refusal(meta: dict[str, Any], *, rank: int, attempt: int | None) -> str | None:
+    """Why ``rank`` in ``attempt`` may not load this shard without a checksum; None if it may.
+
+    Nothing can show that such a shard's data is still what was copied, so only its own
+    writer trusts it: the same rank, within the same (known) attempt, on the node whose
+    memory holds it. Any other reader, a later attempt of the same rank included, needs
+    the checksum.
+    """
+    writer = meta.get("writer")
+    if attempt is None:
+        return "no checksum, and the attempt loading it is unknown"
+    if not isinstance(writer, dict):
+        return "no checksum, and no writer recorded"
+    by = (writer.get("rank"), writer.get("attempt"))
+    if not all(type(x) is int for x in by) or by != (rank, attempt):
+        return (
+            f"no checksum, and written by rank {by[0]} in attempt {by[1]}, "
+            f"not by rank {rank} in attempt {attempt}"
+        )
+    return None

@@ -20,6 +20,7 @@ from trainguard.control.stragglers import (
     StragglerAction,
 )
 from trainguard.monitor.rules import LogRuleSpec
+from trainguard.wire.logs import LogLimits
 from trainguard.wire.requests import MonitorConfig
 
 __all__ = ["ControlConfig"]
@@ -36,6 +37,8 @@ class ControlConfig:
     spare_node_ids: tuple[str, ...] = ()
     log_rules: tuple[LogRuleSpec, ...] = ()
     progress_pattern: str | None = None
+    # How much of each rank's output the agents keep on disk (spec.trainguard.logs).
+    log_limits: LogLimits = field(default_factory=LogLimits)
     heartbeat_timeout: float | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     active_deadline_seconds: float | None = None
@@ -129,4 +132,5 @@ class ControlConfig:
         return MonitorConfig(
             log_rules=tuple(r.to_json() for r in self.log_rules),
             progress_pattern=self.progress_pattern,
+            logs=self.log_limits,
         )

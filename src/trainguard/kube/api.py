@@ -57,6 +57,7 @@ class KubeApi:
         self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
         self._apply_apis: dict[str, Any] = {
             "apiextensions.k8s.io/v1": client.ApiextensionsV1Api(api_client),
             "rbac.authorization.k8s.io/v1": client.RbacAuthorizationV1Api(api_client),
@@ -170,12 +171,20 @@ class KubeApi:
     def read_secret(self, namespace: str, name: str) -> Obj:
         return self._json(self.core.read_namespaced_secret, name, namespace)
 
-    def delete_owned(self, namespace: str, service: str, secret: str) -> None:
-        """Delete a job's Service and Secret (either may be gone already)."""
-        for call, name in (
+    def create_network_policy(self, namespace: str, body: Obj) -> Obj:
+        return self._json(self.networking.create_namespaced_network_policy, namespace, body)
+
+    def delete_owned(
+        self, namespace: str, service: str, secret: str, network_policy: str | None = None
+    ) -> None:
+        """Delete a job's Service, Secret and NetworkPolicy (any may be gone already)."""
+        calls: list[tuple[Callable[..., Any], str]] = [
             (self.core.delete_namespaced_service, service),
             (self.core.delete_namespaced_secret, secret),
-        ):
+        ]
+        if network_policy is not None:
+            calls.append((self.networking.delete_namespaced_network_policy, network_policy))
+        for call, name in calls:
             with contextlib.suppress(NotFound):
                 self._json(call, name, namespace)
 

@@ -16,11 +16,12 @@ from typing import Any
 import yaml
 
 from trainguard.kube.api import ConfigError, KubeApi, KubeError, NotFound
-from trainguard.kube.config import API_VERSION_FULL, KIND
+from trainguard.kube.config import API_VERSION_FULL, DEFAULT_JOB_NAMESPACE, KIND, OperatorConfig
 from trainguard.kube.manifests import all_objects, to_yaml
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.status import parse_time
 from trainguard.spec import SpecError, load_job
+from trainguard.spec.secrets import redact_spec
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -34,10 +35,10 @@ Obj = dict[str, Any]
 def run(args: argparse.Namespace) -> int:
     """Dispatch one cluster verb; errors are one line on stderr and a non-zero exit."""
     if args.verb == "manifests":
-        sys.stdout.write(to_yaml(all_objects(args.operator_namespace, args.image)))
+        sys.stdout.write(to_yaml(_install_objects(args)))
         return 0
     try:
-        job = _checked_job(args.file) if args.verb == "submit" else None
+        job = _checked_job(args.file, args.allow_privileged_pods) if args.verb == "submit" else None
         api = KubeApi.connect(args.kubeconfig, args.context)
         namespace = args.namespace or _context_namespace(args.kubeconfig, args.context)
         verbs = {
@@ -76,25 +77,43 @@ def _context_namespace(kubeconfig: str | None, context: str | None) -> str:
     return str(((chosen or {}).get("context") or {}).get("namespace") or "default")
 
 
+def _install_objects(args: argparse.Namespace) -> list[Obj]:
+    """What ``manifests``, ``install`` and ``uninstall`` act on, from the install flags."""
+    settings = OperatorConfig(
+        allow_privileged_pods=args.allow_privileged_pods, network_policy=args.network_policies
+    )
+    return all_objects(
+        args.operator_namespace,
+        args.image,
+        settings,
+        tuple(args.job_namespaces or (DEFAULT_JOB_NAMESPACE,)),
+        args.all_namespaces,
+    )
+
+
 def _install(api: KubeApi, args: argparse.Namespace) -> int:
-    for obj in all_objects(args.operator_namespace, args.image):
+    for obj in _install_objects(args):
         print(f"{_ref(obj)} {api.apply(obj)}")
     return 0
 
 
 def _uninstall(api: KubeApi, args: argparse.Namespace) -> int:
-    for obj in reversed(all_objects(args.operator_namespace, args.image)):
+    for obj in reversed(_install_objects(args)):
         print(f"{_ref(obj)} {api.remove(obj)}")
     return 0
 
 
 def _ref(obj: Obj) -> str:
-    return f"{str(obj['kind']).lower()}/{obj['metadata']['name']}"
+    where = obj["metadata"].get("namespace")
+    return f"{str(obj['kind']).lower()}/{obj['metadata']['name']}" + (
+        f" -n {where}" if where and obj["kind"] in ("Role", "RoleBinding") else ""
+    )
 
 
-def _checked_job(path: str) -> Obj:
-    """The job file as a TrainingJob body; SpecError (exit 2) names the file and field."""
-    kube_plan(load_job(path), path)
+def _checked_job(path: str, allow_privileged: bool = False) -> Obj:
+    """The job file as a TrainingJob body; SpecError (exit 2) names the file and field
+    (a pod template asking for node privileges too, unless ``allow_privileged``)."""
+    kube_plan(load_job(path), path, allow_privileged=allow_privileged)
     with open(path, encoding="utf-8") as f:
         body: Obj = yaml.safe_load(f)
     return body
@@ -156,7 +175,7 @@ def _describe(api: KubeApi, args: argparse.Namespace, namespace: str) -> int:
         data = {
             **_summary(job),
             "status": status,
-            "spec": job.get("spec"),
+            "spec": redact_spec(job.get("spec")),
             "events": [
                 {k: e.get(k) for k in ("type", "reason", "message", "lastTimestamp")}
                 for e in events

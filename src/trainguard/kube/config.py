@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Final
 
 GROUP: Final = "trainguard.dev"
@@ -31,16 +32,27 @@ MANAGER: Final = "trainguard"
 # The pod env var holding the agent API token (from the job's Secret).
 TOKEN_ENV: Final = "TRAINGUARD_AGENT_TOKEN"
 TOKEN_KEY: Final = "token"
+# The job's directory in every job pod (the agent's and its workers' env).
+JOB_DIR_ENV: Final = "TRAINGUARD_JOB_DIR"
 # Downward-API env vars of every job pod.
 POD_IP_ENV: Final = "TRAINGUARD_POD_IP"
 POD_NAME_ENV: Final = "TRAINGUARD_POD_NAME"
 
 DEFAULT_NAMESPACE: Final = "trainguard-system"
+# Where the operator runs jobs unless told otherwise (install's --job-namespace).
+DEFAULT_JOB_NAMESPACE: Final = "default"
 DEFAULT_IMAGE: Final = "ghcr.io/trainguard/trainguard:latest"
 
 # The operator's Deployment, and its Service: /metrics, and the agents' pushed reports.
 OPERATOR_NAME: Final = "trainguard-operator"
 OPERATOR_SERVICE: Final = f"{OPERATOR_NAME}-metrics"
+# Where a pod learns its own namespace.
+SERVICE_ACCOUNT_NAMESPACE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+# The labels of the operator's pods (job pods' NetworkPolicy lets these reach the agents).
+OPERATOR_LABELS: Final = {
+    "app.kubernetes.io/name": "trainguard",
+    "app.kubernetes.io/component": "operator",
+}
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,24 @@ class OperatorConfig:
     report_host: str = "0.0.0.0"
     report_port: int = 8472
     report_url: str = ""
+    # The operator's own namespace: a job's NetworkPolicy lets the operator's pods there
+    # reach the agents ("": the one of the operator's service account, see namespace()).
+    operator_namespace: str = ""
+    # Give every job a NetworkPolicy: its pods take traffic only from each other (any
+    # port: rendezvous, NCCL, replica pushes) and from the operator (the agent port).
+    network_policy: bool = True
+    # Run pod templates that ask for privileged containers, host namespaces, hostPath
+    # volumes, privilege escalation or added capabilities (refused when False).
+    allow_privileged_pods: bool = False
+
+    def namespace(self) -> str:
+        """The operator's namespace: the setting, else its service account's, else the default."""
+        if self.operator_namespace:
+            return self.operator_namespace
+        try:
+            return SERVICE_ACCOUNT_NAMESPACE.read_text().strip() or DEFAULT_NAMESPACE
+        except OSError:
+            return DEFAULT_NAMESPACE
 
     def report_base_url(self, namespace: str = DEFAULT_NAMESPACE) -> str:
         """The URL pods push their reports to, for an operator installed in ``namespace``."""
@@ -92,7 +122,7 @@ class OperatorConfig:
                 if isinstance(default, tuple):
                     values[f.name] = tuple(v.strip() for v in raw.split(",") if v.strip())
                 elif isinstance(default, bool):
-                    values[f.name] = raw.lower() in ("1", "true", "yes")
+                    values[f.name] = _boolean(raw)
                 elif isinstance(default, int):
                     values[f.name] = int(raw)
                 elif isinstance(default, float):
@@ -108,6 +138,20 @@ class OperatorConfig:
         out: dict[str, str] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            text = ",".join(value) if isinstance(value, tuple) else str(value)
+            if isinstance(value, tuple):
+                text = ",".join(value)
+            elif isinstance(value, bool):
+                text = "true" if value else "false"
+            else:
+                text = str(value)
             out[f"TRAINGUARD_{f.name.upper()}"] = text
         return out
+
+
+def _boolean(text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("1", "true", "yes"):
+        return True
+    if word in ("0", "false", "no"):
+        return False
+    raise ValueError(text)

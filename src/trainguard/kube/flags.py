@@ -7,9 +7,10 @@ Light on purpose: the CLI imports this on every run, and the ``kubernetes`` clie
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
-from trainguard.kube.config import DEFAULT_IMAGE, DEFAULT_NAMESPACE
+from trainguard.kube.config import DEFAULT_IMAGE, DEFAULT_JOB_NAMESPACE, DEFAULT_NAMESPACE
 
 EXIT_USAGE = 2
 CLUSTER_VERBS = ("submit", "manifests", "install", "uninstall")
@@ -26,14 +27,64 @@ def add_cluster_flags(parser: argparse.ArgumentParser, kube_flag: bool = True) -
     parser.add_argument("-n", "--namespace", help="namespace (default: the context's or default)")
 
 
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def _namespace(text: str) -> str:
+    if not _NAMESPACE.match(text):
+        raise argparse.ArgumentTypeError(
+            f"{text[:80]!r} is not a namespace name (lowercase letters, digits and '-', at most 63)"
+        )
+    return text
+
+
 def add_install_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the operator lives, where it runs jobs (its RBAC scope), and what it allows."""
     parser.add_argument(
         "--operator-namespace",
         default=DEFAULT_NAMESPACE,
+        type=_namespace,
         help=f"namespace of the operator (default {DEFAULT_NAMESPACE})",
     )
     parser.add_argument(
         "--image", default=DEFAULT_IMAGE, help=f"operator image (default {DEFAULT_IMAGE})"
+    )
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--job-namespace",
+        action="append",
+        type=_namespace,
+        metavar="NS",
+        dest="job_namespaces",
+        help="a namespace the operator runs jobs in, with a Role there (repeatable; default "
+        f"{DEFAULT_JOB_NAMESPACE})",
+    )
+    scope.add_argument(
+        "--all-namespaces",
+        action="store_true",
+        help="run jobs in every namespace: a ClusterRole instead of namespaced Roles",
+    )
+    parser.add_argument(
+        "--allow-privileged-pods",
+        action="store_true",
+        help="run pod templates that ask for privileged mode, host namespaces, hostPath "
+        "volumes, privilege escalation or added capabilities (refused by default)",
+    )
+    parser.add_argument(
+        "--no-network-policies",
+        dest="network_policies",
+        action="store_false",
+        help="give jobs no NetworkPolicy (default: a job's pods take traffic only from each "
+        "other, and the agent port only from the operator)",
+    )
+
+
+def add_submit_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-privileged-pods",
+        action="store_true",
+        help="do not refuse a pod template that asks for node privileges here (the "
+        "operator still does, unless it was installed with --allow-privileged-pods)",
     )
 
 

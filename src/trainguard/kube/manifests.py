@@ -1,22 +1,37 @@
 """What `trainguard install` applies: the CRD, the operator's identity, rights and Deployment.
 
-RBAC is least privilege for what the operator does: watch and patch TrainingJobs
-(and their status), make and delete the pods, Services and token Secrets of jobs,
-and record Events. kopf's cluster scanning is off, so no rights on CRDs or namespaces.
-The Helm chart in ``deploy/helm/trainguard`` renders the same objects.
+RBAC is least privilege for what the operator does (every call is in ``kube/api.py``):
+
+- TrainingJobs: kopf lists, watches and patches them (finalizer, its progress), the
+  operator deletes expired ones and patches their ``status``;
+- pods: list, create, delete (never read one, never exec);
+- Services: create, delete (a job's headless Service);
+- Secrets: get, create, delete, used on the job's agent-token Secret only (Kubernetes
+  cannot name a Secret that does not exist yet in a rule, so the verbs are on the kind);
+- Events: create; NetworkPolicies (unless turned off): create, delete (one per job).
+
+The rights are a Role and RoleBinding in each namespace the operator runs jobs in
+(``job_namespaces``, default ``default``); only ``all_namespaces`` makes them a
+ClusterRole and ClusterRoleBinding, and the operator then watches every namespace.
+kopf's cluster scanning is off, so no rights on CRDs or namespaces. The Helm chart in
+``deploy/helm/trainguard`` renders the same objects.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import yaml
 
 from trainguard.kube.config import (
     DEFAULT_IMAGE,
+    DEFAULT_JOB_NAMESPACE,
     DEFAULT_NAMESPACE,
     GROUP,
     MANAGER,
+    OPERATOR_LABELS,
     OPERATOR_NAME,
     OPERATOR_SERVICE,
     PLURAL,
@@ -27,62 +42,93 @@ from trainguard.kube.crd import crd
 Obj = dict[str, Any]
 
 LIVENESS_PORT = 8080
-_LABELS = {"app.kubernetes.io/name": "trainguard", "app.kubernetes.io/component": "operator"}
+_LABELS = dict(OPERATOR_LABELS)
+_RBAC = "rbac.authorization.k8s.io"
 
 RBAC_RULES: list[Obj] = [
-    {
-        "apiGroups": [GROUP],
-        "resources": [PLURAL],
-        "verbs": ["get", "list", "watch", "patch", "update", "delete"],
-    },
-    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch", "update"]},
-    {
-        "apiGroups": [""],
-        "resources": ["pods"],
-        "verbs": ["get", "list", "watch", "create", "delete"],
-    },
-    {"apiGroups": [""], "resources": ["services", "secrets"], "verbs": ["get", "create", "delete"]},
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+    {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["list", "watch", "patch", "delete"]},
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["patch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "create", "delete"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "delete"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
+NETWORK_POLICY_RULE: Obj = {
+    "apiGroups": ["networking.k8s.io"],
+    "resources": ["networkpolicies"],
+    "verbs": ["create", "delete"],
+}
+
+
+def rbac_rules(settings: OperatorConfig) -> list[Obj]:
+    """What the operator may do in a namespace it runs jobs in."""
+    return [*RBAC_RULES, *([NETWORK_POLICY_RULE] if settings.network_policy else [])]
+
+
+def rbac_objects(
+    namespace: str,
+    settings: OperatorConfig,
+    job_namespaces: Sequence[str] = (DEFAULT_JOB_NAMESPACE,),
+    all_namespaces: bool = False,
+) -> list[Obj]:
+    """A Role and RoleBinding per job namespace; with ``all_namespaces``, one ClusterRole
+    and ClusterRoleBinding instead. The subject is the operator's ServiceAccount."""
+    subject = {"kind": "ServiceAccount", "name": OPERATOR_NAME, "namespace": namespace}
+    if all_namespaces:
+        scopes: list[tuple[str, Obj]] = [("Cluster", {})]
+    else:
+        scopes = [("", {"namespace": ns}) for ns in dict.fromkeys(job_namespaces)]
+    objects: list[Obj] = []
+    for prefix, where in scopes:
+        meta = {"name": OPERATOR_NAME, **where, "labels": dict(_LABELS)}
+        objects += [
+            {
+                "apiVersion": f"{_RBAC}/v1",
+                "kind": f"{prefix}Role",
+                "metadata": dict(meta),
+                "rules": rbac_rules(settings),
+            },
+            {
+                "apiVersion": f"{_RBAC}/v1",
+                "kind": f"{prefix}RoleBinding",
+                "metadata": dict(meta),
+                "roleRef": {"apiGroup": _RBAC, "kind": f"{prefix}Role", "name": OPERATOR_NAME},
+                "subjects": [dict(subject)],
+            },
+        ]
+    return objects
 
 
 def operator_objects(
     namespace: str = DEFAULT_NAMESPACE,
     image: str = DEFAULT_IMAGE,
     settings: OperatorConfig | None = None,
+    job_namespaces: Sequence[str] = (DEFAULT_JOB_NAMESPACE,),
+    all_namespaces: bool = False,
 ) -> list[Obj]:
-    """The operator's Namespace, ServiceAccount, ClusterRole(Binding), Deployment, Service.
+    """The operator's Namespace, ServiceAccount, Role(s) and binding(s) (see
+    :func:`rbac_objects`), Deployment and Service.
 
-    The Service serves the operator's metrics and takes the reports the agents of every
-    job push (at ``TRAINGUARD_REPORT_URL``, this Service's name in ``namespace``).
+    The operator watches ``job_namespaces`` (or every namespace). The Service serves its
+    metrics and takes the reports the agents of every job push (at
+    ``TRAINGUARD_REPORT_URL``, this Service's name in ``namespace``).
     """
-    settings = settings or OperatorConfig()
+    settings = replace(settings or OperatorConfig(), operator_namespace=namespace)
     meta = {"namespace": namespace, "labels": dict(_LABELS)}
     variables = {
         **settings.to_env(),
         "TRAINGUARD_REPORT_URL": settings.report_base_url(namespace),
     }
     env = [{"name": k, "value": v} for k, v in sorted(variables.items())]
+    scope = (
+        ["--all-namespaces"]
+        if all_namespaces
+        else [arg for ns in dict.fromkeys(job_namespaces) for arg in ("--namespace", ns)]
+    )
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": OPERATOR_NAME, **meta}},
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRole",
-            "metadata": {"name": OPERATOR_NAME, "labels": dict(_LABELS)},
-            "rules": RBAC_RULES,
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": OPERATOR_NAME, "labels": dict(_LABELS)},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": OPERATOR_NAME,
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_NAME, "namespace": namespace}],
-        },
+        *rbac_objects(namespace, settings, job_namespaces, all_namespaces),
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
@@ -96,7 +142,7 @@ def operator_objects(
                     "spec": {
                         "serviceAccountName": OPERATOR_NAME,
                         "securityContext": {"runAsNonRoot": True, "runAsUser": 65532},
-                        "containers": [_operator_container(image, env, settings)],
+                        "containers": [_operator_container(image, env, settings, scope)],
                         # The root filesystem is read-only; Python and kopf get a /tmp.
                         "volumes": [{"name": "tmp", "emptyDir": {}}],
                     },
@@ -118,12 +164,14 @@ def operator_objects(
     ]
 
 
-def _operator_container(image: str, env: list[Obj], settings: OperatorConfig) -> Obj:
+def _operator_container(
+    image: str, env: list[Obj], settings: OperatorConfig, scope: list[str]
+) -> Obj:
     return {
         "name": "operator",
         "image": image,
-        "command": ["python", "-m", "trainguard.kube.operator", "--all-namespaces"],
-        "args": ["--liveness-port", str(LIVENESS_PORT)],
+        "command": ["python", "-m", "trainguard.kube.operator"],
+        "args": [*scope, "--liveness-port", str(LIVENESS_PORT)],
         "env": env,
         "ports": [
             {"name": "metrics", "containerPort": settings.metrics_port},
@@ -152,9 +200,11 @@ def all_objects(
     namespace: str = DEFAULT_NAMESPACE,
     image: str = DEFAULT_IMAGE,
     settings: OperatorConfig | None = None,
+    job_namespaces: Sequence[str] = (DEFAULT_JOB_NAMESPACE,),
+    all_namespaces: bool = False,
 ) -> list[Obj]:
     """The CRD first (the rest may refer to it), then the operator's objects."""
-    return [crd(), *operator_objects(namespace, image, settings)]
+    return [crd(), *operator_objects(namespace, image, settings, job_namespaces, all_namespaces)]
 
 
 def to_yaml(objects: list[Obj]) -> str:
@@ -162,4 +212,14 @@ def to_yaml(objects: list[Obj]) -> str:
     return "---\n".join(yaml.safe_dump(o, sort_keys=False) for o in objects)
 
 
-__all__ = ["MANAGER", "OPERATOR_NAME", "RBAC_RULES", "all_objects", "operator_objects", "to_yaml"]
+__all__ = [
+    "MANAGER",
+    "NETWORK_POLICY_RULE",
+    "OPERATOR_NAME",
+    "RBAC_RULES",
+    "all_objects",
+    "operator_objects",
+    "rbac_objects",
+    "rbac_rules",
+    "to_yaml",
+]

@@ -37,7 +37,7 @@ from trainguard.kube.config import (
     VERSION,
     OperatorConfig,
 )
-from trainguard.kube.pods import job_selector, secret_name, service_name
+from trainguard.kube.pods import job_selector, network_policy_name, secret_name, service_name
 from trainguard.kube.runner import KubeJob
 from trainguard.kube.status import parse_time, rfc3339
 from trainguard.observe.metrics import Metrics, serve
@@ -136,7 +136,8 @@ def _deleted(name: str, namespace: str | None, **_: Any) -> None:
         job.finish(delete_all=True)
     for pod in api.list_pods(namespace, job_selector(name)):
         api.delete_pod(namespace, pod["metadata"]["name"])
-    api.delete_owned(namespace, service_name(name), secret_name(name))
+    policy = network_policy_name(name) if _settings().network_policy else None  # else no rights
+    api.delete_owned(namespace, service_name(name), secret_name(name), policy)
     _metrics.deleted.inc()
     if job is not None:
         job.record.observer.forget()

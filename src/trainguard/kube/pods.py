@@ -1,11 +1,18 @@
-"""Pure builders of the objects a job owns: one pod per node, a headless Service, a token Secret.
+"""Pure builders of the objects a job owns: one pod per node, a headless Service, a token
+Secret and a NetworkPolicy.
 
 Each pod is the replica group's pod template with the first container's entrypoint
 replaced by the trainguard agent wrapping the user's command::
 
     python -m trainguard.agent --node-id node-1 --incarnation $(TRAINGUARD_POD_NAME)
         --token-env TRAINGUARD_AGENT_TOKEN --host $(TRAINGUARD_POD_IP) --port 8471
-        --log-dir ... --env ... -- <user argv>
+        --log-dir ... -- <user argv, its $(VAR) left for Kubernetes>
+
+No value of the job's ``env`` is ever written into the command: the template's ``env``
+(values, ``valueFrom.secretKeyRef``, ...) is passed to the container as written, the
+agent's own variables (job dir, memory tier, checkpoint config) are added to it as
+``$TRAINGUARD_JOB_ENV``, and Kubernetes expands the ``$(VAR)`` of the user's command
+from it when the pod starts.
 
 The pod's name is the agent's incarnation: a status from an earlier pod of the same
 node id is never taken for its successor's.
@@ -23,15 +30,19 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from trainguard.agent.jobenv import JOB_ENV_VAR, encode_job_env
+from trainguard.agent.persist import CONFIG_ENV, MEMORY_DIR_ENV
 from trainguard.agent.warm import StartOptions
 from trainguard.kube.config import (
     GROUP,
+    JOB_DIR_ENV,
     KIND,
     LABEL_ATTEMPT,
     LABEL_JOB,
     LABEL_MANAGED,
     LABEL_NODE,
     MANAGER,
+    OPERATOR_LABELS,
     POD_IP_ENV,
     POD_NAME_ENV,
     TOKEN_ENV,
@@ -52,6 +63,10 @@ def service_name(job: str) -> str:
 
 def secret_name(job: str) -> str:
     return f"{job}-agent-token"
+
+
+def network_policy_name(job: str) -> str:
+    return job
 
 
 def pod_name(job: str, node_id: str, attempt: int, suffix: str) -> str:
@@ -81,16 +96,16 @@ def owner_reference(body: Obj) -> list[Obj]:
 
 
 def pod_argv(group: NodeGroupPlan) -> list[str]:
-    """The worker argv inside the pod: the local plan's, with the image's ``python``.
+    """The worker argv inside the pod: the plan's (:func:`~trainguard.kube.plan.kube_plan`:
+    ``$(VAR)`` unexpanded, a literal ``$`` as ``$$``), with the image's ``python``.
 
     The plan resolves ``python`` and launcher lines to this interpreter's path; in a
-    pod the image's ``python`` runs them. ``$`` is doubled because Kubernetes expands
-    ``$(VAR)`` in a container's command and the plan has expanded them already.
+    pod the image's ``python`` runs them.
     """
     argv = list(group.command)
     if argv and argv[0] == sys.executable:
         argv[0] = "python"
-    return [arg.replace("$", "$$") for arg in argv]
+    return argv
 
 
 def node_pod(
@@ -123,8 +138,10 @@ def node_pod(
     container = spec["containers"][0]
     container.pop("args", None)
     container["command"] = [*_agent_argv(job, node_id, settings), "--", *pod_argv(group)]
-    container["env"] = [
-        *(container.get("env") or []),
+    agent_env = encode_job_env(_agent_env(job, node_id, settings))[JOB_ENV_VAR]
+    ours: list[Obj] = [
+        # A literal value: `$` is doubled, as Kubernetes expands $(VAR) in env values.
+        {"name": JOB_ENV_VAR, "value": agent_env.replace("$", "$$")},
         {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {
@@ -132,6 +149,9 @@ def node_pod(
             "valueFrom": {"secretKeyRef": {"name": secret_name(job_name), "key": TOKEN_KEY}},
         },
     ]
+    names = {var["name"] for var in ours}
+    given = [var for var in container.get("env") or [] if var.get("name") not in names]
+    container["env"] = [*ours, *given]  # the template's env may refer to ours: $(VAR)
     ports = container.get("ports") or []
     container["ports"] = [*ports, {"name": "tg-agent", "containerPort": settings.agent_port}]
     return {
@@ -152,17 +172,22 @@ def job_dir(job: TrainingJob, settings: OperatorConfig) -> str:
     return f"{settings.pod_job_root}/{job.metadata.namespace}/{job.metadata.name}"
 
 
-def _agent_argv(job: TrainingJob, node_id: str, settings: OperatorConfig) -> list[str]:
+def _agent_env(job: TrainingJob, node_id: str, settings: OperatorConfig) -> dict[str, str]:
+    """The variables the agent and its workers get besides the template's (handed to the
+    agent in ``$TRAINGUARD_JOB_ENV``, see :mod:`trainguard.agent.jobenv`)."""
     directory = job_dir(job, settings)
     memory = (
         f"{settings.pod_memory_root}/{job.metadata.namespace}-{job.metadata.name}/{node_id}/memory"
     )
     checkpoint = json.dumps(job.spec.checkpointing.env_json(f"{directory}/durable"))
-    agent_env = {
-        "TRAINGUARD_JOB_DIR": directory,
-        "TRAINGUARD_CHECKPOINT_MEMORY_DIR": memory,
-        "TRAINGUARD_CHECKPOINT_CONFIG": checkpoint.replace("$", "$$"),
+    return {
+        JOB_DIR_ENV: directory,
+        MEMORY_DIR_ENV: memory,
+        CONFIG_ENV: checkpoint,
     }
+
+
+def _agent_argv(job: TrainingJob, node_id: str, settings: OperatorConfig) -> list[str]:
     argv = [
         "python",
         "-m",
@@ -180,8 +205,6 @@ def _agent_argv(job: TrainingJob, node_id: str, settings: OperatorConfig) -> lis
         "--log-dir",
         f"{settings.pod_log_dir}/$({POD_NAME_ENV})",
     ]
-    for key, value in agent_env.items():
-        argv += ["--env", f"{key}={value}"]
     options = job.spec.trainguard
     start = StartOptions(options.warm_start, tuple(options.preload_modules))
     return [*argv, *start.agent_flags()]
@@ -255,3 +278,37 @@ def secret_value(secret: Obj, key: str = TOKEN_KEY) -> str | None:
         return base64.b64decode(data[key]).decode()
     value = (secret.get("stringData") or {}).get(key)
     return str(value) if value is not None else None
+
+
+def network_policy(job: TrainingJob, body: Obj, settings: OperatorConfig) -> Obj:
+    """Who may reach the job's pods: each other, on any port (the rendezvous store on
+    rank 0, NCCL/Gloo between workers, replica pushes to peer agents), and the operator's
+    pods, on the agent port. Nothing else: other pods (other jobs' included) reach
+    neither the agent API nor the unauthenticated rendezvous and collective ports.
+    NetworkPolicies add up, so a policy of the namespace can let more in."""
+    name = job.metadata.name
+    operator = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": settings.namespace()}},
+        "podSelector": {"matchLabels": dict(OPERATOR_LABELS)},
+    }
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": network_policy_name(name),
+            "namespace": job.metadata.namespace,
+            "labels": job_selector(name),
+            "ownerReferences": owner_reference(body),
+        },
+        "spec": {
+            "podSelector": {"matchLabels": job_selector(name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": job_selector(name)}}]},
+                {
+                    "from": [operator],
+                    "ports": [{"protocol": "TCP", "port": settings.agent_port}],
+                },
+            ],
+        },
+    }

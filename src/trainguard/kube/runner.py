@@ -29,6 +29,8 @@ from trainguard.kube.kube_platform import Detached, KubePlatform, Outside
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.pods import (
     headless_service,
+    network_policy,
+    network_policy_name,
     secret_name,
     secret_value,
     service_name,
@@ -80,7 +82,9 @@ class KubeJob:
         self.namespace = str(meta.get("namespace") or "default")
         self.source = f"{self.namespace}/{self.name}"
         self.job = parse_job(body, self.source)  # SpecError: the operator fails the job
-        self.plan = kube_plan(self.job, self.source)
+        self.plan = kube_plan(
+            self.job, self.source, allow_privileged=settings.allow_privileged_pods
+        )
         # Durable checkpoints need spec.checkpointing.durableUrl on a cluster (the pods'
         # own disks do not outlive them).
         durable = bool(self.job.spec.checkpointing.durable_url)
@@ -132,7 +136,10 @@ class KubeJob:
                     self.platform.finish(delete_all)
                 if delete_all:
                     self.api.delete_owned(
-                        self.namespace, service_name(self.name), secret_name(self.name)
+                        self.namespace,
+                        service_name(self.name),
+                        secret_name(self.name),
+                        network_policy_name(self.name) if self.settings.network_policy else None,
                     )
         finally:
             self.close()
@@ -151,15 +158,19 @@ class KubeJob:
     # -- set-up -------------------------------------------------------------------------
 
     def _set_up(self) -> KubePlatform:
-        """The token Secret, the Service, the inbox key; leftover pods deleted."""
+        """The token Secret, the Service, the NetworkPolicy, the inbox key; leftover pods
+        deleted."""
         token = self._ensure_token()
-        try:
-            self.api.create_service(
-                self.namespace, headless_service(self.job, self.body, self.settings)
-            )
-        except KubeError as exc:
-            if exc.status != 409:
-                raise
+        owned = [(self.api.create_service, headless_service(self.job, self.body, self.settings))]
+        if self.settings.network_policy:
+            policy = network_policy(self.job, self.body, self.settings)
+            owned.append((self.api.create_network_policy, policy))
+        for create, obj in owned:
+            try:
+                create(self.namespace, obj)
+            except KubeError as exc:
+                if exc.status != 409:
+                    raise
         report_url = None
         if self.inbox is not None:
             book = self.book

@@ -13,15 +13,18 @@ CRITICAL, optionally followed by ``:logger:`` as in logging's default format) an
 the separators ``|``, ``:``, ``-`` and spaces. Lines that merely mention a step are
 not progress: ``Resumed from checkpoint at step 40``, ``Completed checkpoint at
 step 40``, ``Starting step 41``, ``Epoch 1 Step 41`` and ``steps: 400`` do not
-match. Matching is case-insensitive and uses ``re.match`` like the log rules.
+match. Matching is case-insensitive and anchored at the line start (``re.match``), like
+the log rules.
 
-A custom pattern is a Python regex whose first capture group is the step.
+A custom pattern is a regex in RE2 syntax (:mod:`trainguard.monitor.regex`: linear time,
+no backreferences or lookaround) whose first capture group is the step.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Final
+
+from trainguard.monitor.regex import RegexError, compile_regex
 
 __all__ = ["DEFAULT_PROGRESS_PATTERN", "ProgressMatcher"]
 
@@ -30,7 +33,7 @@ _LOG_PREFIX = (
     r"(?:\[[^\]\n]*\]"  # [rank0], [2024-05-01 12:00:00], [INFO]
     r"|\d[\d:.,/T+Z-]*"  # 2024-05-01, 12:00:00,123, 1714567890.5
     r"|(?:debug|info|warn(?:ing)?|error|critical)\b(?::[\w.]*:)?"  # INFO, INFO:__main__:
-    r"))*+"  # possessive: no backtracking into the prefix, linear on any line
+    r"))*"  # RE2 runs this in linear time on any line (no backtracking)
 )
 
 DEFAULT_PROGRESS_PATTERN: Final = (
@@ -43,11 +46,12 @@ class ProgressMatcher:
     """Extracts the training step from a worker output line."""
 
     def __init__(self, pattern: str = DEFAULT_PROGRESS_PATTERN) -> None:
-        """``pattern``: a regex (``re.match``) whose first capture group is the step."""
+        """``pattern``: a regex (RE2, anchored like ``re.match``) whose first capture group
+        is the step."""
         try:
-            self._regex = re.compile(pattern)
-        except re.error as err:
-            raise ValueError(f"progress pattern {pattern!r}: invalid regex: {err}") from None
+            self._regex = compile_regex(pattern)
+        except RegexError as err:
+            raise ValueError(f"progress pattern {pattern!r}: {err}") from None
         if self._regex.groups < 1:
             raise ValueError(f"progress pattern {pattern!r}: needs a capture group for the step")
         self.pattern = pattern

@@ -10,7 +10,7 @@ Line semantics, per rule and line (stdout and stderr of every rank):
 
 1. a line matching `stopPattern` switches the rule off for the rest of the attempt
    (on this node; the controller switches it off job-wide), and counts as nothing else;
-2. a line matching `logPattern` (``re.match``, anchored at the line start) is a match:
+2. a line matching `logPattern` (like ``re.match``, anchored at the line start) is a match:
    it updates the rule's last match time and count;
 3. `faultOnMatch`: the match is a fault (reported once per rule and rank);
 4. if the pattern's first group parses as a number, a NaN or infinite value is a
@@ -19,11 +19,14 @@ Line semantics, per rule and line (stdout and stderr of every rank):
    threshold`` holds is bad (the operator states the bad condition); N consecutive bad
    values of one rank report SLOW once; a good value ends the run (a later run of N bad
    values reports again). A group that is not a number is ignored.
+
+Patterns are compiled by RE2 (:mod:`trainguard.monitor.regex`): matching is linear in the
+line's length, so no pattern can stall the log reader; one RE2 cannot compile (a
+backreference, lookaround) is refused with RE2's reason.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import operator as op
 import re
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 from trainguard.monitor.progress import ProgressMatcher
+from trainguard.monitor.regex import Pattern, RegexError, compile_regex
 from trainguard.wire.status import (
     Detection,
     DetectionKind,
@@ -68,6 +72,7 @@ _COMPARE: Final[Mapping[str, Callable[[float, float], bool]]] = {
     "gteq": op.ge,
     "lteq": op.le,
 }
+# Ours, not a user's: Python's re, and linear (no nested repetition), on a captured group.
 _NUMBER = re.compile(
     r"\s*([-+]?(?:(?:nan|inf(?:inity)?)(?![\w.])|(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?))", re.I
 )
@@ -84,11 +89,6 @@ _KEYS: Final = {
     "metricEvaluationDataPoints": "metric_evaluation_data_points",
     "faultOnMatch": "fault_on_match",
 }
-
-
-@functools.lru_cache(maxsize=256)
-def _compiled(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
 
 
 def _problem(rule: str, key: str, message: str) -> ValueError:
@@ -120,9 +120,9 @@ class LogRuleSpec:
             if not isinstance(pattern, str):
                 raise _problem(name, _camel(key), "must be a string")
             try:
-                _compiled(pattern)
-            except re.error as err:
-                raise _problem(name, _camel(key), f"invalid regular expression: {err}") from None
+                compile_regex(pattern)
+            except RegexError as err:
+                raise _problem(name, _camel(key), str(err)) from None
         for key in ("expected_start_cut_off_in_seconds", "expected_recurring_frequency_in_seconds"):
             seconds = getattr(self, key)
             if seconds is not None and (not _is_number(seconds) or not seconds > 0):
@@ -143,14 +143,14 @@ class LogRuleSpec:
             raise _problem(name, "faultOnMatch", "must be true or false")
 
     @property
-    def pattern(self) -> re.Pattern[str]:
-        """The compiled `logPattern`."""
-        return _compiled(self.log_pattern)
+    def pattern(self) -> Pattern:
+        """The compiled `logPattern` (RE2; cached)."""
+        return compile_regex(self.log_pattern)
 
     @property
-    def stop(self) -> re.Pattern[str] | None:
-        """The compiled `stopPattern`, if any."""
-        return None if self.stop_pattern is None else _compiled(self.stop_pattern)
+    def stop(self) -> Pattern | None:
+        """The compiled `stopPattern`, if any (RE2; cached)."""
+        return None if self.stop_pattern is None else compile_regex(self.stop_pattern)
 
     @property
     def has_timer(self) -> bool:
@@ -280,7 +280,8 @@ class NodeLogMonitor:
         if stop is not None and stop.match(line):
             state.stopped = True
             return
-        found = rule.pattern.match(line)
+        pattern = rule.pattern
+        found = pattern.match(line)
         if found is None:
             return
         state.matches += 1
@@ -289,7 +290,7 @@ class NodeLogMonitor:
         if rule.fault_on_match and rank not in state.faulted:
             state.faulted.add(rank)
             self._detect("LogFault", rule, rank, t, line, None)
-        if found.re.groups < 1:
+        if pattern.groups < 1:
             return
         value = parse_metric(found.group(1))
         if value is None:

@@ -4,22 +4,42 @@ It thins the job's progress and its ranks' paces into samples for the store
 (:class:`~trainguard.observe.history.Trace`), and keeps the job's metrics current:
 counters from each turn's events and the fault timeline, gauges (goodput, downtime,
 speed, nodes, checkpoint lag) at most every
-:data:`~trainguard.observe.metrics.STATE_INTERVAL`.
+:data:`STATE_INTERVAL`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trainguard.control.controller import JobController
 from trainguard.control.events import Event
 from trainguard.control.reports import NodeReport
 from trainguard.observe.account import Accounting, account
 from trainguard.observe.history import JobHistory, Sample, Trace
-from trainguard.observe.metrics import STATE_INTERVAL, JobMetrics, JobState
 
-__all__ = ["JobObserver"]
+if TYPE_CHECKING:  # prometheus-client costs ~14 MB: imported only by a run that serves metrics
+    from trainguard.observe.metrics import JobMetrics
+
+__all__ = ["STATE_INTERVAL", "JobObserver", "JobState"]
+
+STATE_INTERVAL = 1.0
+"""Seconds between two updates of a job's state gauges (the accounting walks its samples)."""
+
+
+@dataclass(frozen=True)
+class JobState:
+    """A job's state as the gauges show it."""
+
+    accounting: Accounting
+    step: int | None = None
+    steps_per_second: float | None = None
+    rank_steps_per_second: Mapping[int, float] | None = None
+    nodes: Mapping[str, int] | None = None
+    persist_lag_steps: int | None = None
+    hot_spares: int | None = None
 
 
 class JobObserver:

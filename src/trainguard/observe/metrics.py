@@ -7,7 +7,8 @@ they exist (``jobs_created_total`` ... ``jobs_fault_detection_latency``), under
 a fault type, a restart scope, a checkpoint tier, a node state, a rank (never a step).
 
 :class:`JobMetrics` is one job's view: the platform hands it each turn's events and,
-at most every :data:`STATE_INTERVAL`, the job's state (progress, accounting, nodes).
+at most every :data:`~trainguard.observe.job.STATE_INTERVAL`, the job's state
+(progress, accounting, nodes).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -28,15 +28,13 @@ from prometheus_client import (
 )
 
 from trainguard.control.events import Event
-from trainguard.observe.account import Accounting
+from trainguard.observe.job import JobState
 
-__all__ = ["JobMetrics", "JobState", "Metrics", "serve"]
+__all__ = ["JobMetrics", "Metrics", "serve"]
 
 PREFIX = "trainguard"
 LATENCY_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 CHECKPOINT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-STATE_INTERVAL = 1.0
-"""Seconds between two updates of a job's state gauges (the accounting walks its samples)."""
 
 
 class Metrics:
@@ -113,19 +111,6 @@ class Metrics:
 
     def job(self, name: str) -> JobMetrics:
         return JobMetrics(self, name)
-
-
-@dataclass(frozen=True)
-class JobState:
-    """A job's state as the gauges show it."""
-
-    accounting: Accounting
-    step: int | None = None
-    steps_per_second: float | None = None
-    rank_steps_per_second: Mapping[int, float] | None = None
-    nodes: Mapping[str, int] | None = None
-    persist_lag_steps: int | None = None
-    hot_spares: int | None = None
 
 
 class JobMetrics:

@@ -12,7 +12,7 @@ import signal
 import threading
 from collections.abc import Sequence
 
-from trainguard.platform.procs import alive, kill_group
+from trainguard.platform.procs import alive, kill_group, proc_stat
 
 # Throttle duty cycle of a ``slow`` injection: seconds running, then seconds stopped.
 DEFAULT_SLOW_RUN_SECONDS = 0.1
@@ -26,12 +26,12 @@ class _Process:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        stat = _proc_stat(pid)
+        stat = proc_stat(pid)
         self.start = stat[1] if stat else None
 
     def alive(self) -> bool:
         """True while this very process exists and is not a zombie."""
-        stat = _proc_stat(self.pid)
+        stat = proc_stat(self.pid)
         if stat is None:
             return not os.path.isdir("/proc") and alive(self.pid)
         state, start = stat
@@ -46,17 +46,6 @@ class _Process:
         except ProcessLookupError:
             return False
         return True
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks) from /proc/<pid>/stat, None if absent."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(")") + 2 :].split()  # the name in parentheses may hold spaces
-    return fields[0], int(fields[19])
 
 
 class _Throttle:

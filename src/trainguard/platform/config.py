@@ -7,6 +7,7 @@ from trainguard.control.persist import DurableCadence
 from trainguard.control.policy import PolicyConfig
 from trainguard.monitor.rules import LogRuleSpec
 from trainguard.spec.plan import JobPlan, NodeGroupPlan
+from trainguard.wire.logs import LogLimits
 
 STUCK_RANK_SECONDS = 3.0
 """How long after an in-process restart a survivor may still be in the failed attempt."""
@@ -50,6 +51,9 @@ def control_config(
         spare_node_ids=tuple(spares),
         log_rules=tuple(LogRuleSpec.from_model(r) for r in run_policy.log_monitoring_configuration),
         progress_pattern=options.progress_pattern,
+        log_limits=LogLimits(
+            max_bytes_per_rank=options.logs.max_bytes_per_rank, keep=options.logs.keep
+        ),
         heartbeat_timeout=options.heartbeat_timeout_seconds,
         stop_grace_seconds=plan.stop_grace_seconds,
         active_deadline_seconds=plan.active_deadline_seconds,

@@ -40,10 +40,14 @@ __all__ = ["deliveries", "drive", "execute"]
 
 
 def drive(
-    controller: JobController, platform: Platform, clock: Callable[[], float] = time.time
+    controller: JobController,
+    platform: Platform,
+    clock: Callable[[], float] = time.time,
+    begin: Callable[[float], Sequence[Action]] | None = None,
 ) -> None:
-    """Run the job until the controller says it ended (see the module docstring)."""
-    refusals = execute(platform, controller.start(clock()))
+    """Run the job until the controller says it ended (see the module docstring);
+    ``begin``: the first actions, instead of ``controller.start`` (a resumed job)."""
+    refusals = execute(platform, (begin or controller.start)(clock()))
     platform.record(controller, None)
     while not controller.phase.terminal:
         if not refusals:

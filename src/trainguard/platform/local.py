@@ -8,7 +8,9 @@ whatever happens (every agent and worker stopped, the memory tiers removed).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import secrets
 import shutil
 import signal
@@ -22,11 +24,11 @@ from types import FrameType
 from typing import IO, Any, TextIO
 from wsgiref.simple_server import WSGIServer
 
+from trainguard.agent.logcap import RotatingFile
 from trainguard.agent.warm import StartOptions
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
-from trainguard.observe.metrics import Metrics, serve
 from trainguard.platform.book import ReportBook
 from trainguard.platform.config import control_config
 from trainguard.platform.drive import drive
@@ -35,9 +37,12 @@ from trainguard.platform.inject import Injection, Injector
 from trainguard.platform.local_platform import LocalPlatform
 from trainguard.platform.node import AgentLauncher, NodeLauncher
 from trainguard.platform.procs import tune_gc_for_a_controller
-from trainguard.platform.store import Store
+from trainguard.platform.resume import resumed_begin
+from trainguard.platform.store import JobRow, Store
+from trainguard.platform.throttle import LineThrottle
 from trainguard.platform.transport import AgentTransport
 from trainguard.spec.plan import JobPlan, NodeGroupPlan
+from trainguard.spec.secrets import redact_spec, secret_storage_keys
 
 EXIT_INTERRUPTED = 130
 # Where the local platform keeps each node's memory checkpoint tier.
@@ -92,13 +97,18 @@ class LocalRunner:
         err: TextIO | None = None,
         live: bool = False,
         metrics: MetricsOptions | None = None,
+        resume: JobRow | None = None,
+        restart_blocked: str | None = None,
     ) -> None:
         self.plan = plan
         self.store = store
         self.source = source
         self.out = out or sys.stdout
         self.err = err or sys.stderr
-        self.job_id = new_job_id(plan.name)
+        # A resumed job (its controller died) keeps its id, directory and token.
+        self.resume = resume
+        self.restart_blocked = restart_blocked  # why a resume may not start new agents
+        self.job_id = resume.id if resume is not None else new_job_id(plan.name)
         self.job_dir = store.root / "jobs" / self.job_id
         self.logs_dir = self.job_dir / "logs"
         self.token_file = self.job_dir / "token"
@@ -111,7 +121,8 @@ class LocalRunner:
         self.platform: LocalPlatform | None = None
         self._interrupts = 0
         self._out_lock = threading.Lock()
-        self._console_log: TextIO | None = None
+        self._console_log: RotatingFile | None = None  # capped like a rank's log
+        self._terminal = LineThrottle()  # worker lines to the terminal: a share of them
         self.metrics = metrics  # serve Prometheus metrics (--metrics-port)
         self._live_wanted = live  # the live line on ``out`` (a terminal; observe/live.py)
         self._live: LiveLine | None = None
@@ -126,18 +137,23 @@ class LocalRunner:
         observer = JobObserver(self.job_id, self.plan.name)
         server = self._serve_metrics(observer)  # first: a port in use is a usage error
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        token = secrets.token_urlsafe(32)
-        self.token_file.touch(mode=0o600)
-        self.token_file.write_text(token)
-        self.store.create_job(
-            self.job_id,
-            self.plan.name,
-            self.source,
-            self.job_dir,
-            self.plan.nnodes,
-            self.plan.nproc_per_node,
-            self.plan.job.model_dump(mode="json", by_alias=True),
-        )
+        if self.resume is not None:
+            token = self.token_file.read_text().strip()
+            self.store.update_job(self.job_id, controller_pid=os.getpid(), phase="Running")
+        else:
+            token = secrets.token_urlsafe(32)
+            self.token_file.touch(mode=0o600)
+            self.token_file.write_text(token)
+            self.store.create_job(
+                self.job_id,
+                self.plan.name,
+                self.source,
+                self.job_dir,
+                self.plan.nnodes,
+                self.plan.nproc_per_node,
+                redact_spec(self.plan.job.model_dump(mode="json", by_alias=True)),  # no secret
+            )
+        self._warn_of_credentials()
         if self._live_wanted:
             self._live = LiveLine(self.out)
         book = ReportBook()
@@ -161,7 +177,8 @@ class LocalRunner:
         )
         controller = JobController(self.config, platform.endpoint)
         previous = self._install_signal_handlers()
-        with open(self.logs_dir / "console.log", "a", encoding="utf-8") as console_log:
+        console_log = RotatingFile(self.logs_dir / "console.log", self.config.log_limits)
+        with contextlib.closing(console_log):
             self._console_log = console_log
             try:
                 self._say(
@@ -169,10 +186,17 @@ class LocalRunner:
                     f"processes; state in {self.job_dir}"
                 )
                 transport.start()
-                drive(controller, platform)
+                begin = None
+                if self.resume is not None:
+                    begin = resumed_begin(
+                        self.store, self.resume, token, platform, controller, self._say,
+                        restart_blocked=self.restart_blocked,
+                    )  # fmt: skip
+                drive(controller, platform, begin=begin)
                 return self._result(controller)
             finally:
                 platform.close()
+                self._say_lines_not_shown(final=True)
                 inbox.close()
                 shutil.rmtree(self.memory_root, ignore_errors=True)
                 if self._live is not None:
@@ -189,6 +213,8 @@ class LocalRunner:
     def _serve_metrics(self, observer: JobObserver) -> WSGIServer | None:
         if self.metrics is None:
             return None
+        from trainguard.observe.metrics import Metrics, serve  # ~14 MB: only when asked for
+
         metrics = Metrics()
         observer.metrics = metrics.job(self.plan.name)
         try:
@@ -210,6 +236,15 @@ class LocalRunner:
         server.shutdown()
         server.server_close()
 
+    def _warn_of_credentials(self) -> None:
+        options = self.plan.job.spec.checkpointing.storage_options
+        keys = [f"storageOptions.{key}" for key in secret_storage_keys(options)]
+        if keys:
+            self._say(
+                f"warning: spec.checkpointing: {', '.join(keys)}: credentials in the spec "
+                "(shown as ***); prefer the environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...)"
+            )
+
     def _agent_launcher(self) -> AgentLauncher:
         checkpointing = self.plan.job.spec.checkpointing
         config = json.dumps(checkpointing.env_json(str(self.job_dir / "durable")))
@@ -224,7 +259,8 @@ class LocalRunner:
         groups: dict[str, NodeGroupPlan] = {n: group for n, (_, group) in self.groups.items()}
         options = self.plan.job.spec.trainguard
         start = StartOptions(options.warm_start, tuple(options.preload_modules))
-        return AgentLauncher(self.job_dir, self.token_file, groups, env, start)
+        grace = options.controller_grace_seconds
+        return AgentLauncher(self.job_dir, self.token_file, groups, env, start, grace)
 
     def _result(self, controller: JobController) -> JobResult:
         reason = controller.reason or ""
@@ -237,26 +273,36 @@ class LocalRunner:
         """Copy an agent's console (every rank's lines, prefixed) to ours and to console.log."""
         try:
             for raw in iter(stream.readline, b""):
-                line = raw.decode("utf-8", errors="replace")
                 with self._out_lock:
-                    if self._live is not None:
-                        self._live.above(self.out, line)
-                    else:
-                        self.out.write(line)
-                        self.out.flush()
+                    if self._terminal.admit():  # the terminal gets its share; the file all
+                        line = raw.decode("utf-8", errors="replace")
+                        if self._live is not None:
+                            self._live.above(self.out, line)
+                        else:
+                            self.out.write(line)
+                            self.out.flush()
                     if self._console_log is not None:
-                        self._console_log.write(line)
+                        self._console_log.write(raw)
                         self._console_log.flush()
+                    self._say_lines_not_shown(locked=True)
         except (OSError, ValueError):
             pass  # the agent's pipe was closed under us at shutdown
 
-    def _say(self, message: str) -> None:
-        with self._out_lock:
+    def _say(self, message: str, locked: bool = False) -> None:
+        """A line to the user (stderr); ``locked``: the caller holds the output lock."""
+        with contextlib.nullcontext() if locked else self._out_lock:
             if self._live is not None:
                 self._live.above(self.err, f"[trainguard] {message}\n")
                 return
             self.err.write(f"[trainguard] {message}\n")
             self.err.flush()
+
+    def _say_lines_not_shown(self, locked: bool = False, final: bool = False) -> None:
+        """How many worker lines the terminal did not get lately (see throttle.py)."""
+        with contextlib.nullcontext() if locked else self._out_lock:
+            held = self._terminal.note_due(final)
+            if held:
+                self._say(f"{held} lines not shown; see trainguard logs {self.job_id}", locked=True)
 
     def _install_signal_handlers(self) -> dict[signal.Signals, SignalHandler]:
         if threading.current_thread() is not threading.main_thread():

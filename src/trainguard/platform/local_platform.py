@@ -34,7 +34,7 @@ from trainguard.platform.base import Cancel, Observation
 from trainguard.platform.book import ReportBook
 from trainguard.platform.inject import Injector, Targets
 from trainguard.platform.node import LaunchedNode, NodeLauncher
-from trainguard.platform.procs import free_port
+from trainguard.platform.procs import free_port, start_time
 from trainguard.platform.store import NodeRow, Store
 from trainguard.platform.transport import AgentTransport, Delivery
 from trainguard.wire.requests import InjectRequest, StepInjection
@@ -86,6 +86,8 @@ class LocalPlatform:
         self._written: dict[str, object] = {}  # what the store has, by row key
         # What each node's agent holds of the step injections: (its incarnation, them).
         self._injections_out: dict[str, tuple[str, tuple[StepInjection, ...]]] = {}
+        # Each node's recorded pids (agent, workers) and their start times, read once per pid.
+        self._pid_starts: dict[str, tuple[tuple[int | None, ...], tuple[str | None, ...]]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -117,6 +119,16 @@ class LocalPlatform:
                     daemon=True,
                     name=f"console-{node_id}",
                 ).start()
+
+    def adopt(self, nodes: Sequence[LaunchedNode], urls: Sequence[str]) -> None:
+        """Take over agents a dead controller launched (``trainguard resume``)."""
+        for node, url in zip(nodes, urls, strict=True):
+            self.book.reset(node.node_id, node.incarnation)
+            self.book.located(node.node_id, url, "localhost")
+            self.nodes[node.node_id] = node
+        # New agents get incarnations the dead controller never gave ("<node>.<launch>").
+        suffixes = [n.incarnation.rpartition(".")[2] for n in nodes]
+        self._launches = max([self._launches, *(int(x) for x in suffixes if x.isdigit())])
 
     def retire(self, node_ids: Sequence[str]) -> None:
         self._shutdown(node_ids)
@@ -242,21 +254,38 @@ class LocalPlatform:
                 for w in (status.workers if status else ())
                 if w.pid is not None and w.state is WorkerState.RUNNING
             )
+            agent_pid = node.pid if node else None
+            starts = self._starts(node_id, (agent_pid, *pids))
             row = NodeRow(
                 node_id,
                 state,
                 node_rank=a.node_rank if a else None,
                 ranks=tuple(a.global_ranks) if a else (),
                 attempt=status.attempt if status else None,
-                agent_pid=node.pid if node else None,
+                agent_pid=agent_pid,
                 agent_url=self.book.url(node_id),
                 worker_pids=pids,
+                agent_started=starts[0],
+                worker_starts=starts[1:],
             )
             if pids and node is not None:
                 node.last_pids = pids
             if self._changed(f"node/{node_id}", row):
                 rows.append(row)
         self.store.upsert_nodes(self.job_id, rows)
+
+    def _starts(self, node_id: str, pids: Sequence[int | None]) -> tuple[str | None, ...]:
+        """The start times of ``pids`` (procs.start_time), read from /proc when a pid is
+        first seen on the node, so that `delete` signals none of them once reused."""
+        pids = tuple(pids)
+        before, starts = self._pid_starts.get(node_id, ((), ()))
+        if pids != before:
+            known = dict(zip(before, starts, strict=True))
+            starts = tuple(
+                (known[pid] if pid in known else start_time(pid)) if pid else None for pid in pids
+            )
+            self._pid_starts[node_id] = (pids, starts)
+        return starts
 
     def _record_job(self, controller: JobController) -> None:
         faults = controller.timeline.to_json()

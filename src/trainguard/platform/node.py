@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from trainguard.agent.client import AgentClient, AgentError
+from trainguard.agent.jobenv import encode_job_env
 from trainguard.agent.warm import WARM_STARTS, StartOptions
 from trainguard.platform.procs import kill_group
 from trainguard.spec.plan import NodeGroupPlan
@@ -119,6 +120,7 @@ class AgentLauncher:
         groups: dict[str, NodeGroupPlan],
         env: dict[str, dict[str, str]],
         start: StartOptions = WARM_STARTS,
+        controller_grace: float = 0.0,
     ) -> None:
         """``groups``: each node id's group; ``env``: each node id's extra agent env;
         ``start``: how the agents start their workers (warm or fresh)."""
@@ -127,6 +129,7 @@ class AgentLauncher:
         self.groups = groups
         self.env = env
         self.start = start
+        self.controller_grace = controller_grace  # agents outlive this process so long
 
     def __call__(self, node_id: str, incarnation: str) -> LocalNode:
         group = self.groups[node_id]
@@ -154,15 +157,19 @@ class AgentLauncher:
             str(self.job_dir / "logs"),
             "--parent-pid",
             str(os.getpid()),
+            "--controller-grace",
+            f"{self.controller_grace:g}",
             "--cwd",
             group.working_dir or os.getcwd(),
         ]
-        for key, value in {**group.env, **self.env.get(node_id, {})}.items():
-            argv += ["--env", f"{key}={value}"]
+        # The job's env (secrets among it) through the agent's environment, which only its
+        # user can read, never its argv (everybody's `ps`); the rest is inherited (AWS_*...).
+        job_env = encode_job_env({**group.env, **self.env.get(node_id, {})})
         argv += [*self.start.agent_flags(), "--", *group.command]
         with open(agents_dir / f"{node_id}.log", "ab") as agent_log:
             process = subprocess.Popen(
                 argv,
+                env={**os.environ, **job_env},
                 stdout=subprocess.PIPE,
                 stderr=agent_log,
                 stdin=subprocess.DEVNULL,

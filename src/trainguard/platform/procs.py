@@ -1,16 +1,29 @@
-"""Small process helpers shared by the local platform's pieces."""
+"""Small process helpers shared by the local platform's pieces.
+
+A pid recorded for later (in the store, for ``delete``) is recorded with its start time
+(:func:`start_time`), and signalled only through :func:`kill_recorded`, which first checks
+that the pid still names that process: a later, unrelated process that reuses the pid is
+never signalled.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import signal
 import socket
 
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
 
 def kill_group(pid: int) -> None:
-    """SIGKILL the process group led by ``pid`` (agents and workers each lead their own)."""
+    """SIGKILL the process group led by ``pid`` (agents and workers each lead their own).
+
+    Only for a pid known to be current (a child not yet reaped, one just seen); a pid
+    read back from a record goes through :func:`kill_recorded`.
+    """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
 
@@ -26,6 +39,100 @@ def alive(pid: int | None) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def start_time(pid: int | None) -> str | None:
+    """When the process with this pid started: ``"<boot id>:<clock ticks since boot>"``.
+
+    Field 22 of ``/proc/<pid>/stat``, with the boot id, tells the process from any later
+    one that reuses its pid, in this boot or a later one. None when no process has the
+    pid, or where there is no ``/proc`` to ask.
+    """
+    stat = proc_stat(pid)
+    return None if stat is None else f"{_boot_id()}:{stat[1]}"
+
+
+def is_recorded(pid: int | None, started: str | None) -> bool:
+    """True when ``pid`` still names the process recorded with start time ``started``
+    (running, or a zombie not yet reaped); False when it is gone, its pid was reused,
+    or no start time was recorded."""
+    return bool(pid) and started is not None and start_time(pid) == started
+
+
+def runs(pid: int | None, started: str | None) -> bool:
+    """True when the process recorded as ``pid`` started at ``started`` still runs
+    (a zombie does not)."""
+    stat = proc_stat(pid)
+    return (
+        stat is not None
+        and started is not None
+        and stat[0] not in "ZXx"
+        and f"{_boot_id()}:{stat[1]}" == started
+    )
+
+
+def kill_recorded(pid: int | None, started: str | None, group: bool = True) -> bool:
+    """SIGKILL the process recorded as ``pid`` started at ``started`` (and, with
+    ``group``, the process group it leads); returns whether it was signalled.
+
+    Nothing is signalled unless the pid's start time now is the recorded one: a dead
+    process is skipped, and so is a pid reused by another process or recorded without
+    a start time. The single process is signalled through a pidfd opened before the
+    check, so it cannot be another process by then. The group is signalled by its id
+    (the leader's pid) right after the check; a group outlives its leader's check only
+    if the leader dies and its pid is reused as a new group's id in between.
+    """
+    if not pid or started is None:
+        return False
+    pidfd = _pidfd(pid)
+    try:
+        if start_time(pid) != started:
+            return False
+        if group:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if pidfd is not None:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        return True
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd for ``pid``'s process now, where Linux has them (5.3 and later)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def proc_stat(pid: int | None) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) from ``/proc/<pid>/stat``."""
+    if not pid or pid < 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2 :].split()  # the name in parentheses may hold spaces
+    try:
+        return fields[0], int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+@functools.cache
+def _boot_id() -> str:
+    try:
+        with open(BOOT_ID_PATH, encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown-boot"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from trainguard.observe.live import live_wanted
@@ -13,8 +14,11 @@ from trainguard.platform.local import (
     MetricsOptions,
     MetricsPortError,
 )
-from trainguard.platform.store import Store, state_dir
+from trainguard.platform.resume_command import lost_twin, resume_job
+from trainguard.platform.store import StateDirError, open_store
 from trainguard.spec import SpecError, TrainingJob, cli_job, load_job, resolve_plan
+from trainguard.spec.plan import check_local_size
+from trainguard.spec.secrets import SecretSource
 
 EXIT_USAGE = 2
 _TORCHRUN_FLAGS = ("nnodes", "nproc_per_node", "max_restarts", "module", "no_python", "name")
@@ -49,17 +53,31 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             )
         if args.cold_start:
             job = cold_started(job)
-        plan = resolve_plan(job, source)
+        # Secrets are resolved now, into the plan (memory) only; see spec/secrets.py.
+        plan = resolve_plan(job, source, SecretSource.load(args.env_file, os.environ))
+        check_local_size(plan, source)  # one machine: far fewer nodes than a cluster
         injections = [parse_injection(text) for text in args.inject]
-    except ValueError as exc:  # a bad --inject SPEC
+    except ValueError as exc:  # a bad --inject SPEC, an unreadable --env-file
         print(f"trainguard: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except SpecError as exc:
         for line in str(exc).splitlines():
             print(f"trainguard: {line}", file=sys.stderr)
         return EXIT_USAGE
-    store = Store(state_dir(args.state_dir))
     try:
+        store = open_store(args.state_dir)
+    except StateDirError as exc:
+        print(f"trainguard: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        lost = lost_twin(store, plan) if args.file and not injections else None
+        if lost is not None:
+            print(
+                f"[trainguard] job {lost.id} ran this spec and is Lost (its controller died): "
+                f"resuming it (`trainguard delete {lost.id}` first to start afresh)",
+                file=sys.stderr,
+            )
+            return resume_job(store, lost, args.file, args.env_file)
         try:
             live = not args.no_live and live_wanted(sys.stdout)
             metrics = None

@@ -7,9 +7,11 @@ mode lets readers see a running job without blocking it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
+import stat
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -18,12 +20,20 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.control.events import Event
+from trainguard.platform.procs import start_time
 
 STATE_DIR_ENV = "TRAINGUARD_STATE_DIR"
 DEFAULT_STATE_DIR = "~/.trainguard"
 DB_NAME = "trainguard.db"
 # Columns added to the schema after its first release: (table, column, declaration).
-_ADDED_COLUMNS = (("jobs", "faults_json", "TEXT NOT NULL DEFAULT '[]'"),)
+_ADDED_COLUMNS = (
+    ("jobs", "faults_json", "TEXT NOT NULL DEFAULT '[]'"),
+    # Each recorded pid's start time (trainguard.platform.procs.start_time): `delete`
+    # signals a pid only while its start time is still this one (not a reused pid).
+    ("jobs", "controller_started", "TEXT"),
+    ("nodes", "agent_started", "TEXT"),
+    ("nodes", "worker_starts_json", "TEXT NOT NULL DEFAULT '[]'"),
+)
 # How long a write waits for a competing writer before giving up.
 BUSY_TIMEOUT_SECONDS = 30.0
 
@@ -100,8 +110,64 @@ def state_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     return Path(raw).expanduser().resolve()
 
 
+class StateDirError(Exception):
+    """A state directory that cannot be used; ``str()`` is one line naming it."""
+
+
+def open_store(explicit: str | os.PathLike[str] | None = None, writable: bool = True) -> Store:
+    """The store in `state_dir(explicit)`; StateDirError (exit 2) when it cannot be one:
+    a file, not writable (`writable`: a job is to be run in it), no database to open."""
+    if explicit:
+        flag = "--state-dir"
+    elif os.environ.get(STATE_DIR_ENV):
+        flag = f"${STATE_DIR_ENV}"
+    else:
+        flag = "state directory"
+    try:
+        root = state_dir(explicit)
+    except (OSError, RuntimeError) as err:  # RuntimeError: a symlink loop
+        raise StateDirError(f"{flag}: {err}") from None
+    name = f"{flag} {root}"
+    if root.exists() and not root.is_dir():
+        raise StateDirError(f"{name}: is a file, not a directory")
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        raise StateDirError(f"{name}: cannot create it: {err.strerror or err}") from None
+    if writable and not os.access(root, os.W_OK | os.X_OK):
+        raise StateDirError(f"{name}: not writable")
+    try:
+        return Store(root)
+    except (OSError, sqlite3.Error) as err:
+        reason = getattr(err, "strerror", None) or err
+        raise StateDirError(f"{name}: cannot open its database {DB_NAME}: {reason}") from None
+
+
 class JobNotFound(LookupError):
     pass
+
+
+# Specs (redacted), commands, paths, logs and tokens are this user's only: the state dir is
+# 0700 and its database 0600 (SQLite gives its -wal and -shm files the database's mode).
+_DIR_MODE, _FILE_MODE = 0o700, 0o600
+
+
+def _private(path: Path, mode: int = _DIR_MODE) -> None:
+    """Make ``path`` (when it is ours) readable by its owner only; an older trainguard
+    made them 0755/0644. Not ours (a shared directory): left as it is."""
+    with contextlib.suppress(OSError):
+        info = path.stat()
+        if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) != mode:
+            os.chmod(path, mode)
+
+
+def _private_file(db: Path) -> Path:
+    """``db`` created 0600 (never readable by others, not even for a moment)."""
+    with contextlib.suppress(OSError):  # sqlite3.connect says why it cannot open it
+        os.close(os.open(db, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE))
+    for path in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        _private(path, _FILE_MODE)
+    return db
 
 
 @dataclass(frozen=True)
@@ -122,6 +188,7 @@ class JobRow:
     finished_at: float | None
     spec_json: str
     faults_json: str = "[]"
+    controller_started: str | None = None  # the controller's start time (procs.start_time)
 
 
 @dataclass(frozen=True)
@@ -136,6 +203,9 @@ class NodeRow:
     agent_pid: int | None = None
     agent_url: str | None = None
     worker_pids: tuple[int, ...] = ()
+    # Start times (procs.start_time) of the agent and of each worker pid, in order.
+    agent_started: str | None = None
+    worker_starts: tuple[str | None, ...] = ()
 
 
 class Store:
@@ -143,9 +213,10 @@ class Store:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _private(root)
         self._db = sqlite3.connect(
-            root / DB_NAME, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None
+            _private_file(root / DB_NAME), timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None
         )
         self._db.row_factory = sqlite3.Row
         self._depth = 0  # open transactions (a batch and the writes inside it)
@@ -155,10 +226,20 @@ class Store:
 
     def _add_missing_columns(self) -> None:
         """A state directory made by an older trainguard lacks newer columns: add them."""
-        for table, column, declaration in _ADDED_COLUMNS:
-            have = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+
+        def missing() -> bool:
+            return any(
+                column not in {r["name"] for r in self._db.execute(f"PRAGMA table_info({t})")}
+                for t, column, _ in _ADDED_COLUMNS
+            )
+
+        if not missing():
+            return
+        with self._tx() as db:  # one writer at a time: two processes may open it at once
+            for table, column, declaration in _ADDED_COLUMNS:
+                have = {row["name"] for row in db.execute(f"PRAGMA table_info({table})")}
+                if column not in have:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
 
     def close(self) -> None:
         self._db.close()
@@ -204,7 +285,8 @@ class Store:
         with self._tx() as db:
             db.execute(
                 "INSERT INTO jobs (id, name, phase, source, job_dir, nnodes, nproc_per_node,"
-                " controller_pid, created_at, spec_json) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                " controller_pid, controller_started, created_at, spec_json)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     job_id,
                     name,
@@ -214,6 +296,7 @@ class Store:
                     nnodes,
                     nproc_per_node,
                     os.getpid(),
+                    start_time(os.getpid()),
                     time.time(),
                     json.dumps(spec),
                 ),
@@ -227,6 +310,7 @@ class Store:
             "started_at",
             "finished_at",
             "controller_pid",
+            "controller_started",
             "faults",
         }
         bad = set(fields) - allowed
@@ -234,6 +318,8 @@ class Store:
             raise ValueError(f"cannot update job fields {sorted(bad)}")
         if not fields:
             return
+        if "controller_pid" in fields and "controller_started" not in fields:
+            fields["controller_started"] = start_time(fields["controller_pid"])
         if "faults" in fields:
             fields["faults_json"] = json.dumps(fields.pop("faults"))
         cols = ", ".join(f"{k} = ?" for k in fields)
@@ -289,7 +375,9 @@ class Store:
                 "INSERT INTO attempts (job_id, number, phase, reason, master_addr, master_port,"
                 " started_at, ended_at) VALUES (?,?,?,?,?,?,?,?)"
                 " ON CONFLICT (job_id, number) DO UPDATE SET phase = excluded.phase,"
-                " reason = excluded.reason, ended_at = excluded.ended_at",
+                " reason = excluded.reason, ended_at = excluded.ended_at,"
+                " master_addr = COALESCE(excluded.master_addr, master_addr),"
+                " master_port = COALESCE(excluded.master_port, master_port)",
                 (job_id, number, phase, reason, master_addr, master_port, started_at, ended_at),
             )
 
@@ -308,11 +396,14 @@ class Store:
         with self._tx() as db:
             db.executemany(
                 "INSERT INTO nodes (job_id, node_id, node_rank, ranks_json, state, attempt,"
-                " agent_pid, agent_url, worker_pids_json) VALUES (?,?,?,?,?,?,?,?,?)"
+                " agent_pid, agent_url, worker_pids_json, agent_started, worker_starts_json)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?)"
                 " ON CONFLICT (job_id, node_id) DO UPDATE SET node_rank = excluded.node_rank,"
                 " ranks_json = excluded.ranks_json, state = excluded.state,"
                 " attempt = excluded.attempt, agent_pid = excluded.agent_pid,"
-                " agent_url = excluded.agent_url, worker_pids_json = excluded.worker_pids_json",
+                " agent_url = excluded.agent_url, worker_pids_json = excluded.worker_pids_json,"
+                " agent_started = excluded.agent_started,"
+                " worker_starts_json = excluded.worker_starts_json",
                 [
                     (
                         job_id,
@@ -324,6 +415,8 @@ class Store:
                         r.agent_pid,
                         r.agent_url,
                         json.dumps(list(r.worker_pids)),
+                        r.agent_started,
+                        json.dumps(list(r.worker_starts)),
                     )
                     for r in rows
                 ],
@@ -339,6 +432,7 @@ class Store:
             d.pop("job_id")
             d["ranks"] = json.loads(d.pop("ranks_json"))
             d["worker_pids"] = json.loads(d.pop("worker_pids_json"))
+            d["worker_starts"] = json.loads(d.pop("worker_starts_json"))
             out.append(d)
         return out
 

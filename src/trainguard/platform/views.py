@@ -16,8 +16,9 @@ from typing import Any
 from trainguard.observe.account import account
 from trainguard.observe.history import load_history
 from trainguard.platform.local import MEMORY_ROOT
-from trainguard.platform.procs import alive, kill_group
+from trainguard.platform.procs import alive, kill_recorded, runs
 from trainguard.platform.store import JobRow, Store
+from trainguard.spec.secrets import redact_spec
 
 TERMINAL_PHASES = ("Succeeded", "Failed", "Stopped")
 # How often `logs -f` and `delete` look again.
@@ -30,9 +31,17 @@ def _stamp(t: float | None) -> str:
 
 def effective_phase(job: JobRow) -> str:
     """The job's phase, or ``Lost`` when its controller died without recording an end."""
-    if job.phase not in TERMINAL_PHASES and not alive(job.controller_pid):
+    if job.phase not in TERMINAL_PHASES and not controller_runs(job):
         return "Lost"
     return job.phase
+
+
+def controller_runs(job: JobRow) -> bool:
+    """Whether the job's controller still runs: its pid, with the start time recorded
+    (a later process that reuses the pid is not the controller)."""
+    if job.controller_started is None:  # recorded by an older trainguard, or no /proc
+        return alive(job.controller_pid)
+    return runs(job.controller_pid, job.controller_started)
 
 
 def job_json(store: Store, job: JobRow) -> dict[str, Any]:
@@ -60,7 +69,7 @@ def job_json(store: Store, job: JobRow) -> dict[str, Any]:
         "faults": json.loads(job.faults_json),
         "accounting": account(load_history(store, job.id), time.time()).to_json(),
         "events": [e.to_json() for e in store.events(job.id)],
-        "spec": json.loads(job.spec_json),
+        "spec": redact_spec(json.loads(job.spec_json)),  # also a row stored before redaction
     }
 
 
@@ -247,15 +256,17 @@ def logs(store: Store, ref: str, rank: int | None, follow: bool) -> int:
             file=sys.stderr,
         )
         return 2
+    # Rotated files first, oldest first (agent/logcap.py: NAME.1 is the newest).
+    rotations = [p for p in logs_dir.glob(f"{path.name}.*") if _rotation_index(p)]
+    for old in sorted(rotations, key=_rotation_index, reverse=True):
+        _copy_out(old, 0)
     offset = 0
     while True:
         if path.exists():
-            with open(path, "rb") as f:
-                f.seek(offset)
-                chunk = f.read()
-            offset += len(chunk)
-            sys.stdout.write(chunk.decode("utf-8", errors="replace"))
-            sys.stdout.flush()
+            if path.stat().st_size < offset:  # rotated meanwhile: the old file's rest first
+                _copy_out(path.with_name(f"{path.name}.1"), offset)
+                offset = 0
+            offset += _copy_out(path, offset)
         if not follow or effective_phase(store.job(job.id)) in (*TERMINAL_PHASES, "Lost"):
             if follow and path.exists() and path.stat().st_size > offset:
                 continue  # drain what was written while we looked at the phase
@@ -263,22 +274,50 @@ def logs(store: Store, ref: str, rank: int | None, follow: bool) -> int:
         time.sleep(FOLLOW_INTERVAL_SECONDS)
 
 
-def delete(store: Store, ref: str, timeout: float) -> int:
-    """Stop the job if it runs, then remove its records and files."""
+def _rotation_index(path: Path) -> int:
+    suffix = path.name.rpartition(".")[2]
+    return int(suffix) if suffix.isdigit() else 0
+
+
+def _copy_out(path: Path, offset: int) -> int:
+    """Write ``path`` from ``offset`` to stdout; how many bytes (0 if it is gone)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+    except FileNotFoundError:
+        return 0
+    sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+    sys.stdout.flush()
+    return len(chunk)
+
+
+def delete(store: Store, ref: str, timeout: float, force: bool = False) -> int:
+    """Stop the job if it runs, then remove its records and files.
+
+    A running job's controller is asked to stop it, for up to ``timeout`` seconds. What a
+    dead controller left (agents, workers) is killed. ``force``: a controller that does
+    not stop in time is killed too, and the job is removed whatever its record says.
+    Only a recorded pid whose start time still matches is ever signalled.
+    """
     job = store.job(ref)
     if effective_phase(job) not in (*TERMINAL_PHASES, "Lost"):
         store.request(job.id, "delete")
         deadline = time.monotonic() + timeout
-        while effective_phase(store.job(job.id)) not in (*TERMINAL_PHASES, "Lost"):
+        while effective_phase(job := store.job(job.id)) not in (*TERMINAL_PHASES, "Lost"):
             if time.monotonic() > deadline:
-                print(
-                    f"trainguard: job {job.id} did not stop within {timeout:g}s; "
-                    "it was left in place",
-                    file=sys.stderr,
-                )
-                return 1
+                if not force:
+                    print(
+                        f"trainguard: job {job.id} did not stop within {timeout:g}s; "
+                        "it was left in place (delete --force kills it)",
+                        file=sys.stderr,
+                    )
+                    return 1
+                if _kill(job.id, "controller", job.controller_pid, job.controller_started, False):
+                    print(f"trainguard: job {job.id}: killed its controller", file=sys.stderr)
+                break
             time.sleep(FOLLOW_INTERVAL_SECONDS)
-    if effective_phase(store.job(job.id)) == "Lost":
+    if force or effective_phase(store.job(job.id)) == "Lost":
         _reap(store, job.id)
     store.remove_job(job.id)
     shutil.rmtree(job.job_dir, ignore_errors=True)
@@ -290,6 +329,24 @@ def delete(store: Store, ref: str, timeout: float) -> int:
 def _reap(store: Store, job_id: str) -> None:
     """Kill what a dead controller left behind: its agents and their workers."""
     for node in store.nodes(job_id):
-        for pid in [node["agent_pid"], *node["worker_pids"]]:
-            if pid:
-                kill_group(pid)
+        _kill(job_id, "agent", node["agent_pid"], node["agent_started"])
+        starts = node["worker_starts"]
+        for i, pid in enumerate(node["worker_pids"]):
+            _kill(job_id, "worker", pid, starts[i] if i < len(starts) else None)
+
+
+def _kill(job_id: str, what: str, pid: int | None, started: str | None, group: bool = True) -> bool:
+    """SIGKILL a recorded process (and its group) if its pid still names it; a process
+    that now has the pid, but not the recorded start time, is left alone (and named)."""
+    if not pid:
+        return False
+    if kill_recorded(pid, started, group):
+        return True
+    if not alive(pid):
+        return False
+    why = "its pid was reused" if started else "no start time was recorded to tell it by"
+    print(
+        f"trainguard: job {job_id}: left pid {pid} alone: not the job's {what} ({why})",
+        file=sys.stderr,
+    )
+    return False

@@ -14,6 +14,9 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
+from trainguard.monitor.regex import compile_regex
+from trainguard.spec.limits import MAX_DURATION_SECONDS, MAX_NPROC_PER_NODE
+
 FIELD_PROBLEM = "field_problem"
 """Error type of a model-level check that blames one named field (see `field_problem`)."""
 
@@ -24,7 +27,10 @@ DNS_LABEL_HELP = (
 )
 _NPROC = re.compile(r"^(auto|cpu|gpu|[1-9][0-9]*)$")
 
-Seconds = Annotated[float, Field(gt=0)]
+Seconds = Annotated[float, Field(gt=0, le=MAX_DURATION_SECONDS, allow_inf_nan=False)]
+"""A duration: finite, > 0, at most a year (see `limits`)."""
+NonNegativeSeconds = Annotated[float, Field(ge=0, le=MAX_DURATION_SECONDS, allow_inf_nan=False)]
+"""A duration that may be 0: finite, at most a year."""
 
 
 def field_problem(field: str, message: str) -> PydanticCustomError:
@@ -41,10 +47,8 @@ def _check_dns_label(value: str) -> str:
 
 
 def _check_regex(value: str) -> str:
-    try:
-        re.compile(value)
-    except re.error as err:
-        raise ValueError(f"invalid regular expression: {err}") from None
+    """A user's pattern runs on every output line: RE2 (linear time) must compile it."""
+    compile_regex(value)  # RegexError (a ValueError) gives RE2's reason
     return value
 
 
@@ -69,9 +73,14 @@ def normalize_nproc_per_node(value: object) -> object:
     if isinstance(value, bool):
         raise ValueError("must be auto, cpu, gpu or a positive integer")
     if isinstance(value, int):
+        if value > MAX_NPROC_PER_NODE:  # before str(): a 5000-digit int cannot be one
+            raise ValueError(f"must be <= {MAX_NPROC_PER_NODE}")
         value = str(value)
     if isinstance(value, str) and _NPROC.match(value.strip()):
-        return value.strip()
+        value = value.strip()
+        if value.isdigit() and (len(value) > 9 or int(value) > MAX_NPROC_PER_NODE):
+            raise ValueError(f"must be <= {MAX_NPROC_PER_NODE}")
+        return value
     raise ValueError("must be auto, cpu, gpu or a positive integer")
 
 
@@ -81,7 +90,7 @@ NprocPerNode = Annotated[
     WithJsonSchema(
         {
             "anyOf": [
-                {"type": "integer", "minimum": 1},
+                {"type": "integer", "minimum": 1, "maximum": MAX_NPROC_PER_NODE},
                 {"type": "string", "pattern": _NPROC.pattern},
             ],
             "x-kubernetes-int-or-string": True,

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from trainguard.spec.fields import DNS_LABEL_HELP, DnsName, KubeModel, field_problem
+from trainguard.spec.limits import MAX_TEMPLATE_SIZE, JsonSize, describe_bytes
 
 # Kubernetes ObjectMeta fields besides name/namespace/labels/annotations; accepted (and
 # kept) so that a manifest read back from a cluster still parses. Everything else is a typo.
@@ -52,6 +53,44 @@ class ObjectMeta(BaseModel):
         return self
 
 
+class KeySelector(KubeModel):
+    """One key of a Secret or ConfigMap (Kubernetes SecretKeySelector, ConfigMapKeySelector)."""
+
+    name: str = Field(description="The Secret (ConfigMap) in the job's namespace.")
+    key: str = Field(min_length=1, description="The key whose value the variable takes.")
+    optional: bool | None = Field(
+        default=None, description="Whether the Secret (ConfigMap) or its key may be missing."
+    )
+
+
+class EnvVarSource(KubeModel):
+    """Where a variable's value comes from (Kubernetes EnvVarSource): exactly one source."""
+
+    secret_key_ref: KeySelector | None = Field(
+        default=None,
+        description="A key of a Kubernetes Secret: on a cluster Kubernetes puts its value in "
+        "the pod's env; locally the key is looked up in --env-file files, then the caller's "
+        "environment.",
+    )
+    config_map_key_ref: KeySelector | None = Field(
+        default=None, description="A key of a ConfigMap (Kubernetes only)."
+    )
+    field_ref: dict[str, Any] | None = Field(
+        default=None, description="A field of the pod (Kubernetes only)."
+    )
+    resource_field_ref: dict[str, Any] | None = Field(
+        default=None, description="A resource of the container (Kubernetes only)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVarSource:
+        given = [n for n, f in type(self).model_fields.items() if getattr(self, n) is not None]
+        if len(given) != 1:
+            names = "secretKeyRef, configMapKeyRef, fieldRef or resourceFieldRef"
+            raise ValueError(f"needs exactly one of {names}")
+        return self
+
+
 class EnvVar(KubeModel):
     """An environment variable of the container (Kubernetes EnvVar)."""
 
@@ -59,10 +98,17 @@ class EnvVar(KubeModel):
     value: str | None = Field(
         default=None, description="Value; $(VAR) references to earlier variables are expanded."
     )
-    value_from: dict[str, Any] | None = Field(
+    value_from: EnvVarSource | None = Field(
         default=None,
-        description="Kubernetes valueFrom source; not supported by the local platform.",
+        description="Where the value comes from instead (Kubernetes valueFrom); locally only "
+        "secretKeyRef.",
     )
+
+    @model_validator(mode="after")
+    def _value_or_source(self) -> EnvVar:
+        if self.value is not None and self.value_from is not None:
+            raise field_problem("valueFrom", "cannot be given with value")
+        return self
 
 
 class Container(KubeModel):
@@ -99,3 +145,11 @@ class PodTemplateSpec(KubeModel):
 
     metadata: dict[str, Any] | None = Field(default=None, description="Pod metadata.")
     spec: PodSpec = Field(description="Pod spec.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        """A template is at most MAX_TEMPLATE_SIZE as JSON (its YAML aliases expanded)."""
+        if JsonSize(data).size > MAX_TEMPLATE_SIZE:
+            raise ValueError(f"larger than {describe_bytes(MAX_TEMPLATE_SIZE)} as JSON")
+        return data

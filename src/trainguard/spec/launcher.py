@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from trainguard.spec.limits import MAX_NODES, MAX_NPROC_PER_NODE, MAX_RESTARTS
+
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 _TORCHRUN_MODULE = "torch.distributed.run"
 # Interpreter flags without a value that may precede `-m torch.distributed.run`.
@@ -154,6 +156,8 @@ def parse_nnodes(value: str) -> int:
         raise LauncherError(
             f"--nnodes={value}: MIN must equal MAX (use spec.elasticPolicy for elastic jobs)"
         )
+    if numbers[0] > MAX_NODES:
+        raise LauncherError(f"--nnodes={value}: at most {MAX_NODES}")
     return numbers[0]
 
 
@@ -173,6 +177,12 @@ def parse_launcher(argv: Sequence[str]) -> LauncherLine | None:
         raise LauncherError(
             f"--nproc-per-node={nproc}: expected auto, cpu, gpu or a positive integer"
         )
+    if (
+        nproc is not None
+        and nproc.isdigit()
+        and (len(nproc) > 9 or int(nproc) > MAX_NPROC_PER_NODE)
+    ):
+        raise LauncherError(f"--nproc-per-node={nproc}: at most {MAX_NPROC_PER_NODE}")
     max_restarts: int | None = None
     if "max_restarts" in ns:
         try:
@@ -181,6 +191,8 @@ def parse_launcher(argv: Sequence[str]) -> LauncherLine | None:
             max_restarts = -1
         if max_restarts < 0:
             raise LauncherError(f"--max-restarts={ns['max_restarts']}: expected an integer >= 0")
+        if max_restarts > MAX_RESTARTS:
+            raise LauncherError(f"--max-restarts={max_restarts}: at most {MAX_RESTARTS}")
     module = bool(ns.get("module", False))
     no_python = bool(ns.get("no_python", False))
     run_path = bool(ns.get("ignored:--run-path", False))

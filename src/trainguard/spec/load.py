@@ -20,6 +20,13 @@ import yaml
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from trainguard.spec.limits import (
+    MAX_NESTING,
+    MAX_SPEC_FILE_BYTES,
+    MAX_SPEC_SIZE,
+    JsonSize,
+    describe_bytes,
+)
 from trainguard.spec.model import API_VERSION, FIELD_PROBLEM, KIND, TrainingJob
 
 HYPERPOD_API_VERSION = "sagemaker.amazonaws.com/v1"
@@ -46,7 +53,9 @@ def load_job(path: str | Path) -> TrainingJob:
     """Read and validate a job spec file (TrainingJob or HyperPodPyTorchJob YAML)."""
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with Path(path).open("rb") as file:  # not read_text: /dev/zero or 20 GB never ends
+            raw = file.read(MAX_SPEC_FILE_BYTES + 1)
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise SpecError(source, [("", "file not found")]) from None
     except IsADirectoryError:
@@ -55,6 +64,9 @@ def load_job(path: str | Path) -> TrainingJob:
         raise SpecError(source, [("", "not UTF-8 text")]) from None
     except OSError as err:
         raise SpecError(source, [("", f"cannot read: {err.strerror or err}")]) from None
+    if len(raw) > MAX_SPEC_FILE_BYTES:
+        limit = describe_bytes(MAX_SPEC_FILE_BYTES)
+        raise SpecError(source, [("", f"larger than {limit}, the most a job spec may be")])
     return parse_job(_parse_yaml(text, source), source)
 
 
@@ -68,12 +80,30 @@ def parse_job(data: object, source: str) -> TrainingJob:
             [("", f"expected a mapping (apiVersion, kind, metadata, spec), got {_kind_of(data)}")],
         )
     body = {key: value for key, value in data.items() if key not in _IGNORED_TOP_LEVEL}
+    _check_size(body, source)
     _check_api_and_kind(body, source)
     body["apiVersion"], body["kind"] = API_VERSION, KIND
     try:
         return TrainingJob.model_validate(body)
     except ValidationError as err:
         raise SpecError(source, problems_of(err)) from None
+
+
+def _check_size(body: Mapping[Hashable, Any], source: str) -> None:
+    """Refuse a document too large or too deep to store, before anything expands it.
+
+    YAML aliases are loaded as shared objects (cheap), but storing the spec as JSON
+    expands each of them: a billion-laughs template of a few hundred bytes would become
+    gigabytes. `JsonSize` counts every alias expanded, measuring each object once.
+    """
+    measured = JsonSize(body)
+    if measured.depth > MAX_NESTING:
+        raise SpecError(source, [("", f"nested more than {MAX_NESTING} levels deep")])
+    if measured.size > MAX_SPEC_SIZE:
+        limit = describe_bytes(MAX_SPEC_SIZE)
+        where = format_path(measured.path_over(body, MAX_SPEC_SIZE))
+        problem = f"larger than {limit} as JSON, with its YAML aliases expanded (an alias bomb?)"
+        raise SpecError(source, [(where, problem)])
 
 
 def _check_api_and_kind(body: Mapping[Hashable, Any], source: str) -> None:
@@ -129,6 +159,11 @@ def _parse_yaml(text: str, source: str) -> object:
         raise SpecError(source, [("", f"invalid YAML{where}: {what}")]) from None
     except yaml.YAMLError as err:
         raise SpecError(source, [("", f"invalid YAML: {err}")]) from None
+    except RecursionError:  # PyYAML composes and constructs nested nodes recursively
+        raise SpecError(source, [("", f"nested more than {MAX_NESTING} levels deep")]) from None
+    except Exception as err:  # a tag's constructor failing on its value: int("9" * 5000),
+        # !!timestamp x (AttributeError), !!float x (ValueError), ...
+        raise SpecError(source, [("", f"invalid YAML: a value cannot be read ({err})")]) from None
 
 
 # --- pydantic errors -> (path, message) -------------------------------------------------
@@ -169,6 +204,7 @@ _SIMPLE = {
     "string_type": "must be a string (quote it in YAML)",
     "bool_type": "must be true or false",
     "bool_parsing": "must be true or false",
+    "finite_number": "must be a finite number",
     "list_type": "must be a list",
     "dict_type": "must be a mapping",
     "model_type": "must be a mapping",

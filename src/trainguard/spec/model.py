@@ -7,23 +7,25 @@ The Kubernetes objects inside (metadata, pod template) are in `kube.py`; shared 
 types and checks in `fields.py`.
 
 Conventions: counts are integers, durations are seconds as numbers (fractions allowed,
-so tests can use short timers). Unknown fields are errors everywhere except inside a
-replica's pod `template`, which is a Kubernetes object and is preserved as given.
+so tests can use short timers); every count has an upper limit and every duration is
+finite, with a maximum (`limits.py`). Unknown fields are errors everywhere except inside
+a replica's pod `template`, which is a Kubernetes object and is preserved as given.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Final, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from trainguard.monitor.regex import compile_regex
 from trainguard.spec.checkpointing import Checkpointing
 from trainguard.spec.fields import (
     DNS_LABEL_HELP,
     FIELD_PROBLEM,
     DnsName,
     ModuleName,
+    NonNegativeSeconds,
     NprocPerNode,
     Regex,
     Seconds,
@@ -37,6 +39,19 @@ from trainguard.spec.kube import (
     PodSpec,
     PodTemplateSpec,
 )
+from trainguard.spec.limits import (
+    MAX_DATA_POINTS,
+    MAX_DISCRETE_VALUES,
+    MAX_DURATION_SECONDS,
+    MAX_GRACE_SECONDS,
+    MAX_HOT_SPARES,
+    MAX_LOG_RULES,
+    MAX_NODES,
+    MAX_POLL_INTERVAL_SECONDS,
+    MAX_RATIO,
+    MAX_RESTARTS,
+)
+from trainguard.spec.logs import LogOptions
 
 __all__ = [
     "API_VERSION",
@@ -64,6 +79,8 @@ KIND: Final = "TrainingJob"
 DEFAULT_STOP_GRACE_PERIOD_SECONDS = 10.0
 DEFAULT_POLL_INTERVAL_SECONDS = 0.5
 DEFAULT_NODE_START_TIMEOUT_SECONDS = 60.0
+DEFAULT_CONTROLLER_GRACE_SECONDS = 300.0
+MAX_CONTROLLER_GRACE_SECONDS = 7 * 24 * 3600.0
 DEFAULT_STRAGGLER_THRESHOLD = 1.3
 DEFAULT_STRAGGLER_WINDOW = 20
 MAX_STRAGGLER_WINDOW = 10_000
@@ -73,12 +90,17 @@ class ReplicaSpec(SpecModel):
     """A group of identical nodes (pods), each running `nprocPerNode` workers."""
 
     name: DnsName = Field(description="Group name, " + DNS_LABEL_HELP + ".")
-    replicas: int = Field(default=1, ge=1, description="Number of nodes in this group.")
+    replicas: int = Field(
+        default=1, ge=1, le=MAX_NODES, description="Number of nodes in this group."
+    )
     max_replicas: int | None = Field(
-        default=None, ge=1, description="Upper bound on nodes when the job scales elastically."
+        default=None,
+        ge=1,
+        le=MAX_NODES,
+        description="Upper bound on nodes when the job scales elastically.",
     )
     spares: int = Field(
-        default=0, ge=0, description="Spare nodes kept ready to replace a faulty one."
+        default=0, ge=0, le=MAX_NODES, description="Spare nodes kept ready to replace a faulty one."
     )
     template: PodTemplateSpec = Field(description="Pod template of every node in the group.")
 
@@ -98,22 +120,25 @@ class RestartPolicy(SpecModel):
     num_restart_before_full_job_restart: int | None = Field(
         default=None,
         ge=0,
+        le=MAX_RESTARTS,
         description="Process-level restarts allowed in the window before escalating to a "
         "full job restart. Unset: the control plane's default.",
     )
     max_full_job_restarts: int | None = Field(
         default=None,
         ge=0,
+        le=MAX_RESTARTS,
         description="Full job restarts allowed over the whole job before it fails. "
         "Unset: bounded only by jobMaxRetryCount.",
     )
     max_num_repeat_offenders_to_avoid: int | None = Field(
         default=None,
         ge=0,
+        le=MAX_NODES,
         description="How many repeatedly faulty nodes to avoid when restarting the full job.",
     )
-    scale_up_snooze_time_in_seconds: float | None = Field(
-        default=None, ge=0, description="Wait before scaling back up after a fault."
+    scale_up_snooze_time_in_seconds: NonNegativeSeconds | None = Field(
+        default=None, description="Wait before scaling back up after a fault."
     )
 
 
@@ -125,8 +150,9 @@ class LogRule(SpecModel):
 
     name: str = Field(min_length=1, description="Rule name; appears in fault reasons.")
     log_pattern: Regex = Field(
-        description="Python regex matched (re.match, anchored at line start) against every "
-        "output line of every rank; its first group is the metric when metricThreshold is set.",
+        description="Regex (RE2 syntax: linear-time, no backreferences or lookaround) matched "
+        "like re.match (anchored at line start) against every output line of every rank; its "
+        "first group is the metric when metricThreshold is set.",
     )
     expected_start_cut_off_in_seconds: Seconds | None = Field(
         default=None, description="HANGING if nothing matches this long after the start."
@@ -135,10 +161,12 @@ class LogRule(SpecModel):
         default=None, description="HANGING if the gap between two matches exceeds this."
     )
     stop_pattern: Regex | None = Field(
-        default=None, description="Python regex; a matching line switches the rule off."
+        default=None, description="Regex (RE2 syntax); a matching line switches the rule off."
     )
     metric_threshold: float | None = Field(
-        default=None, description="Threshold for the metric; requires operator."
+        default=None,
+        allow_inf_nan=False,
+        description="Threshold for the metric; requires operator.",
     )
     operator: Operator | None = Field(
         default=None,
@@ -146,7 +174,10 @@ class LogRule(SpecModel):
         "(e.g. lteq 80 samples/sec); requires metricThreshold.",
     )
     metric_evaluation_data_points: int = Field(
-        default=1, ge=1, description="Consecutive bad samples before the rule reports SLOW."
+        default=1,
+        ge=1,
+        le=MAX_DATA_POINTS,
+        description="Consecutive bad samples before the rule reports SLOW.",
     )
     fault_on_match: bool = Field(default=False, description="A match is a fault by itself.")
 
@@ -156,7 +187,7 @@ class LogRule(SpecModel):
             raise field_problem("operator", "required when metricThreshold is set")
         if self.operator is not None and self.metric_threshold is None:
             raise field_problem("metricThreshold", "required when operator is set")
-        if self.metric_threshold is not None and re.compile(self.log_pattern).groups < 1:
+        if self.metric_threshold is not None and compile_regex(self.log_pattern).groups < 1:
             raise field_problem(
                 "logPattern", "needs a capture group for the metric when metricThreshold is set"
             )
@@ -169,6 +200,7 @@ class RunPolicy(SpecModel):
     job_max_retry_count: int | None = Field(
         default=None,
         ge=0,
+        le=MAX_RESTARTS,
         description="Restarts allowed before the job fails. Unset: the launcher's "
         "--max-restarts if the command is a launcher line, else 0.",
     )
@@ -176,13 +208,19 @@ class RunPolicy(SpecModel):
         default=None, description="Restart limits per evaluation window."
     )
     log_monitoring_configuration: list[LogRule] = Field(
-        default_factory=list, description="Log monitoring rules, applied to every rank."
+        default_factory=list,
+        max_length=MAX_LOG_RULES,
+        description="Log monitoring rules, applied to every rank.",
     )
     active_deadline_seconds: Seconds | None = Field(
         default=None, description="The job fails when it has been active longer than this."
     )
     ttl_seconds_after_finished: float | None = Field(
-        default=None, ge=-1, description="Delete a finished job after this long (-1: never)."
+        default=None,
+        ge=-1,
+        le=MAX_DURATION_SECONDS,
+        allow_inf_nan=False,
+        description="Delete a finished job after this long (-1: never).",
     )
     clean_pod_policy: Literal["All", "OnlyComplete", "None"] = Field(
         default="All", description="Which pods (nodes) to remove when the job finishes."
@@ -209,22 +247,25 @@ class RunPolicy(SpecModel):
 class ElasticPolicy(SpecModel):
     """Elastic scaling bounds (parsed and validated; not acted on yet)."""
 
-    min_replicas: int | None = Field(default=None, ge=1, description="Fewest nodes.")
-    max_replicas: int | None = Field(default=None, ge=1, description="Most nodes.")
+    min_replicas: int | None = Field(default=None, ge=1, le=MAX_NODES, description="Fewest nodes.")
+    max_replicas: int | None = Field(default=None, ge=1, le=MAX_NODES, description="Most nodes.")
     replica_increment_step: int | None = Field(
-        default=None, ge=1, description="Scale in steps of this many nodes."
+        default=None, ge=1, le=MAX_NODES, description="Scale in steps of this many nodes."
     )
-    replica_discrete_values: list[Annotated[int, Field(ge=1)]] | None = Field(
-        default=None, min_length=1, description="Allowed node counts."
+    replica_discrete_values: list[Annotated[int, Field(ge=1, le=MAX_NODES)]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_DISCRETE_VALUES,
+        description="Allowed node counts.",
     )
-    scaling_timeout_in_seconds: float | None = Field(
-        default=None, ge=0, description="Wait for new nodes this long before scaling."
+    scaling_timeout_in_seconds: NonNegativeSeconds | None = Field(
+        default=None, description="Wait for new nodes this long before scaling."
     )
-    graceful_shutdown_timeout_in_seconds: float | None = Field(
-        default=None, ge=0, description="Graceful stop time before a scaling event."
+    graceful_shutdown_timeout_in_seconds: NonNegativeSeconds | None = Field(
+        default=None, description="Graceful stop time before a scaling event."
     )
-    faulty_scale_down_timeout_in_seconds: float | None = Field(
-        default=None, ge=0, description="Wait this long for a replacement before scaling down."
+    faulty_scale_down_timeout_in_seconds: NonNegativeSeconds | None = Field(
+        default=None, description="Wait this long for a replacement before scaling down."
     )
 
     @model_validator(mode="after")
@@ -250,10 +291,15 @@ class TrainguardOptions(SpecModel):
     stop_grace_period_seconds: float = Field(
         default=DEFAULT_STOP_GRACE_PERIOD_SECONDS,
         ge=0,
+        le=MAX_GRACE_SECONDS,
+        allow_inf_nan=False,
         description="trainguard extension: time workers get after SIGTERM before SIGKILL.",
     )
-    poll_interval_seconds: Seconds = Field(
+    poll_interval_seconds: float = Field(
         default=DEFAULT_POLL_INTERVAL_SECONDS,
+        gt=0,
+        le=MAX_POLL_INTERVAL_SECONDS,
+        allow_inf_nan=False,
         description="trainguard extension: how often the controller polls node agents.",
     )
     node_start_timeout_seconds: Seconds = Field(
@@ -267,8 +313,9 @@ class TrainguardOptions(SpecModel):
     )
     progress_pattern: Regex | None = Field(
         default=None,
-        description="trainguard extension: Python regex (re.match) whose first group is the "
-        "completed training step in a worker's output line. Unset: lines such as "
+        description="trainguard extension: regex (RE2 syntax, anchored like re.match) whose "
+        "first group is the completed training step in a worker's output line. Unset: lines "
+        "such as "
         "'Batch 41 ...', 'Step 41 ...' or 'Iteration 41 ...'.",
     )
     in_process_restart: bool = Field(
@@ -281,6 +328,7 @@ class TrainguardOptions(SpecModel):
     hot_spares: int = Field(
         default=0,
         ge=0,
+        le=MAX_HOT_SPARES,
         description="trainguard extension: warm standby worker processes (script loaded, "
         "waiting) that take over a dead rank in an in-process restart; placed one per node, "
         "round robin from node 0.",
@@ -303,9 +351,19 @@ class TrainguardOptions(SpecModel):
         description="trainguard extension: how long every rank has to rejoin after an "
         "in-process restart; a rank that does not falls back to a process-level restart.",
     )
+    controller_grace_seconds: float = Field(
+        default=DEFAULT_CONTROLLER_GRACE_SECONDS,
+        ge=0,
+        le=MAX_CONTROLLER_GRACE_SECONDS,
+        allow_inf_nan=False,
+        description="trainguard extension: when `trainguard run` dies (killed, crashed), its "
+        "node agents keep the workers training this long for `trainguard resume` to "
+        "re-attach; then they stop them and free the memory tier. 0: they stop at once.",
+    )
     straggler_threshold: float | None = Field(
         default=DEFAULT_STRAGGLER_THRESHOLD,
         gt=1,
+        le=MAX_RATIO,
         allow_inf_nan=False,
         description="trainguard extension: a rank whose seconds per step, over its last "
         "stragglerWindow steps, reach this many times the job's median is a straggler "
@@ -323,6 +381,10 @@ class TrainguardOptions(SpecModel):
         description="trainguard extension: what a straggler causes: report (an event), or "
         "restart (also a Straggler fault: every rank stops, and its node is replaced, by a "
         "spare when one is left).",
+    )
+    logs: LogOptions = Field(
+        default_factory=LogOptions,
+        description="trainguard extension: each rank's log cap on disk and its rotations.",
     )
 
     @model_validator(mode="after")
@@ -366,6 +428,9 @@ class TrainingJobSpec(SpecModel):
             if group.name in seen:
                 raise ValueError(f"duplicate replica spec name {group.name!r}")
             seen.add(group.name)
+        nodes = sum(group.replicas + group.spares for group in groups)
+        if nodes > MAX_NODES:
+            raise ValueError(f"{nodes} nodes with spares; a job has at most {MAX_NODES}")
         return groups
 
 

@@ -9,7 +9,11 @@ Rules (the local platform ignores the image; trainguard's own interpreter runs w
   --max-restarts fill spec fields left unset, and must agree with fields that are set;
 - a bare `python`/`python3` becomes `sys.executable`, with `-u` added;
 - `nprocPerNode` resolves to a number: an integer, `cpu` -> os.cpu_count(), `gpu` ->
-  CUDA devices (error if none), `auto` -> CUDA devices if any, else cpu; unset -> 1.
+  CUDA devices (error if none), `auto` -> CUDA devices if any, else cpu; unset -> 1;
+- an env `valueFrom.secretKeyRef` takes its value from `secrets` (env files, the caller's
+  environment; see trainguard.spec.secrets) now, into the plan only; a secret (such a
+  value, or one whose name looks secret) may not be `$(VAR)`-expanded into the command,
+  where every local user could read it.
 """
 
 from __future__ import annotations
@@ -18,12 +22,24 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from trainguard.spec.launcher import LauncherError, LauncherLine, parse_launcher
+from trainguard.spec.limits import (
+    MAX_ARG_BYTES,
+    MAX_LOCAL_NODES,
+    MAX_LOCAL_NODES_ENV,
+    MAX_LOCAL_WORKERS,
+    MAX_LOCAL_WORKERS_ENV,
+    MAX_NPROC_PER_NODE,
+    MAX_WORLD_SIZE,
+    describe_bytes,
+    local_limit,
+)
 from trainguard.spec.load import SpecError
 from trainguard.spec.model import Container, ReplicaSpec, TrainingJob
+from trainguard.spec.secrets import SecretSource, looks_secret
 
 DEFAULT_NPROC_PER_NODE = "1"  # torchrun's default; HyperPod's "auto" would mean 1 per core
 _BARE_PYTHON = re.compile(r"^python(3(\.\d+)?)?$")
@@ -40,7 +56,7 @@ class NodeGroupPlan:
     replicas: int  # nodes in this group
     spares: int
     command: tuple[str, ...]  # the worker argv, launcher stripped, ready to exec
-    env: dict[str, str]
+    env: dict[str, str] = field(repr=False)  # may hold secrets: never shown
     working_dir: str | None
     ignored_flags: tuple[str, ...] = ()  # launcher flags dropped (trainguard decides those)
 
@@ -74,13 +90,21 @@ class JobPlan:
         return self.nnodes * self.nproc_per_node
 
 
-def resolve_plan(job: TrainingJob, source: str) -> JobPlan:
-    """Resolve `job` into a `JobPlan`; raises SpecError (naming `source`) when it cannot."""
+def resolve_plan(job: TrainingJob, source: str, secrets: SecretSource | None = None) -> JobPlan:
+    """Resolve `job` into a `JobPlan`; raises SpecError (naming `source`) when it cannot.
+
+    `secrets`: where env `valueFrom.secretKeyRef` keys are found (default: nowhere)."""
     spec = job.spec
     groups: list[NodeGroupPlan] = []
     launchers: list[tuple[str, LauncherLine]] = []
     for index, replica_spec in enumerate(spec.replica_specs):
-        group, launcher = _group_plan(replica_spec, f"spec.replicaSpecs[{index}]", source)
+        try:
+            group, launcher = _group_plan(
+                replica_spec, f"spec.replicaSpecs[{index}]", source, secrets or SecretSource()
+            )
+        except _TooLong as err:
+            where = f"spec.replicaSpecs[{index}].template.spec.containers[0]"
+            raise SpecError(source, [(where, str(err))]) from None
         groups.append(group)
         if launcher is not None:
             launchers.append((f"spec.replicaSpecs[{index}]{_COMMAND}", launcher))
@@ -98,10 +122,15 @@ def resolve_plan(job: TrainingJob, source: str) -> JobPlan:
         [(where, "--max-restarts", line.max_restarts) for where, line in launchers],
     )
     groups = _apply_nnodes(source, spec.replica_specs, groups, launchers)
+    nproc_per_node = resolve_nproc_per_node(nproc or DEFAULT_NPROC_PER_NODE, source)
+    world_size = nproc_per_node * sum(group.replicas for group in groups)
+    if world_size > MAX_WORLD_SIZE:
+        problem = f"{world_size} ranks in all; a job has at most {MAX_WORLD_SIZE}"
+        raise SpecError(source, [("spec.nprocPerNode", problem)])
     options = spec.trainguard
     return JobPlan(
         name=job.metadata.name,
-        nproc_per_node=resolve_nproc_per_node(nproc or DEFAULT_NPROC_PER_NODE, source),
+        nproc_per_node=nproc_per_node,
         groups=tuple(groups),
         max_restarts=max_restarts or 0,
         active_deadline_seconds=spec.run_policy.active_deadline_seconds,
@@ -115,6 +144,8 @@ def resolve_plan(job: TrainingJob, source: str) -> JobPlan:
 def resolve_nproc_per_node(value: str, source: str) -> int:
     """Resolve auto | cpu | gpu | a numeric string to a number of workers per node."""
     if value.isdigit():
+        if len(value) > 9 or int(value) > MAX_NPROC_PER_NODE:
+            raise SpecError(source, [("spec.nprocPerNode", f"must be <= {MAX_NPROC_PER_NODE}")])
         return int(value)
     cpus = os.cpu_count() or 1
     if value == "cpu":
@@ -132,11 +163,12 @@ def _cuda_device_count() -> int:
 
 
 def _group_plan(
-    replica_spec: ReplicaSpec, where: str, source: str
+    replica_spec: ReplicaSpec, where: str, source: str, secrets: SecretSource
 ) -> tuple[NodeGroupPlan, LauncherLine | None]:
     container = replica_spec.template.spec.containers[0]
     here = f"{where}.template.spec.containers[0]"
-    env = _container_env(container, here, source)
+    env, hidden = _container_env(container, here, source, secrets)
+    _no_secret_in_argv(container, hidden, here, source)
     argv = [_expand(arg, env) for arg in [*container.command, *container.args]]
     if not argv:
         raise SpecError(
@@ -160,31 +192,81 @@ def _group_plan(
     return group, launcher
 
 
-def _container_env(container: Container, here: str, source: str) -> dict[str, str]:
+def _container_env(
+    container: Container, here: str, source: str, secrets: SecretSource
+) -> tuple[dict[str, str], set[str]]:
+    """The container's env, `valueFrom.secretKeyRef` resolved from `secrets`; and the names
+    of the secrets in it (resolved ones, and names that look secret)."""
     problems: list[tuple[str, str]] = []
     if (container.model_extra or {}).get("envFrom"):
         problems.append((f"{here}.envFrom", "not supported by the local platform"))
     env: dict[str, str] = {}
+    hidden: set[str] = set()
     for index, var in enumerate(container.env):
-        if var.value_from is not None:
-            problems.append(
-                (f"{here}.env[{index}].valueFrom", "not supported by the local platform")
-            )
+        if var.value_from is None:
+            raw = var.value or ""
+            if looks_secret(var.name) or any(n in hidden for n in _VAR_REF.findall(raw)):
+                hidden.add(var.name)  # a secret, or made of one
+            env[var.name] = _expand(raw, env)
             continue
-        env[var.name] = _expand(var.value or "", env)
+        where = f"{here}.env[{index}].valueFrom"
+        ref = var.value_from.secret_key_ref
+        if ref is None:
+            problems.append((where, "not supported by the local platform (only secretKeyRef)"))
+            continue
+        value = secrets.lookup(ref.key)
+        if value is None:
+            problems.append(
+                (f"{where}.secretKeyRef.key", f"{var.name}: {ref.key!r} is in none of: "
+                 f"{secrets.places()}")
+            )  # fmt: skip
+            continue
+        env[var.name] = value
+        hidden.add(var.name)
     if problems:
         raise SpecError(source, problems)
-    return env
+    return env, hidden
+
+
+def _no_secret_in_argv(container: Container, hidden: set[str], here: str, source: str) -> None:
+    """A `$(VAR)` of a secret would put it on the workers' command line (`ps`): refused."""
+    problems: list[tuple[str, str]] = []
+    for part in ("command", "args"):
+        for index, arg in enumerate(getattr(container, part)):
+            for match in _VAR_REF.finditer(arg):
+                name = match.group(1)
+                if name in hidden:
+                    problems.append(
+                        (f"{here}.{part}[{index}]", f"$({name}) would put a secret on the "
+                         f"workers' command line, which every local user can read (ps); "
+                         f"read ${name} from the environment instead")
+                    )  # fmt: skip
+    if problems:
+        raise SpecError(source, problems)
+
+
+class _TooLong(ValueError):
+    """A `$(VAR)` expansion past MAX_ARG_BYTES (each variable doubling the last: a bomb)."""
 
 
 def _expand(text: str, env: dict[str, str]) -> str:
-    """Kubernetes $(VAR) expansion: known names are replaced, `$$` is a literal `$`."""
+    """Kubernetes $(VAR) expansion: known names are replaced, `$$` is a literal `$`.
+
+    Raises _TooLong before building a result longer than MAX_ARG_BYTES (execve refuses
+    longer arguments and variables anyway)."""
+    budget = MAX_ARG_BYTES - len(text)
 
     def replace(match: re.Match[str]) -> str:
+        nonlocal budget
         name = match.group(1)
         if name is None:
             return "$"
-        return env.get(name, match.group(0))
+        value = env.get(name, match.group(0))
+        budget -= len(value)
+        if budget < 0:
+            limit = describe_bytes(MAX_ARG_BYTES)
+            raise _TooLong(f"$({name}): longer than {limit} once $(VAR) references are expanded")
+        return value
 
     return _VAR_REF.sub(replace, text)
 
@@ -255,3 +337,32 @@ def _apply_nnodes(
             problem = f"the groups' replicas add up to {total}, which disagrees with {flag}"
             raise SpecError(source, [("spec.replicaSpecs", problem)])
     return groups
+
+
+def check_local_size(plan: JobPlan, source: str) -> None:
+    """Refuse a plan too big for one machine (`trainguard run`): every node is an agent
+    process (about 0.6 GB with torch imported) and every worker a process. The limits
+    (`limits.MAX_LOCAL_NODES`, `MAX_LOCAL_WORKERS`) are raised through their variables."""
+    from_cli = source == "command line"
+    spares = sum(group.spares for group in plan.groups)
+    most = local_limit(MAX_LOCAL_NODES_ENV, MAX_LOCAL_NODES)
+    if plan.nnodes + spares > most:
+        field = "--nnodes" if from_cli else "spec.replicaSpecs"
+        count = f"{plan.nnodes + spares} nodes" + (" (spares included)" if spares else "")
+        problem = (
+            f"{count} is more than one machine runs: at most {most} locally, each an agent "
+            f"process of about 0.6 GB; set {MAX_LOCAL_NODES_ENV} to raise the limit"
+        )
+        raise SpecError(source, [(field, problem)])
+    hot_spares = plan.job.spec.trainguard.hot_spares
+    most = local_limit(MAX_LOCAL_WORKERS_ENV, MAX_LOCAL_WORKERS)
+    if plan.world_size + hot_spares > most:
+        field = "--nproc-per-node" if from_cli else "spec.nprocPerNode"
+        count = f"{plan.world_size + hot_spares} worker processes" + (
+            " (hot spares included)" if hot_spares else ""
+        )
+        problem = (
+            f"{count} is more than one machine runs: at most {most} locally; set "
+            f"{MAX_LOCAL_WORKERS_ENV} to raise the limit"
+        )
+        raise SpecError(source, [(field, problem)])

@@ -49,7 +49,8 @@ def error_text(exc: ValidationError, root: str) -> str:
         if isinstance(part, int):
             path += f"[{part}]"
         elif part != "[key]":
-            path += f".{part}" if path else str(part)
+            name = _field_name(str(part))
+            path += f".{name}" if path else name
     kind = error["type"]
     if kind == "missing":
         return f"{path}: missing"
@@ -64,6 +65,15 @@ def error_text(exc: ValidationError, root: str) -> str:
     if len(shown) > 80:
         shown = shown[:77] + "..."
     return f"{path}: {message}, got {shown}"
+
+
+def _field_name(name: str) -> str:
+    """A field's name as an error shows it: a name from a hostile body (any length, any
+    character) stays short and on one line."""
+    if name.isprintable() and len(name) <= 64:
+        return name
+    shown = repr(name)
+    return shown if len(shown) <= 64 else shown[:61] + "..."
 
 
 def parse_json(model: type[W], raw: str | bytes, root: str) -> W:

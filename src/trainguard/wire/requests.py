@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from trainguard.wire.base import Wire
+from trainguard.wire.logs import LogLimits
 
 __all__ = [
     "Accepted",
@@ -31,8 +32,19 @@ __all__ = [
     "StopRequest",
 ]
 
-Name = Annotated[str, Field(min_length=1)]
-Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# Bounds of every number and name a request brings (the body itself is at most 1 MiB,
+# ``trainguard.agent.api.MAX_JSON_BYTES``): far above what a spec allows, low enough that
+# no timer overflows and no number is too long to print.
+MAX_COUNT = 2**31 - 1
+"""Attempts, nodes, ranks, restarts, ids."""
+MAX_STEP = 2**63 - 1
+MAX_SECONDS = 366 * 86_400.0
+MAX_NAME = 1024
+
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
 
 DEFAULT_STOP_TIMEOUT = 10.0  # s of SIGTERM grace when a stop names none
 
@@ -41,8 +53,10 @@ class MonitorConfig(Wire):
     """What the agent matches in every rank's output: HyperPod log rules (camelCase, as in
     the spec) and the progress pattern; the agent compiles and checks them."""
 
-    log_rules: tuple[dict[str, Any], ...] = ()
+    log_rules: tuple[dict[str, Any], ...] = Field(default=(), max_length=1024)
     progress_pattern: str | None = None
+    # How much of each rank's output the agent keeps on disk (spec.trainguard.logs).
+    logs: LogLimits = LogLimits()
 
 
 class NodeAssignment(Wire):
@@ -54,14 +68,14 @@ class NodeAssignment(Wire):
 
     job_id: Name
     node_id: Name
-    attempt: int = Field(ge=0)
-    nnodes: int = Field(ge=1)
-    node_rank: int = Field(ge=0)
-    nproc_per_node: int = Field(ge=1)
+    attempt: Count
+    nnodes: int = Field(ge=1, le=MAX_COUNT)
+    node_rank: Count
+    nproc_per_node: int = Field(ge=1, le=MAX_COUNT)
     master_addr: Name
     master_port: int = Field(ge=1, le=65535)
-    restart_count: int = Field(ge=0)
-    max_restarts: int = Field(ge=0)
+    restart_count: Count
+    max_restarts: Count
     role: Name = "default"
     extra_env: dict[str, str] = Field(default_factory=dict)
     monitor: MonitorConfig = MonitorConfig()
@@ -71,8 +85,8 @@ class NodeAssignment(Wire):
     # In-process restarts (workers adopt trainguard.resilient): hot spare processes on
     # this node, and how long ranks have to rejoin after a restart.
     in_process: bool = False
-    hot_spares: int = Field(default=0, ge=0)
-    barrier_timeout: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    hot_spares: int = Field(default=0, ge=0, le=MAX_COUNT)
+    barrier_timeout: float = Field(default=60.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
 
     @field_validator("node_rank")
     @classmethod
@@ -133,7 +147,7 @@ class AttemptRequest(Wire):
 
     assignment: NodeAssignment
     peers: dict[str, str] = Field(default_factory=dict)
-    report_url: str | None = None
+    report_url: str | None = Field(default=None, max_length=2048)
 
 
 class StopRequest(Wire):
@@ -142,7 +156,7 @@ class StopRequest(Wire):
     ``capture_stacks``: dump every worker's Python stack first (a hang).
     """
 
-    attempt: int | None = Field(default=None, ge=0)
+    attempt: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     # graceful: SIGTERM, SIGKILL after ``timeout``; process: SIGKILL now.
     mode: Literal["graceful", "process"] = "graceful"
     timeout: Seconds = DEFAULT_STOP_TIMEOUT
@@ -153,16 +167,16 @@ class ReplaceRequest(Wire):
     """Kill these global ranks' processes (stuck in a failed attempt) and give each a hot
     spare or a new process, in ``attempt``."""
 
-    attempt: int = Field(ge=0)
-    ranks: tuple[int, ...] = Field(min_length=1)
+    attempt: Count
+    ranks: tuple[Count, ...] = Field(min_length=1, max_length=65_536)
 
 
 class PersistRequest(Wire):
     """Persist this node's memory shards of the first step at or after ``step``;
     ``commit``: also commit it once every rank's shard is durable."""
 
-    step: int = Field(ge=0)
-    world_size: int = Field(ge=1)
+    step: Step
+    world_size: int = Field(ge=1, le=MAX_COUNT)
     commit: bool = False
 
 
@@ -171,10 +185,10 @@ class StepInjection(Wire):
     ``trainguard run --inject``): carried out by the agent that runs the rank, at the line
     itself, not at the controller's next look."""
 
-    id: int = Field(ge=0)
+    id: Count
     kind: Literal["kill", "hang", "slow"]
-    rank: int = Field(ge=0)
-    at_step: int = Field(ge=0)
+    rank: Count
+    at_step: Step
 
 
 class InjectRequest(Wire):
@@ -182,6 +196,16 @@ class InjectRequest(Wire):
     fired never fires again)."""
 
     injections: tuple[StepInjection, ...] = Field(default=(), max_length=1024)
+
+
+class AttachRequest(Wire):
+    """A controller takes over this agent's job (``trainguard resume``): push reports to
+    ``report_url`` from now on, and live while controller ``pid`` (started at ``start``
+    clock ticks after boot) does."""
+
+    report_url: str = Field(min_length=1, max_length=2048)
+    pid: int = Field(ge=1, le=2**22)
+    start: int | None = Field(default=None, ge=0, le=MAX_STEP)
 
 
 class Accepted(Wire):

@@ -1,0 +1,174 @@
+"""What the agent's HTTP server does with one request whose head is in: check the token,
+bound the body, read it, answer.
+
+In this order, so that nothing of a body is read before it is allowed: the token (401),
+the ``Content-Length`` (400; 411 for a chunked body), the route (404, 405), the route's
+bound (413, :meth:`AgentApi.body_limit`), then the body within its time (408). A replica
+``PUT`` is bounded by :meth:`ReplicaStore.room` and streamed to RAM; at most
+``replica_transfers`` replica files stream at once (503 beyond). Every refusal before
+the body closes the connection with the body unread.
+
+Errors: a client that hangs up or stalls is one debug line; an unexpected one is a 500
+and one warning line (its traceback at debug level). :meth:`RequestHandler.serve` never
+raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import urllib.parse
+from collections.abc import Iterator
+
+from trainguard.agent.api import AgentApi, error_reply, json_reply
+from trainguard.agent.http_conn import Connection, HttpError, RequestHead
+from trainguard.agent.replicas import REPLICA_PATH, ReplicaError, ReplicaStore
+
+__all__ = ["RequestHandler"]
+
+logger = logging.getLogger(__name__)
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class RequestHandler:
+    """Answers requests for ``api`` (and ``replicas``), each read and written with
+    ``io_seconds`` of patience."""
+
+    def __init__(
+        self,
+        api: AgentApi,
+        replicas: ReplicaStore | None,
+        io_seconds: float,
+        replica_transfers: int,
+    ) -> None:
+        self.api = api
+        self.replicas = replicas
+        self.io_seconds = io_seconds
+        self.replica_transfers = replica_transfers
+        self._transfers = threading.BoundedSemaphore(replica_transfers)
+
+    def serve(self, conn: Connection) -> bool:
+        """Answer the request whose head is in ``conn``'s buffer; whether to keep the
+        connection for the next one."""
+        head: RequestHead | None = None
+        try:
+            conn.sock.settimeout(self.io_seconds)
+            head = conn.take_head()
+            return self._exchange(conn, head)
+        except HttpError as error:
+            _log_request(conn, head, error.status)
+            with contextlib.suppress(OSError):
+                conn.send_reply(error.reply(), close=True)
+        except OSError as exc:  # hung up, reset, timed out
+            logger.debug("%s: connection dropped: %s", conn.peer, exc or type(exc).__name__)
+        except Exception as exc:
+            what = f"{head.method} {head.path}" if head is not None else "request"
+            logger.warning("%s: %s failed: %r", conn.peer, what, exc)
+            logger.debug("%s: the traceback of %r", conn.peer, exc, exc_info=True)
+            with contextlib.suppress(OSError):
+                reply = error_reply(500, f"internal error ({type(exc).__name__})")
+                conn.send_reply(reply, close=True)
+        return False
+
+    def _exchange(self, conn: Connection, head: RequestHead) -> bool:
+        api = self.api
+        if not api.authorized(head.headers.get("authorization")):
+            raise HttpError(401, "missing or wrong bearer token")
+        length = head.content_length()
+        if head.path.startswith(REPLICA_PATH):
+            return self._replica(conn, head, length)
+        unknown = api.route(head.method, head.path)
+        if unknown is not None:
+            _log_request(conn, head, unknown.status)
+            conn.send_reply(unknown, close=True)
+            return False
+        limit = api.body_limit(head.method, head.path)
+        if (length or 0) > limit:
+            raise HttpError(413, _too_large(head, limit))
+        body = self._body(conn, head, length or 0)
+        reply = api.handle(head.method, head.target, body)
+        _log_request(conn, head, reply.status)
+        keep = head.keep_alive
+        try:
+            conn.send_reply(reply, close=not keep)
+        finally:  # even if the caller hung up before reading the reply
+            if reply.after is not None:
+                reply.after()
+        return keep
+
+    def _body(self, conn: Connection, head: RequestHead, length: int) -> bytes:
+        if length == 0:
+            return b""
+        if head.expects_continue:
+            conn.send(_CONTINUE)
+        try:
+            return conn.read_body(length, self.io_seconds)
+        except TimeoutError:
+            raise HttpError(408, f"body incomplete after {self.io_seconds:g} s") from None
+
+    def _replica(self, conn: Connection, head: RequestHead, length: int | None) -> bool:
+        """``PUT /replica/<node>/<file>`` (streamed), ``GET /replica/<node>[/<file>]``."""
+        store = self.replicas
+        if store is None:
+            raise HttpError(404, "this agent keeps no replicas (no memory tier)")
+        rest = urllib.parse.unquote(head.path[len(REPLICA_PATH) :])
+        source, _, relpath = rest.partition("/")
+        keep = head.keep_alive
+        try:
+            if head.method == "PUT" and relpath:
+                if length is None:
+                    raise HttpError(411, "a replica PUT needs a Content-Length")
+                room = store.room(source, relpath)
+                if length > room:
+                    raise HttpError(413, f"replica {relpath}: {length} bytes, room for {room}")
+                with self._transfer():
+                    if head.expects_continue:
+                        conn.send(_CONTINUE)
+                    store.receive(source, relpath, conn.body_stream(length), length)
+                reply = json_reply(201, {"stored": relpath})
+            elif length:
+                raise HttpError(413, _too_large(head, 0))
+            elif head.method == "GET" and not relpath:
+                reply = json_reply(200, {"files": store.listing(source)})
+            elif head.method == "GET":
+                with self._transfer(), open(store.path(source, relpath), "rb") as f:
+                    conn.send_file(f, os.fstat(f.fileno()).st_size, close=not keep)
+                _log_request(conn, head, 200)
+                return keep
+            else:
+                raise HttpError(405, f"{head.method} {REPLICA_PATH}... is not supported")
+        except (ReplicaError, ValueError) as exc:  # a bad name (a NUL byte, say)
+            raise HttpError(400, str(exc)) from None
+        except FileNotFoundError as exc:
+            raise HttpError(404, str(exc)) from None
+        except (ConnectionError, TimeoutError):
+            raise  # the client's side
+        except OSError as exc:  # this node's memory: full, read-only, ...
+            raise HttpError(507, f"replica {relpath}: {exc.strerror or exc}") from None
+        _log_request(conn, head, reply.status)
+        conn.send_reply(reply, close=not keep)
+        return keep
+
+    @contextlib.contextmanager
+    def _transfer(self) -> Iterator[None]:
+        if not self._transfers.acquire(blocking=False):
+            n = self.replica_transfers
+            raise HttpError(503, f"busy: {n} replica transfers under way; try again")
+        try:
+            yield
+        finally:
+            self._transfers.release()
+
+
+def _too_large(head: RequestHead, limit: int) -> str:
+    if limit == 0:
+        return f"{head.method} {head.path} takes no body"
+    return f"{head.method} {head.path}: body larger than {limit} bytes"
+
+
+def _log_request(conn: Connection, head: RequestHead | None, status: int) -> None:
+    if head is not None:
+        logger.debug("%s: %s %s -> %d", conn.peer, head.method, head.path, status)

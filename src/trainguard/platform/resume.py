@@ -1,0 +1,217 @@
+"""``trainguard resume JOB``: take a job over from a dead controller, on this machine.
+
+:func:`recorded` reads what the dead controller left in the store; :func:`live_agents`
+asks the job's agents (their URLs and pids are in the store, the job's token in its
+directory) whether every one of them still runs the newest attempt. When they all do,
+the new controller adopts them (:class:`AdoptedNode`: an agent process this one did not
+start) and tells each where to report (``POST /attach``); otherwise it starts a new
+attempt from the newest checkpoint (:mod:`trainguard.control.resume`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING
+
+from trainguard.agent.client import AgentClient, AgentError
+from trainguard.agent.controller_watch import start_ticks
+from trainguard.control import resume as control
+from trainguard.control.actions import Action
+from trainguard.control.assignment import Endpoint
+from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.policy import RestartRecord, RestartScope
+from trainguard.control.resume import Recorded, RecordedAttempt
+from trainguard.platform.procs import kill_group, runs, start_time
+from trainguard.platform.store import JobRow, Store
+from trainguard.wire.status import NodeState
+
+if TYPE_CHECKING:
+    from trainguard.platform.local_platform import LocalPlatform
+
+__all__ = ["AdoptedNode", "LiveAgent", "attach_all", "live_agents", "recorded", "resumed_begin"]
+
+AGENT_SHUTDOWN_SECONDS = 30.0
+_LIVE = (NodeState.STARTING, NodeState.RUNNING, NodeState.COMPLETED, NodeState.FAULTED)
+
+
+def recorded(store: Store, job: JobRow) -> Recorded:
+    """The attempts, restarts and faults the job's controller recorded."""
+    attempts = tuple(
+        RecordedAttempt(
+            a["number"],
+            a["phase"],
+            a["started_at"],
+            a["ended_at"],
+            a["reason"],
+            Endpoint(a["master_addr"], a["master_port"])
+            if a["master_addr"] and a["master_port"]
+            else None,
+        )
+        for a in store.attempts(job.id)
+    )
+    restarts = tuple(
+        RestartRecord(e.time, RestartScope(str(e.data["scope"])))
+        for e in store.events(job.id)
+        if e.kind == "RestartScheduled" and e.data.get("scope") in set(RestartScope)
+    )
+    return Recorded(
+        job.started_at or job.created_at, attempts, restarts, tuple(json.loads(job.faults_json))
+    )
+
+
+@dataclass(frozen=True)
+class LiveAgent:
+    node_id: str
+    node_rank: int
+    url: str
+    pid: int
+    incarnation: str
+
+
+def live_agents(
+    store: Store, job: JobRow, token: str, attempt: int | None
+) -> tuple[list[LiveAgent], str | None]:
+    """Every node agent of ``attempt`` that still runs it (in node-rank order), or the
+    reason the job cannot be re-attached to (then the list is empty)."""
+    if attempt is None:
+        return [], "no attempt was started"
+    rows = [n for n in store.nodes(job.id) if n["attempt"] == attempt and n["ranks"]]
+    if len(rows) != job.nnodes:
+        return [], f"{len(rows)} of {job.nnodes} nodes were recorded in attempt {attempt}"
+    agents = []
+    for row in sorted(rows, key=lambda r: r["node_rank"]):
+        url, pid = row["agent_url"], row["agent_pid"]
+        if not url or not runs(pid, row.get("agent_started") or start_time(pid)):
+            return [], f"the agent of {row['node_id']} is gone"
+        client = AgentClient(url, token, timeout=10.0)
+        try:
+            status = client.status()
+        except AgentError as exc:
+            return [], f"the agent of {row['node_id']} does not answer: {exc}"
+        finally:
+            client.close()
+        if status.pid != pid or status.node_id != row["node_id"]:
+            return [], f"{url} is not the agent of {row['node_id']} any more"
+        if status.attempt != attempt or status.state not in _LIVE:
+            return [], (
+                f"the agent of {row['node_id']} is {status.state} "
+                f"(attempt {status.attempt}), not running attempt {attempt}"
+            )
+        agents.append(LiveAgent(row["node_id"], row["node_rank"], url, pid, status.incarnation))
+    return agents, None
+
+
+class AdoptedNode:
+    """A node agent that a dead controller launched: known by its pid (and that pid's
+    start time, so a reused pid is never taken for it) and its URL."""
+
+    def __init__(self, agent: LiveAgent) -> None:
+        self.node_id = agent.node_id
+        self.incarnation = agent.incarnation
+        self.url = agent.url
+        self._pid = agent.pid
+        self._start = start_ticks(agent.pid)
+        self.last_pids: tuple[int, ...] = ()
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    @property
+    def console(self) -> IO[bytes] | None:
+        return None  # its output went to the dead controller; `trainguard logs` has it
+
+    def port(self) -> int | None:
+        return int(self.url.rsplit(":", 1)[1].split("/")[0])
+
+    def alive(self) -> bool:
+        return self._start is not None and start_ticks(self._pid) == self._start
+
+    def exited(self) -> str | None:
+        return None if self.alive() else "its agent process is gone"
+
+    def shutdown(self, client: AgentClient | None) -> None:
+        if self.alive() and client is not None:
+            with contextlib.suppress(AgentError):
+                client.shutdown()
+            deadline = time.monotonic() + AGENT_SHUTDOWN_SECONDS
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if self.alive():
+            kill_group(self._pid)  # the agent leads its own session
+        for pid in self.last_pids:
+            kill_group(pid)
+
+
+def attach_all(clients: Sequence[AgentClient], report_url: str) -> list[str]:
+    """Tell every agent to report to this controller and live for it; the failures."""
+    from trainguard.wire.requests import AttachRequest
+
+    request = AttachRequest(report_url=report_url, pid=os.getpid(), start=start_ticks(os.getpid()))
+    failed = []
+    for client in clients:
+        try:
+            client.attach(request)
+        except AgentError as exc:
+            failed.append(str(exc))
+    return failed
+
+
+def resumed_begin(
+    store: Store,
+    job: JobRow,
+    token: str,
+    platform: LocalPlatform,
+    controller: JobController,
+    say: Callable[[str], None],
+    restart_blocked: str | None = None,
+) -> Callable[[float], list[Action]]:
+    """How a resumed job begins: re-attach to its live agents, or restart it from the
+    newest checkpoint (``say`` tells which, and why)."""
+    rec = recorded(store, job)
+    newest = rec.newest
+    agents, why = live_agents(store, job, token, newest.number if newest else None)
+    if agents:
+        platform.adopt([AdoptedNode(a) for a in agents], [a.url for a in agents])
+        clients = [c for a in agents if (c := platform.transport.client(a.node_id)) is not None]
+        failed = attach_all(clients, platform.transport.report_url or "")
+        if not failed:
+            say(
+                f"re-attached to the {len(agents)} node agents of the running attempt: "
+                f"training went on; its output is in `trainguard logs {job.id}`"
+            )
+            nodes = [a.node_id for a in agents]
+
+            def reattach(now: float) -> list[Action]:
+                control.adopt(controller, now, rec, nodes)
+                return []
+
+            return reattach
+        why = f"an agent refused to be attached ({failed[0]})"
+        platform.retire([a.node_id for a in agents])
+    else:
+        _shut_down_leftovers(store, job, token)
+    reason = why or "its agents are gone"
+    if restart_blocked is not None:
+        message = f"cannot re-attach ({reason}), nor restart: {restart_blocked}"
+        say(message)
+        return lambda now: controller.cancel(now, message, JobPhase.FAILED)
+    say(f"cannot re-attach: {reason}; restarting from the newest checkpoint")
+    return lambda now: control.restart(controller, now, rec, reason)
+
+
+def _shut_down_leftovers(store: Store, job: JobRow, token: str) -> None:
+    """Ask whatever agent of the job still answers to stop its workers and exit (an
+    authenticated request: never a signal to a pid that may have been reused)."""
+    for row in store.nodes(job.id):
+        if not row["agent_url"]:
+            continue
+        client = AgentClient(row["agent_url"], token, timeout=5.0)
+        with contextlib.suppress(AgentError):
+            client.shutdown()
+        client.close()
