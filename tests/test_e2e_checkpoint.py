@@ -70,16 +70,21 @@ def test_rank_killed_right_after_save_restores_from_memory_bit_identical(
     tg: Trainguard, tmp_path: Path
 ) -> None:
     # Rank 2 SIGKILLs itself as soon as save(12) returns: no wait(), no background commit.
+    # Its shard of step 12 is copy-complete; whether its checksum was written before the
+    # kill is a race. With it, every rank restores 12; without it, the shard is trusted
+    # only by its writer within its attempt, so the job falls back to step 11. Either
+    # way, what is restored is bit-identical to what was saved.
     spec = job(tmp_path, "--die-after-save", "2@12", durableEverySteps=10)
     output, restored = run(tg, spec)
-    assert {step for step, _ in restored.values()} == {12}
-    assert re.search(r"Restored step 12 from memory", output)
+    [step] = {step for step, _ in restored.values()}
+    assert step in (11, 12), restored
+    assert re.search(rf"Restored step {step} from memory", output)
     # Each restore is an event of the job's timeline, with its tier and time.
     job_info = tg.only_job()
     events = [e for e in job_info["events"] if e["kind"] == "CheckpointRestored"]
     assert sorted(e["rank"] for e in events) == [0, 1, 2, 3]
     assert {e["data"]["tier"] for e in events} == {"memory"}
-    assert {e["data"]["step"] for e in events} == {12}
+    assert {e["data"]["step"] for e in events} == {step}
     # The agents persisted the steps the controller picked (multiples of 10), and the
     # final step before the job ended; memory saves are events too.
     kinds = {e["kind"] for e in job_info["events"]}
