@@ -71,8 +71,10 @@ def run(tg: Trainguard, spec: Path, *injections: str) -> tuple[int, str, dict[st
 
 
 def assert_recovered(job: dict[str, Any], fault_type: str, scope: str) -> dict[str, Any]:
-    [fault] = [f for f in job["faults"] if f["type"] == fault_type]
-    return assert_fault_recovered(job, fault, scope)
+    found = [f for f in job["faults"] if f["type"] == fault_type]
+    events = [f"{e['kind']}: {e['message']}" for e in job["events"]]
+    assert len(found) == 1, "\n".join(events)  # which faults (and injections) there were
+    return assert_fault_recovered(job, found[0], scope)
 
 
 def assert_fault_recovered(
