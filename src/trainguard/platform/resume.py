@@ -28,6 +28,7 @@ from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.resume import Recorded, RecordedAttempt
 from trainguard.platform.procs import kill_group, runs, start_time
 from trainguard.platform.store import JobRow, Store
+from trainguard.wire.requests import AttachRequest
 from trainguard.wire.status import NodeState
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class LiveAgent:
     node_rank: int
     url: str
     pid: int
+    started: str | None  # the pid's start time (procs.start_time): never a reused pid
     incarnation: str
 
 
@@ -86,7 +88,8 @@ def live_agents(
     agents = []
     for row in sorted(rows, key=lambda r: r["node_rank"]):
         url, pid = row["agent_url"], row["agent_pid"]
-        if not url or not runs(pid, row.get("agent_started") or start_time(pid)):
+        started = row.get("agent_started") or start_time(pid)
+        if not url or not runs(pid, started):
             return [], f"the agent of {row['node_id']} is gone"
         client = AgentClient(url, token, timeout=10.0)
         try:
@@ -102,7 +105,9 @@ def live_agents(
                 f"the agent of {row['node_id']} is {status.state} "
                 f"(attempt {status.attempt}), not running attempt {attempt}"
             )
-        agents.append(LiveAgent(row["node_id"], row["node_rank"], url, pid, status.incarnation))
+        agents.append(
+            LiveAgent(row["node_id"], row["node_rank"], url, pid, started, status.incarnation)
+        )
     return agents, None
 
 
@@ -115,7 +120,7 @@ class AdoptedNode:
         self.incarnation = agent.incarnation
         self.url = agent.url
         self._pid = agent.pid
-        self._start = start_ticks(agent.pid)
+        self._started = agent.started
         self.last_pids: tuple[int, ...] = ()
 
     @property
@@ -130,7 +135,7 @@ class AdoptedNode:
         return int(self.url.rsplit(":", 1)[1].split("/")[0])
 
     def alive(self) -> bool:
-        return self._start is not None and start_ticks(self._pid) == self._start
+        return runs(self._pid, self._started)
 
     def exited(self) -> str | None:
         return None if self.alive() else "its agent process is gone"
@@ -150,8 +155,6 @@ class AdoptedNode:
 
 def attach_all(clients: Sequence[AgentClient], report_url: str) -> list[str]:
     """Tell every agent to report to this controller and live for it; the failures."""
-    from trainguard.wire.requests import AttachRequest
-
     request = AttachRequest(report_url=report_url, pid=os.getpid(), start=start_ticks(os.getpid()))
     failed = []
     for client in clients:

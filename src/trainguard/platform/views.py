@@ -45,6 +45,7 @@ def controller_runs(job: JobRow) -> bool:
 
 
 def job_json(store: Store, job: JobRow) -> dict[str, Any]:
+    history = load_history(store, job.id)  # its attempts, events, faults and samples
     duration = None
     if job.started_at:
         duration = (job.finished_at or time.time()) - job.started_at
@@ -67,8 +68,8 @@ def job_json(store: Store, job: JobRow) -> dict[str, Any]:
         "nodes": store.nodes(job.id),
         "attempts": store.attempts(job.id),
         "faults": json.loads(job.faults_json),
-        "accounting": account(load_history(store, job.id), time.time()).to_json(),
-        "events": [e.to_json() for e in store.events(job.id)],
+        "accounting": account(history, time.time()).to_json(),
+        "events": [e.to_json() for e in history.events],
         "spec": redact_spec(json.loads(job.spec_json)),  # also a row stored before redaction
     }
 
