@@ -63,6 +63,7 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "rbac.authorization.k8s.io/v1/rolebindings": kmock.ResourceInfo(
         namespaced=True, kind="RoleBinding"
     ),
+    "coordination.k8s.io/v1/leases": kmock.ResourceInfo(namespaced=True, kind="Lease"),
     "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(
         namespaced=True, kind="NetworkPolicy"
     ),

@@ -52,13 +52,15 @@ def test_manifests_are_valid_kubernetes() -> None:
         "ServiceAccount",
         "Role",
         "RoleBinding",
+        "Role",  # the replicas' leader election, in the operator's namespace
+        "RoleBinding",
         "Deployment",
         "Service",
     ]
     for doc in docs:
         validate(doc)
     # Strict means strict: an unknown field fails.
-    broken = docs[5]
+    broken = docs[7]
     broken["spec"]["replicaz"] = 1
     with pytest.raises(kubernetes_validate.ValidationError):
         validate(broken)
@@ -139,7 +141,13 @@ def test_rbac_scope_follows_the_install_flags() -> None:
         ("RoleBinding", "ml"),
         ("Role", "research"),
         ("RoleBinding", "research"),
+        ("Role", "trainguard-system"),  # leader election: Leases in its own namespace only
+        ("RoleBinding", "trainguard-system"),
     ]
+    leader = next(d for d in docs if d["metadata"]["name"] == "trainguard-operator-leader")
+    assert granted(leader["rules"]) == {
+        ("coordination.k8s.io", "leases"): {"get", "create", "update"}
+    }
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:4] == ["--namespace", "ml", "--namespace", "research"]
@@ -148,8 +156,8 @@ def test_rbac_scope_follows_the_install_flags() -> None:
     assert code == 0
     for doc in docs:
         validate(doc)
-    kinds = [d["kind"] for d in docs]
-    assert "Role" not in kinds and "RoleBinding" not in kinds
+    roles = [d["metadata"]["name"] for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    assert roles == ["trainguard-operator-leader"] * 2  # no job rights in a namespace
     cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
     assert "namespace" not in cluster_role["metadata"]
     expected = {k: v for k, v in OPERATOR_VERBS.items() if k[0] != "networking.k8s.io"}
@@ -506,7 +514,7 @@ def test_install_and_uninstall_apply_every_object(
             with contextlib.redirect_stdout(out):
                 assert main([verb, "--kubeconfig", kubeconfig]) == 0
             lines = out.getvalue().splitlines()
-            assert len(lines) == 6 and all(line.endswith(f" {word}") for line in lines), lines
+            assert len(lines) == 8 and all(line.endswith(f" {word}") for line in lines), lines
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             assert main(["uninstall", "--kubeconfig", kubeconfig]) == 0

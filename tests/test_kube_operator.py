@@ -15,7 +15,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,36 @@ class Cluster:
     api: KubeApi
     kubelet: Kubelet
     kubeconfig: Path
-    operator: subprocess.Popen[bytes]
+    env: dict[str, str]
     metrics_port: int
+    operators: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.start_operator()
+
+    def start_operator(self) -> subprocess.Popen[bytes]:
+        """One more replica of the operator (the first leads; the others stand by)."""
+        with open(self.root / f"operator-{len(self.operators)}.log", "wb") as log:
+            operator = subprocess.Popen(
+                [sys.executable, "-m", "trainguard.kube.operator", "--namespace", "default"],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        self.operators.append(operator)
+        return operator
+
+    def log(self, operator: subprocess.Popen[bytes]) -> str:
+        return (self.root / f"operator-{self.operators.index(operator)}.log").read_text()
+
+    def leader(self) -> subprocess.Popen[bytes] | None:
+        """The live operator that leads (its log says it took the Lease)."""
+        live = [o for o in self.operators if o.poll() is None]
+        return next((o for o in live if "leading: took Lease" in self.log(o)), None)
+
+    def standing_by(self) -> subprocess.Popen[bytes] | None:
+        live = [o for o in self.operators if o.poll() is None]
+        return next((o for o in live if "standing by" in self.log(o)), None)
 
     def tg(self, *args: str) -> subprocess.CompletedProcess[str]:
         """The ``trainguard`` CLI against this cluster, in this process (no interpreter start)."""
@@ -131,24 +159,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "TRAINGUARD_REPORT_HOST": "127.0.0.1",
         "TRAINGUARD_REPORT_PORT": str(report_port),
         "TRAINGUARD_REPORT_URL": f"http://127.0.0.1:{report_port}",
+        # Short Leases: a standby operator takes over within seconds of its leader's death.
+        "TRAINGUARD_LEASE_SECONDS": "3",
     }
-    with open(root / "operator.log", "wb") as log:
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.kube.operator", "--namespace", "default"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    cluster = Cluster(root, server, api, kubelet, kubeconfig, operator, metrics_port)
+    cluster = Cluster(root, server, api, kubelet, kubeconfig, env, metrics_port)
     try:
         yield cluster
     finally:
-        operator.terminate()
-        try:
-            operator.wait(30)
-        except subprocess.TimeoutExpired:
-            operator.kill()
-            operator.wait()
+        for operator in cluster.operators:
+            operator.terminate()
+            try:
+                operator.wait(30)
+            except subprocess.TimeoutExpired:
+                operator.kill()
+                operator.wait()
         kubelet.stop()
         server.stop()
 
@@ -320,6 +344,41 @@ def test_privileged_pod_template_fails_in_the_operator(cluster: Cluster) -> None
     where = "spec.replicaSpecs[0].template.spec.containers[0].securityContext.privileged"
     assert where in status["reason"] and "--allow-privileged-pods" in status["reason"]
     assert not cluster.api.list_pods("default", {"trainguard.dev/job": "root"})
+
+
+def test_operator_killed_mid_job_its_standby_adopts_the_job_without_a_restart(
+    cluster: Cluster,
+) -> None:
+    cluster.start_operator()  # one of the two leads, the other waits on the Lease
+    wait_for(lambda: cluster.leader() is not None and cluster.standing_by() is not None, 60)
+    leader, standby = cluster.leader(), cluster.standing_by()
+    assert leader is not None and standby is not None
+    out = cluster.root / "out-takeover"
+    cluster.submit("fake-takeover", fake(out, "--sleep", "25"), runPolicy={"jobMaxRetryCount": 2})
+    wait_for(
+        lambda: all((out / f"rank-{r}-attempt-0.json").exists() for r in range(4)), JOB_TIMEOUT
+    )
+    wait_for(lambda: cluster.status("fake-takeover").get("phase") == "Running", JOB_TIMEOUT)
+    before = cluster.status("fake-takeover")
+    assert before["takeover"]["attempts"][0]["rendezvous"]["addr"] == before["nodes"][0]["podIP"]
+    workers = [record(out, rank, 0)["pid"] for rank in range(4)]
+
+    leader.kill()  # SIGKILL: no release of the Lease, no goodbye to the agents
+    leader.wait(30)
+    status = cluster.wait_phase("fake-takeover", "Succeeded", "Failed", timeout=JOB_TIMEOUT)
+    log = cluster.log(standby)
+    assert status["phase"] == "Succeeded", (status, log[-3000:])
+    # Adopted as it ran: the same pods and worker processes, attempt 0, no restart.
+    assert "adopted the 2 running pods of attempt 0" in log
+    assert [n["pod"] for n in status["nodes"]] == [n["pod"] for n in before["nodes"]]
+    assert status["attempt"] == 0 and status["restartCount"] == 0
+    assert not list(out.glob("rank-*-attempt-1.json"))
+    assert all(not alive(pid) for pid in workers)  # they ran to their end
+    events = cluster.describe("fake-takeover")["events"]
+    resumed = [e["message"] for e in events if e["reason"] == "Resumed"]
+    assert len(resumed) == 1 and "re-attached to the 2 node agents of attempt 0" in resumed[0]
+    assert reasons({"events": events})[-2:] == ["AttemptEnded", "JobSucceeded"]
+    assert standby.poll() is None  # the new leader goes on
 
 
 @pytest.mark.e2e

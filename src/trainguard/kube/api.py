@@ -58,6 +58,7 @@ class KubeApi:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.networking = client.NetworkingV1Api(api_client)
+        self.coordination = client.CoordinationV1Api(api_client)
         self._apply_apis: dict[str, Any] = {
             "apiextensions.k8s.io/v1": client.ApiextensionsV1Api(api_client),
             "rbac.authorization.k8s.io/v1": client.RbacAuthorizationV1Api(api_client),
@@ -202,6 +203,22 @@ class KubeApi:
             for e in data.get("items") or []
             if (e.get("involvedObject") or {}).get("name") == involved_name
         ]
+
+    # -- the operators' leader election -----------------------------------------------
+
+    def get_lease(self, namespace: str, name: str) -> Obj:
+        return self._json(self.coordination.read_namespaced_lease, name, namespace)
+
+    def create_lease(self, namespace: str, body: Obj) -> Obj:
+        return self._json(self.coordination.create_namespaced_lease, namespace, body)
+
+    def update_lease(self, namespace: str, name: str, body: Obj) -> Obj:
+        """Write ``body``'s spec, on the condition that the Lease is still at ``body``'s
+        resourceVersion (a merge patch that names it: the API server answers 409,
+        :class:`Conflict`, when the Lease changed since it was read)."""
+        version = (body.get("metadata") or {}).get("resourceVersion")
+        patch = {"metadata": {"resourceVersion": version}, "spec": body.get("spec") or {}}
+        return self._json(self.coordination.patch_namespaced_lease, name, namespace, patch)
 
     # -- install / uninstall -------------------------------------------------------
 

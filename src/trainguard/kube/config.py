@@ -48,6 +48,8 @@ OPERATOR_NAME: Final = "trainguard-operator"
 OPERATOR_SERVICE: Final = f"{OPERATOR_NAME}-metrics"
 # Where a pod learns its own namespace.
 SERVICE_ACCOUNT_NAMESPACE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+# The Lease the operator's replicas elect their leader on (in the operator's namespace).
+LEASE_NAME: Final = OPERATOR_NAME
 # The labels of the operator's pods (job pods' NetworkPolicy lets these reach the agents).
 OPERATOR_LABELS: Final = {
     "app.kubernetes.io/name": "trainguard",
@@ -93,6 +95,11 @@ class OperatorConfig:
     # Run pod templates that ask for privileged containers, host namespaces, hostPath
     # volumes, privilege escalation or added capabilities (refused when False).
     allow_privileged_pods: bool = False
+    # Replicas of the operator elect a leader on a Lease in the operator's namespace
+    # (kube/leader.py); only the leader runs jobs. A leader silent for lease_seconds is
+    # replaced, and its successor adopts the running jobs (kube/adopt.py).
+    leader_election: bool = True
+    lease_seconds: float = 15.0
 
     def namespace(self) -> str:
         """The operator's namespace: the setting, else its service account's, else the default."""

@@ -170,6 +170,15 @@ class KubePlatform:
             pods.append((self.nodes[node_id], pod))
         _each(self._create, pods)
 
+    def adopt(self, pods: Sequence[tuple[str, Obj, str]]) -> None:
+        """Take over running pods (``(node_id, pod, agent_url)``) an earlier operator
+        created: a new operator adopting a job (:mod:`trainguard.kube.adopt`)."""
+        for node_id, pod, url in pods:
+            node = self.nodes[node_id] = PodNode(node_id, str(pod["metadata"]["name"]))
+            node.observe(pod)
+            self.book.reset(node_id, node.pod_name)
+            self.book.located(node_id, url, host=node.host)
+
     def retire(self, node_ids: Sequence[str]) -> None:
         self._let_go(node_ids)
         for node_id in node_ids:

@@ -13,6 +13,8 @@ RBAC is least privilege for what the operator does (every call is in ``kube/api.
 The rights are a Role and RoleBinding in each namespace the operator runs jobs in
 (``job_namespaces``, default ``default``); only ``all_namespaces`` makes them a
 ClusterRole and ClusterRoleBinding, and the operator then watches every namespace.
+In its own namespace, a Role on Leases (get, create, update) lets its two replicas
+elect a leader (``kube/leader.py``).
 kopf's cluster scanning is off, so no rights on CRDs or namespaces. The Helm chart in
 ``deploy/helm/trainguard`` renders the same objects.
 """
@@ -52,6 +54,13 @@ RBAC_RULES: list[Obj] = [
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "delete"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+]
+LEASE_RULES: list[Obj] = [
+    {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": ["get", "create", "update"],
+    },
 ]
 NETWORK_POLICY_RULE: Obj = {
     "apiGroups": ["networking.k8s.io"],
@@ -99,6 +108,23 @@ def rbac_objects(
     return objects
 
 
+def leader_objects(namespace: str) -> list[Obj]:
+    """The Role and RoleBinding on Leases in the operator's own namespace."""
+    name = f"{OPERATOR_NAME}-leader"
+    meta = {"name": name, "namespace": namespace, "labels": dict(_LABELS)}
+    subject = {"kind": "ServiceAccount", "name": OPERATOR_NAME, "namespace": namespace}
+    return [
+        {"apiVersion": f"{_RBAC}/v1", "kind": "Role", "metadata": dict(meta), "rules": LEASE_RULES},
+        {
+            "apiVersion": f"{_RBAC}/v1",
+            "kind": "RoleBinding",
+            "metadata": dict(meta),
+            "roleRef": {"apiGroup": _RBAC, "kind": "Role", "name": name},
+            "subjects": [subject],
+        },
+    ]
+
+
 def operator_objects(
     namespace: str = DEFAULT_NAMESPACE,
     image: str = DEFAULT_IMAGE,
@@ -129,13 +155,14 @@ def operator_objects(
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": OPERATOR_NAME, **meta}},
         *rbac_objects(namespace, settings, job_namespaces, all_namespaces),
+        *(leader_objects(namespace) if settings.leader_election else []),
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
             "metadata": {"name": OPERATOR_NAME, **meta},
             "spec": {
-                "replicas": 1,  # the job controllers live in this process: one at a time
-                "strategy": {"type": "Recreate"},
+                # A leader and a standby (kube/leader.py): only the leader runs jobs.
+                "replicas": 2 if settings.leader_election else 1,
                 "selector": {"matchLabels": dict(_LABELS)},
                 "template": {
                     "metadata": {"labels": dict(_LABELS)},
@@ -183,6 +210,12 @@ def _operator_container(
             "periodSeconds": 30,
             "timeoutSeconds": 10,
         },
+        # Only the leader is ready: the Service sends agents' reports and scrapes to it.
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "healthz"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+        },
         "resources": {
             "requests": {"cpu": "100m", "memory": "256Mi"},
             "limits": {"memory": "1Gi"},
@@ -213,11 +246,13 @@ def to_yaml(objects: list[Obj]) -> str:
 
 
 __all__ = [
+    "LEASE_RULES",
     "MANAGER",
     "NETWORK_POLICY_RULE",
     "OPERATOR_NAME",
     "RBAC_RULES",
     "all_objects",
+    "leader_objects",
     "operator_objects",
     "rbac_objects",
     "rbac_rules",

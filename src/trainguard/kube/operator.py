@@ -3,14 +3,16 @@
     python -m trainguard.kube.operator (--all-namespaces | --namespace NS ...)
         [--liveness-port 8080]
 
-Settings come from ``TRAINGUARD_*`` variables (:class:`OperatorConfig`). Each job has a
-daemon whose worker thread runs the job's control loop
+Settings come from ``TRAINGUARD_*`` variables (:class:`OperatorConfig`). Replicas of the
+operator elect a leader on a Lease (:mod:`trainguard.kube.leader`); only the leader
+runs kopf. ``--liveness-port`` serves ``/healthz`` and ``/readyz`` (ready: leading).
+
+Each job has a daemon whose worker thread runs the job's control loop
 (:func:`~trainguard.platform.drive.drive`); the agents of every job push their news to
 one report inbox the operator serves. Deleting the job stops its workers and removes its
-pods before the finalizer is released. When the operator exits, the pods keep running;
-when it starts again, each unfinished job starts over from its own checkpoints on fresh
-pods (the controller's memory of attempts and restart budget does not survive the
-operator).
+pods before the finalizer is released. When the operator exits (or dies), the pods keep
+running; the next leader adopts each unfinished job as it runs, or restarts it from its
+newest checkpoint when its pods are gone (:mod:`trainguard.kube.adopt`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import argparse
 import asyncio
 import copy
 import logging
+import os
+import secrets
+import socket
 import sys
 import threading
 import time
@@ -33,11 +38,14 @@ from trainguard.kube.config import (
     DEFAULT_NAMESPACE,
     FINALIZER,
     GROUP,
+    LEASE_NAME,
     PLURAL,
     VERSION,
     OperatorConfig,
 )
+from trainguard.kube.leader import LeaderElector, LeaseTimings
 from trainguard.kube.pods import job_selector, network_policy_name, secret_name, service_name
+from trainguard.kube.probes import serve_probes
 from trainguard.kube.runner import KubeJob
 from trainguard.kube.status import parse_time, rfc3339
 from trainguard.observe.metrics import Metrics, serve
@@ -225,6 +233,24 @@ async def _expire(
         logger.warning("%s/%s: ttl delete failed: %s", meta["namespace"], meta["name"], exc)
 
 
+def _elect(settings: OperatorConfig) -> LeaderElector:
+    """Wait until this replica leads (a standby waits here), then keep the Lease; losing
+    it ends the process at once: the new leader may already run the jobs."""
+    lease = settings.lease_seconds
+    timings = LeaseTimings(lease, renew_seconds=lease / 3, retry_seconds=max(0.2, lease / 7))
+    identity = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    elector = LeaderElector(_api(), settings.namespace(), LEASE_NAME, identity, timings)
+    elector.acquire()
+
+    def lost(why: str) -> None:
+        logger.error("no longer the leader (%s): exiting; the jobs' pods keep running", why)
+        logging.shutdown()
+        os._exit(1)
+
+    elector.keep(lost)
+    return elector
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m trainguard.kube.operator",
@@ -235,30 +261,35 @@ def main(argv: list[str] | None = None) -> int:
     scope.add_argument(
         "--namespace", "-n", action="append", default=[], help="watch this namespace (repeatable)"
     )
-    parser.add_argument("--liveness-port", type=int, help="serve kopf's /healthz on this port")
+    parser.add_argument(
+        "--liveness-port", type=int, help="serve /healthz and /readyz (leading) on this port"
+    )
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     try:
         settings = _settings()
     except ValueError as exc:
         parser.error(str(exc))
+    if settings.leader_election and not 1 <= settings.lease_seconds <= 3600:
+        parser.error("TRAINGUARD_LEASE_SECONDS: must be between 1 and 3600")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     tune_gc_for_a_controller()  # the operator holds every job's agent statuses
+    leading = threading.Event()
+    if args.liveness_port is not None:
+        serve_probes(args.liveness_port, leading.is_set)
+    elector = _elect(settings) if settings.leader_election else None
+    leading.set()
     if settings.metrics_port:
         serve(_metrics, settings.metrics_port, host="0.0.0.0")  # in-cluster Prometheus scrapes it
-    liveness = (
-        f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port is not None else None
-    )
-    kopf.run(
-        standalone=True,
-        clusterwide=args.all_namespaces,
-        namespaces=args.namespace,
-        liveness_endpoint=liveness,
-    )
+    try:
+        kopf.run(standalone=True, clusterwide=args.all_namespaces, namespaces=args.namespace)
+    finally:
+        if elector is not None:
+            elector.release()  # the standby takes over at once (the pods keep running)
     return 0
 
 

@@ -15,6 +15,7 @@ from trainguard.control.controller import JobController
 from trainguard.control.events import Event, FaultType
 from trainguard.control.policy import RestartScope
 from trainguard.control.reports import NodeReport
+from trainguard.kube.adopt import takeover_record
 from trainguard.kube.api import KubeApi, KubeError, NotFound
 from trainguard.kube.node import PodNode
 from trainguard.kube.status import Conditions, FaultyPods, PodInfo, job_status, k8s_event
@@ -59,6 +60,7 @@ class ClusterRecord:
             self._event(event, seen)
         self.observer.turn(now, controller, events, reports)
         status = job_status(controller, self.conditions, pods, self.faulty, now)
+        status["takeover"] = takeover_record(controller)  # for an operator taking over
         if status == self._last_status:
             return
         try:

@@ -17,12 +17,15 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from trainguard.control import resume
+from trainguard.control.actions import Action
 from trainguard.control.assignment import Endpoint
 from trainguard.control.controller import JobController
+from trainguard.kube import adopt
 from trainguard.kube.api import KubeApi, KubeError, NotFound
 from trainguard.kube.config import OperatorConfig
 from trainguard.kube.kube_platform import Detached, KubePlatform, Outside
@@ -43,6 +46,7 @@ from trainguard.platform.book import ReportBook
 from trainguard.platform.config import control_config
 from trainguard.platform.drive import drive
 from trainguard.platform.inbox import Inbox
+from trainguard.platform.resume import attach_all
 from trainguard.platform.transport import AgentTransport
 from trainguard.spec import parse_job
 
@@ -51,6 +55,7 @@ __all__ = ["KubeJob"]
 logger = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
+Begin = Callable[[float], Sequence[Action]]
 
 
 class KubeJob:
@@ -112,8 +117,8 @@ class KubeJob:
         try:
             if self.outside.requested:
                 return  # deleted (or the operator is exiting) before it began
-            platform = self._set_up()
-            drive(self.controller, platform, self.clock)
+            platform, begin = self._set_up()
+            drive(self.controller, platform, self.clock, begin)
         except Detached:
             logger.info("%s: let go of (operator exiting); its pods keep running", self.source)
         finally:
@@ -157,9 +162,10 @@ class KubeJob:
 
     # -- set-up -------------------------------------------------------------------------
 
-    def _set_up(self) -> KubePlatform:
-        """The token Secret, the Service, the NetworkPolicy, the inbox key; leftover pods
-        deleted."""
+    def _set_up(self) -> tuple[KubePlatform, Begin | None]:
+        """The token Secret, the Service, the NetworkPolicy, the inbox key; the running
+        pods adopted (a job an earlier operator ran) or the leftover ones deleted. Returns
+        the platform and how the job begins (None: a new job's start)."""
         token = self._ensure_token()
         owned = [(self.api.create_service, headless_service(self.job, self.body, self.settings))]
         if self.settings.network_policy:
@@ -197,9 +203,60 @@ class KubeJob:
             unreachable_after=self.config.unreachable_after,
             clock=self.clock,
         )
-        platform.reap()  # an earlier operator's pods: this job starts over on fresh ones
+        begin = self._take_over(token, platform, report_url)
+        platform.reap()  # pods of an earlier operator that were not adopted
         transport.start()
-        return platform
+        return platform, begin
+
+    def _take_over(
+        self, token: str, platform: KubePlatform, report_url: str | None
+    ) -> Begin | None:
+        """How a job an earlier operator ran goes on (:mod:`trainguard.kube.adopt`):
+        adopted as it runs, or restarted from its newest checkpoint; None for a new job."""
+        status = self.body.get("status") or {}
+        record = adopt.recorded(status)
+        if record is None:
+            return None
+        controller, newest = self.controller, record.newest
+        why = "no attempt was running"
+        if newest is not None and newest.endpoint is not None:
+            pods, reason = adopt.live_pods(
+                self.api,
+                self.namespace,
+                self.name,
+                status,
+                token,
+                newest.number,
+                len(controller.nodes),
+                self.settings.agent_port,
+            )
+            why = reason or why
+            if pods:
+                platform.adopt([(p.node_id, p.pod, p.url) for p in pods])
+                clients = [
+                    c for p in pods if (c := platform.transport.client(p.node_id)) is not None
+                ]
+                failed = attach_all(clients, report_url) if report_url else []
+                if not failed:
+                    nodes = [p.node_id for p in pods]
+                    logger.info(
+                        "%s: adopted the %d running pods of attempt %d",
+                        self.source,
+                        len(pods),
+                        newest.number,
+                    )
+
+                    def reattach(now: float) -> list[Action]:
+                        resume.adopt(controller, now, record, nodes)
+                        return []
+
+                    return reattach
+                why = f"an agent refused to be attached ({failed[0]})"
+                platform.retire(list(platform.nodes))
+        logger.info(
+            "%s: cannot adopt (%s): restarting from the newest checkpoint", self.source, why
+        )
+        return lambda now: resume.restart(controller, now, record, why)
 
     def _ensure_token(self) -> str:
         """The job's agent token: from its Secret, which is created on first start."""

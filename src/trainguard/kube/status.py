@@ -26,8 +26,10 @@ WARNING_EVENTS = frozenset({"Fault", "JobFailed", "PodLost"})
 CONDITION_TYPES = ("Created", "PodsRunning", "Running", "Restarting", "Succeeded", "Failed")
 
 
-def rfc3339(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def rfc3339(t: float, micro: bool = False) -> str:
+    """``t`` as Kubernetes writes a Time (seconds), or a MicroTime with ``micro``."""
+    form = "%Y-%m-%dT%H:%M:%S.%fZ" if micro else "%Y-%m-%dT%H:%M:%SZ"
+    return datetime.datetime.fromtimestamp(t, tz=datetime.UTC).strftime(form)
 
 
 def parse_time(text: str | None) -> float | None:

@@ -1,0 +1,180 @@
+"""A new operator takes a running TrainingJob over: no job restarts because its operator did.
+
+The controller of every job lives in the operator's process; when that process dies
+(a crash, a lost node, a rollout, the standby taking the Lease), the job's pods and
+their workers keep training. The operator that takes over rebuilds the controller from
+two sources:
+
+- what the dead one recorded in the TrainingJob's ``status``: ``takeover`` (the
+  attempts with their rendezvous, the restarts decided: the restart budget goes on
+  where it was), the fault timeline (``faults``) and each node's pod (``nodes``);
+  :func:`takeover_record` writes it with every status patch, :func:`recorded` reads it;
+- what the pods' agents say now (:func:`live_pods`): every node's pod runs, its agent
+  answers with the job's token, is that pod's agent (its incarnation is the pod's name)
+  and runs the newest attempt.
+
+When all agree, the job is adopted as it runs (:func:`trainguard.control.resume.adopt`:
+no restart, no lost step) and each agent is told where to report (``POST /attach``).
+Otherwise the job restarts from its newest checkpoint on fresh pods, numbered after the
+recorded attempts and not counted against its restart budget (its own code did not
+fail). A job with no record (never started, or written by an older operator) starts
+as new.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.agent.client import AgentClient, AgentError
+from trainguard.control.assignment import Endpoint
+from trainguard.control.controller import JobController
+from trainguard.control.policy import RestartRecord, RestartScope
+from trainguard.control.resume import Recorded, RecordedAttempt
+from trainguard.kube.api import KubeApi, KubeError
+from trainguard.kube.node import PodNode
+from trainguard.kube.pods import job_selector
+from trainguard.wire.status import NodeState
+
+__all__ = ["LivePod", "live_pods", "recorded", "takeover_record"]
+
+logger = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+AGENT_TIMEOUT = 5.0
+_LIVE = (NodeState.STARTING, NodeState.RUNNING, NodeState.COMPLETED, NodeState.FAULTED)
+
+
+def takeover_record(controller: JobController) -> Obj:
+    """What a successor needs that the rest of the status does not say (``status.takeover``)."""
+    return {
+        "startedAt": controller.started_at,
+        "attempts": [
+            {
+                "number": a.number,
+                "phase": a.phase.value,
+                "startedAt": a.started_at,
+                "endedAt": a.ended_at,
+                "reason": a.reason,
+                "rendezvous": (
+                    {"addr": a.endpoint.addr, "port": a.endpoint.port} if a.endpoint else None
+                ),
+            }
+            for a in controller.attempts
+        ],
+        "restarts": [{"time": r.time, "scope": r.scope.value} for r in controller.history],
+    }
+
+
+def recorded(status: Mapping[str, Any] | None) -> Recorded | None:
+    """The dead operator's record of the job, or None when there is none to go on (a
+    record that does not parse is logged and treated as none)."""
+    takeover = (status or {}).get("takeover")
+    if not isinstance(takeover, Mapping) or takeover.get("startedAt") is None:
+        return None
+    try:
+        attempts = tuple(
+            RecordedAttempt(
+                int(a["number"]),
+                str(a["phase"]),
+                float(a["startedAt"]),
+                None if a.get("endedAt") is None else float(a["endedAt"]),
+                a.get("reason"),
+                _endpoint(a.get("rendezvous")),
+            )
+            for a in takeover.get("attempts") or []
+        )
+        if [a.number for a in attempts] != list(range(len(attempts))):
+            raise ValueError("attempts are not numbered 0, 1, ...")
+        restarts = tuple(
+            RestartRecord(float(r["time"]), RestartScope(str(r["scope"])))
+            for r in takeover.get("restarts") or []
+        )
+        faults = tuple(f for f in (status or {}).get("faults") or [] if isinstance(f, Mapping))
+        return Recorded(float(takeover["startedAt"]), attempts, restarts, faults)
+    except (KeyError, TypeError, ValueError) as exc:
+        logger.warning("status.takeover cannot be read (%s): the job starts as new", exc)
+        return None
+
+
+def _endpoint(data: Any) -> Endpoint | None:
+    if not isinstance(data, Mapping):
+        return None
+    return Endpoint(str(data["addr"]), int(data["port"]))
+
+
+@dataclass(frozen=True)
+class LivePod:
+    node_id: str
+    pod: Obj  # as listed
+    url: str
+
+    @property
+    def name(self) -> str:
+        return str(self.pod["metadata"]["name"])
+
+
+def live_pods(
+    api: KubeApi,
+    namespace: str,
+    job: str,
+    status: Mapping[str, Any],
+    token: str,
+    attempt: int,
+    nodes: int,
+    agent_port: int,
+) -> tuple[list[LivePod], str | None]:
+    """Every node's pod whose agent still runs ``attempt`` (in node-rank order), or why
+    the job cannot be adopted (then the list is empty)."""
+    recorded_nodes = [n for n in status.get("nodes") or [] if isinstance(n, Mapping)]
+    ranked = sorted(
+        (n for n in recorded_nodes if isinstance(n.get("nodeRank"), int)),
+        key=lambda n: int(n["nodeRank"]),
+    )
+    if len(ranked) != nodes:
+        return [], f"{len(ranked)} of {nodes} nodes have a recorded rank"
+    try:
+        listed = {p["metadata"]["name"]: p for p in api.list_pods(namespace, job_selector(job))}
+    except KubeError as exc:
+        return [], f"cannot list the job's pods: {exc}"
+    found = []
+    for entry in ranked:
+        node_id, name = str(entry.get("nodeId")), str(entry.get("pod"))
+        pod = listed.get(name)
+        node = PodNode(node_id, name)
+        node.observe(pod)
+        ended = node.ended() if pod is not None else (f"pod {name} is gone", None)
+        url = node.agent_url(agent_port)
+        if ended is not None:
+            return [], ended[0]
+        if node.phase != "Running" or url is None:
+            return [], f"pod {name} is {node.phase}"
+        why = _agent_runs(url, token, node_id, name, attempt)
+        if why is not None:
+            return [], why
+        assert pod is not None
+        found.append(LivePod(node_id, pod, url))
+    return found, None
+
+
+def _agent_runs(url: str, token: str, node_id: str, pod: str, attempt: int) -> str | None:
+    """Why the agent at ``url`` is not pod ``pod``'s, running ``attempt``; None when it is."""
+    client = AgentClient(url, token, timeout=AGENT_TIMEOUT)
+    try:
+        status = client.status()
+    except AgentError as exc:
+        return f"the agent of {node_id} ({pod}) does not answer: {exc}"
+    finally:
+        with contextlib.suppress(Exception):
+            client.close()
+    if status.node_id != node_id or status.incarnation != pod:
+        return f"{url} is not the agent of pod {pod} any more"
+    if status.attempt != attempt or status.state not in _LIVE:
+        return (
+            f"the agent of {node_id} is {status.state} (attempt {status.attempt}), "
+            f"not running attempt {attempt}"
+        )
+    return None
