@@ -10,11 +10,15 @@ in memory, or one a few steps ahead). Each agent then, in its own background thr
 1. asks its ranks to hold that snapshot (``hold.json`` in the memory tier, see
    :mod:`trainguard.checkpoint.memory`), so the training loop does not overwrite it, and
    waits until every local rank has it;
-2. copies each local rank's shard out of its memory slot into private memory, and checks
+2. waits until each shard's meta carries its checksum (a worker's ``save()`` commits a
+   *copy-complete* meta without one and adds it moments later, in the background), then
+   copies each local rank's shard out of its memory slot into private memory, and checks
    the copy: the slot's meta must be unchanged after the copy (the worker unlinks a
-   slot's meta before it reuses the slot) and the data must match the meta's checksum
-   (computed here when the worker had not yet written it). A step that is gone from
-   memory or torn is reported as failed, never written;
+   slot's meta before it reuses the slot) and the data must match the meta's checksum.
+   A step that is gone from memory, torn or corrupt, or whose checksum never came (its
+   worker died first, or it was not added in ``commit_timeout``), is reported as failed,
+   naming the file, and never written: nothing here can tell such data from a corrupt
+   copy, and a durable shard is trusted by every rank of every later attempt;
 3. writes each shard to the durable tier (data, then meta; both atomic), and releases
    the hold;
 4. on the node told to ``commit``: waits until every rank's shard of the step is
@@ -117,22 +121,43 @@ def scan_memory(root: Path) -> dict[int, dict[int, MemoryShardFile]]:
     return found
 
 
-def read_shard(shard: MemoryShardFile) -> tuple[bytes, dict[str, Any]]:
-    """A private, verified copy of a memory shard and its meta (with a checksum)."""
-    nbytes = int(shard.meta["nbytes"])
-    with open(shard.meta_path.with_suffix(".data"), "rb") as f:
-        data = f.read(nbytes)
+def reread(shard: MemoryShardFile) -> MemoryShardFile:
+    """``shard`` with its meta as it is now; :class:`PersistFailed` once it is gone."""
     try:
-        after = json.loads(shard.meta_path.read_bytes())
+        meta = json.loads(shard.meta_path.read_bytes())
     except (OSError, ValueError):
-        after = None
-    if len(data) != nbytes or after is None or after.get("step") != shard.step:
+        meta = None
+    if not isinstance(meta, dict) or meta.get("step") != shard.step:
         raise PersistFailed(f"rank {shard.rank}'s step {shard.step} was overwritten in memory")
-    digest = checksum(data)
+    return MemoryShardFile(shard.rank, shard.step, shard.meta_path, meta)
+
+
+def read_shard(shard: MemoryShardFile) -> tuple[bytes, dict[str, Any]]:
+    """A private copy of a memory shard and its meta, verified against the meta's checksum.
+
+    :class:`PersistFailed` when the shard was overwritten, has no checksum, or does not
+    match it: a shard leaves the node only with a checksum its data matches.
+    """
+    nbytes = int(shard.meta["nbytes"])
+    data_path = shard.meta_path.with_suffix(".data")
+    with open(data_path, "rb") as f:
+        data = f.read(nbytes)
+    after = reread(shard).meta
+    if len(data) != nbytes:
+        raise PersistFailed(f"rank {shard.rank}'s step {shard.step} was overwritten in memory")
     expected = after.get("checksum")
-    if expected is not None and expected != digest:
-        raise PersistFailed(f"rank {shard.rank}'s step {shard.step} does not match its checksum")
-    return data, {**after, "checksum": digest}
+    if expected is None:
+        raise PersistFailed(
+            f"rank {shard.rank}'s step {shard.step} has no checksum ({shard.meta_path}): "
+            "its data cannot be verified, so it is not persisted"
+        )
+    digest = checksum(data)
+    if expected != digest:
+        raise PersistFailed(
+            f"rank {shard.rank}'s step {shard.step} does not match its checksum "
+            f"({data_path}: data {digest}, meta {expected}); not persisted"
+        )
+    return data, after
 
 
 @dataclass(frozen=True)
@@ -260,7 +285,8 @@ class DurablePersister:
         with self._lock:
             written = step in self._written
         if not written:
-            copies = [read_shard(shard) for _, shard in sorted(shards.items())]
+            checked = self._checksummed(step, shards)
+            copies = [read_shard(shard) for _, shard in sorted(checked.items())]
             tier = self._open()
             for data, meta in copies:
                 tier.write_shard(step, int(meta["rank"]), data, meta)
@@ -274,6 +300,31 @@ class DurablePersister:
             )  # fmt: skip
         if request.commit:
             self._commit(step, request.world_size)
+
+    def _checksummed(
+        self, step: int, shards: dict[int, MemoryShardFile]
+    ) -> dict[int, MemoryShardFile]:
+        """``shards`` once each meta carries its checksum, which the worker's checkpointer
+        adds in the background right after ``save()``; :class:`PersistFailed` when one
+        never does (its worker is gone, or ``commit_timeout`` passed)."""
+        deadline = time.monotonic() + self.commit_timeout
+        while True:
+            shards = {rank: reread(shard) for rank, shard in shards.items()}
+            missing = [s for _, s in sorted(shards.items()) if s.meta.get("checksum") is None]
+            if not missing:
+                return shards
+            why = None
+            if not self._workers_alive():
+                why = "the workers exited before adding it"
+            elif time.monotonic() > deadline:
+                why = f"it was not added within {self.commit_timeout:.0f} s"
+            if why is not None:
+                files = ", ".join(str(s.meta_path) for s in missing)
+                raise PersistFailed(
+                    f"step {step}: ranks {[s.rank for s in missing]} have no checksum "
+                    f"({files}); {why}, and an unverified shard is never persisted"
+                )
+            time.sleep(HOLD_POLL_SECONDS)
 
     def _commit(self, step: int, world_size: int) -> None:
         tier = self._open()

@@ -1,18 +1,18 @@
 """The signals behind fault injection: kill, stop, kill a node, throttle.
 
-Every target is pinned to one process by its start time (from ``/proc``), so
-a throttle or a final SIGCONT never reaches a later process reusing the pid.
+Every target is pinned to one process by its start time (:func:`procs.start_time
+<trainguard.platform.procs.start_time>`, taken before the first signal), so no signal,
+a throttle's or a final SIGCONT included, reaches a later process reusing the pid.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
 from collections.abc import Sequence
 
-from trainguard.platform.procs import alive, kill_group, proc_stat
+from trainguard.platform.procs import alive, kill_recorded, pin, runs, start_time
 
 # Throttle duty cycle of a ``slow`` injection: seconds running, then seconds stopped.
 DEFAULT_SLOW_RUN_SECONDS = 0.1
@@ -26,16 +26,13 @@ class _Process:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        stat = proc_stat(pid)
-        self.start = stat[1] if stat else None
+        self.start = start_time(pid)
 
     def alive(self) -> bool:
         """True while this very process exists and is not a zombie."""
-        stat = proc_stat(self.pid)
-        if stat is None:
+        if self.start is None:  # gone when pinned, or no /proc to tell one from another
             return not os.path.isdir("/proc") and alive(self.pid)
-        state, start = stat
-        return state not in "ZXx" and (self.start is None or start == self.start)
+        return runs(self.pid, self.start)
 
     def send(self, sig: signal.Signals) -> bool:
         """Send ``sig`` if the process still lives; False when it is gone."""
@@ -122,13 +119,13 @@ class SignalActuator:
         return True
 
     def kill_node(self, agent_pid: int, worker_pids: Sequence[int]) -> bool:
-        agent = _Process(agent_pid)
-        if not agent.alive():
+        # Every pid is pinned before the first signal: the workers die with their agent,
+        # and a pid freed then could be reused before its turn comes.
+        pinned = pin((agent_pid, *worker_pids))
+        if not runs(agent_pid, pinned[agent_pid]):
             return False
-        for pid in (agent_pid, *worker_pids):
-            kill_group(pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)  # in case it does not lead its group
+        for pid, started in pinned.items():
+            kill_recorded(pid, started)  # its group, and itself if it does not lead one
         return True
 
     def throttle(self, pid: int) -> bool:

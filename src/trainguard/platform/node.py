@@ -18,7 +18,7 @@ from typing import IO, Protocol
 from trainguard.agent.client import AgentClient, AgentError
 from trainguard.agent.jobenv import encode_job_env
 from trainguard.agent.warm import WARM_STARTS, StartOptions
-from trainguard.platform.procs import kill_group
+from trainguard.platform.procs import kill_group, kill_recorded, pin
 from trainguard.spec.plan import NodeGroupPlan
 
 __all__ = ["AGENT_SHUTDOWN_SECONDS", "AgentLauncher", "LaunchedNode", "LocalNode", "NodeLauncher"]
@@ -68,7 +68,16 @@ class LocalNode:
         self.incarnation = incarnation
         self.process = process
         self.port_file = port_file
-        self.last_pids: tuple[int, ...] = ()
+        self._workers: dict[int, str | None] = {}  # worker pid -> its start time
+
+    @property
+    def last_pids(self) -> tuple[int, ...]:
+        return tuple(self._workers)
+
+    @last_pids.setter
+    def last_pids(self, pids: tuple[int, ...]) -> None:
+        """Each worker pid's start time is taken when the pid is first seen."""
+        self._workers = pin(pids, self._workers)
 
     @property
     def pid(self) -> int | None:
@@ -99,12 +108,13 @@ class LocalNode:
             except (AgentError, subprocess.TimeoutExpired):
                 pass
         if self.process.poll() is None:
-            kill_group(self.process.pid)
+            kill_group(self.process.pid)  # a child not yet reaped: its pid is still its own
             self.process.wait()
         # Workers die with their agent (PDEATHSIG); this covers an agent that was SIGKILLed
-        # before it could arm that for a worker.
-        for pid in self.last_pids:
-            kill_group(pid)
+        # before it could arm that for a worker. Only a worker that is still the process
+        # first seen with its pid is signalled, never a later one reusing the pid.
+        for pid, started in self._workers.items():
+            kill_recorded(pid, started)
         if self.process.stdout is not None:
             with contextlib.suppress(OSError):
                 self.process.stdout.close()

@@ -1,9 +1,10 @@
 """Small process helpers shared by the local platform's pieces.
 
-A pid recorded for later (in the store, for ``delete``) is recorded with its start time
-(:func:`start_time`), and signalled only through :func:`kill_recorded`, which first checks
-that the pid still names that process: a later, unrelated process that reuses the pid is
-never signalled.
+A pid kept for later (in the store, for ``delete``; a worker pid learnt from an agent's
+status, for a shutdown or a node kill) is kept with its start time (:func:`start_time`),
+taken when the pid is first seen (:func:`pin`), and signalled only through
+:func:`kill_recorded`, which first checks that the pid still names that process: a
+later, unrelated process that reuses the pid is never signalled.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import gc
 import os
 import signal
 import socket
+from collections.abc import Iterable, Mapping
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
@@ -21,8 +23,8 @@ BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 def kill_group(pid: int) -> None:
     """SIGKILL the process group led by ``pid`` (agents and workers each lead their own).
 
-    Only for a pid known to be current (a child not yet reaped, one just seen); a pid
-    read back from a record goes through :func:`kill_recorded`.
+    Only for a pid that cannot have been reused (a child of this process not yet
+    reaped); any other pid goes through :func:`kill_recorded` with its start time.
     """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
@@ -50,6 +52,16 @@ def start_time(pid: int | None) -> str | None:
     """
     stat = proc_stat(pid)
     return None if stat is None else f"{_boot_id()}:{stat[1]}"
+
+
+def pin(
+    pids: Iterable[int], known: Mapping[int, str | None] | None = None
+) -> dict[int, str | None]:
+    """Each of ``pids`` with its start time: the one in ``known`` (taken when the pid was
+    first seen), else read now. A pid whose process was gone when first seen keeps None,
+    so a process that reuses it later is never signalled."""
+    known = known or {}
+    return {pid: known[pid] if pid in known else start_time(pid) for pid in pids}
 
 
 def is_recorded(pid: int | None, started: str | None) -> bool:

@@ -26,7 +26,7 @@ from trainguard.control.assignment import Endpoint
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.resume import Recorded, RecordedAttempt
-from trainguard.platform.procs import kill_group, runs, start_time
+from trainguard.platform.procs import kill_recorded, pin, runs, start_time
 from trainguard.platform.store import JobRow, Store
 from trainguard.wire.requests import AttachRequest
 from trainguard.wire.status import NodeState
@@ -121,7 +121,16 @@ class AdoptedNode:
         self.url = agent.url
         self._pid = agent.pid
         self._started = agent.started
-        self.last_pids: tuple[int, ...] = ()
+        self._workers: dict[int, str | None] = {}  # worker pid -> its start time
+
+    @property
+    def last_pids(self) -> tuple[int, ...]:
+        return tuple(self._workers)
+
+    @last_pids.setter
+    def last_pids(self, pids: tuple[int, ...]) -> None:
+        """Each worker pid's start time is taken when the pid is first seen."""
+        self._workers = pin(pids, self._workers)
 
     @property
     def pid(self) -> int | None:
@@ -147,10 +156,11 @@ class AdoptedNode:
             deadline = time.monotonic() + AGENT_SHUTDOWN_SECONDS
             while self.alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
-        if self.alive():
-            kill_group(self._pid)  # the agent leads its own session
-        for pid in self.last_pids:
-            kill_group(pid)
+        # Neither the agent nor its workers are children of this process: each is
+        # signalled only while its pid still names the process seen with its start time.
+        kill_recorded(self._pid, self._started)  # the agent leads its own session
+        for pid, started in self._workers.items():
+            kill_recorded(pid, started)
 
 
 def attach_all(clients: Sequence[AgentClient], report_url: str) -> list[str]:
