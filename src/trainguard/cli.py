@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from trainguard.health.command import add_health_check_parser, health_check_command
 from trainguard.kube.flags import (
     add_cluster_flags,
     add_install_flags,
@@ -196,6 +197,7 @@ def _parser() -> argparse.ArgumentParser:
         add_cluster_flags(cluster, kube_flag=False)
 
     sub.add_parser("schema", parents=[common], help="print the TrainingJob JSON Schema")
+    add_health_check_parser(sub)
     return parser
 
 
@@ -241,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(json.dumps(json_schema(), indent=2))
         return 0
+    if args.verb == "health-check":
+        return health_check_command(args)
     if wants_cluster(args):
         return run_on_cluster(args)
     if args.verb == "run":
