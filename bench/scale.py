@@ -57,6 +57,7 @@ from bench.fleet import PUSH_MODES, raise_open_files_limit
 from bench.runs import REPO
 from trainguard.agent.client import AgentClient, AgentError
 from trainguard.control.events import Event
+from trainguard.health.suite import Peers
 from trainguard.platform.local import LocalRunner
 from trainguard.platform.store import Store
 from trainguard.spec import TrainingJob, resolve_plan
@@ -162,7 +163,8 @@ class FleetLauncher:
         self.fleets: list[FleetProcess] = []
         self.victim_fleet: FleetProcess | None = None
 
-    def __call__(self, node_id: str, incarnation: str) -> FleetNode:
+    def __call__(self, node_id: str, incarnation: str, peers: Peers | None = None) -> FleetNode:
+        del peers  # simulated agents run no health checks
         if self.fleets or node_id in self.nodes:
             raise RuntimeError("the scale benchmark launches every node once")
         if node_id not in self.node_ids:

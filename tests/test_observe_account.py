@@ -150,7 +150,8 @@ def test_metrics_count_events_and_show_the_accounting() -> None:
     job.faults([{"type": "WorkerCrash", "scope": "process"}])
     samples_ = [(11.0, 0, 1), (30.0, 0, 20), (50.0, 0, 40), (61.0, 1, 31), (90.0, 1, 60)]
     acc = account(history(samples_, [fault(0)]), now=1e9)
-    job.state(JobState(acc, step=60, steps_per_second=1.0, nodes={"completed": 2}))
+    health = {"Schedulable": 2, "UnschedulablePendingReplacement": 1}
+    job.state(JobState(acc, step=60, steps_per_second=1.0, nodes={"completed": 2}, health=health))
     text = generate_latest(metrics.registry).decode()
     d = (("job", "demo"),)
     assert samples(text, "trainguard_jobs_created_total") == {(): 1.0}
@@ -172,6 +173,10 @@ def test_metrics_count_events_and_show_the_accounting() -> None:
         (("cause", cause), *d): pytest.approx(v) for cause, v in acc.downtime_seconds().items()
     }
     assert samples(text, "trainguard_nodes") == {(*d, ("state", "completed")): 2.0}
+    assert samples(text, "trainguard_node_health") == {
+        (*d, ("status", "Schedulable")): 2.0,
+        (*d, ("status", "UnschedulablePendingReplacement")): 1.0,
+    }
 
     job.state(JobState(acc, nodes={"running": 1}))  # a state gone reads 0, not its old count
     text = generate_latest(metrics.registry).decode()

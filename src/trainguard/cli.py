@@ -166,6 +166,22 @@ def _parser() -> argparse.ArgumentParser:
         help="KEY=VALUE lines for the spec's env valueFrom.secretKeyRef keys (as for run)",
     )
 
+    nodes = sub.add_parser(
+        "nodes", parents=[common], help="a local job's nodes and their health status"
+    )
+    nodes.add_argument("job", help="job id or name")
+    nodes.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    node = sub.add_parser("node", parents=[common], help="act on a node of a running local job")
+    node_verbs = node.add_subparsers(dest="node_verb", required=True, metavar="ACTION")
+    replace = node_verbs.add_parser(
+        "replace",
+        help="take the node out of the job (UnschedulablePendingReplacement): the job "
+        "restarts on a spare",
+    )
+    replace.add_argument("job", help="job id or name")
+    replace.add_argument("node", help="node id, e.g. node-1 (see `trainguard nodes JOB`)")
+    replace.add_argument("--reason", default="replacement asked for", help="why (recorded)")
+
     delete = sub.add_parser("delete", parents=[common], help="stop a job and remove it")
     delete.add_argument("job", help="job id or name")
     delete.add_argument(
@@ -273,6 +289,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return views.logs(store, args.job, args.rank, args.follow)
         if args.verb == "delete":
             return views.delete(store, args.job, args.timeout, args.force)
+        if args.verb == "nodes":
+            from trainguard.platform import nodes_view
+
+            return nodes_view.nodes(store, args.job, args.output)
+        if args.verb == "node":
+            from trainguard.platform import nodes_view
+
+            return nodes_view.replace(store, args.job, args.node, args.reason)
     except JobNotFound as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return EXIT_USAGE

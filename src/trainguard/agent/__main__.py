@@ -4,7 +4,9 @@
         [--host 127.0.0.1] [--port 0] [--port-file FILE] [--parent-pid PID
         [--controller-grace SECONDS]]
         [--incarnation NAME] [--cwd DIR] [--env KEY=VALUE]... [--cold-start]
-        [--preload MODULE]... [--max-replica-bytes BYTES] -- WORKER_ARGV...
+        [--preload MODULE]... [--max-replica-bytes BYTES]
+        [--health JSON [--health-peers RANK,WORLD,ADDR,PORT] [--health-hooks DIR]
+        [--health-fail CHECK]...] -- WORKER_ARGV...
 
 The workers' extra environment may also come in ``$TRAINGUARD_JOB_ENV`` (a JSON object;
 see :mod:`trainguard.agent.jobenv`): the way to hand them secrets, as ``--env`` is on the
@@ -23,9 +25,14 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainguard.agent.exec_worker import set_parent_death_signal
 from trainguard.agent.jobenv import take_job_env
+
+if TYPE_CHECKING:
+    from trainguard.health.settings import HealthSettings
+    from trainguard.health.suite import Peers
 
 logger = logging.getLogger("trainguard.agent")
 
@@ -94,8 +101,56 @@ def build_parser() -> argparse.ArgumentParser:
         help="the most bytes of peers' memory-tier replicas this agent holds (default: "
         f"${MAX_REPLICA_BYTES_ENV}, else what the memory filesystem has room for)",
     )
+    parser.add_argument(
+        "--health",
+        metavar="JSON",
+        help="the job's spec.trainguard.healthChecks (JSON): on-start checks, monitors",
+    )
+    parser.add_argument(
+        "--health-peers",
+        metavar="RANK,WORLD,ADDR,PORT",
+        help="this node's place in the connectivity check among the job's new nodes",
+    )
+    parser.add_argument(
+        "--health-hooks",
+        type=Path,
+        metavar="DIR",
+        help="rehearsal hooks: DIR/kernel.log is read as the kernel log, DIR/disk-full "
+        "makes the space monitors report full",
+    )
+    parser.add_argument(
+        "--health-fail",
+        action="append",
+        default=[],
+        metavar="CHECK",
+        help="fail this on-start check without running it (a rehearsal)",
+    )
     parser.add_argument("--log-level", default="INFO", help="agent log level (default: INFO)")
     return parser
+
+
+def parse_health(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[HealthSettings, Peers | None] | None:
+    """The --health* flags as a :class:`~trainguard.agent.health.HealthKeeper`'s
+    settings (options, peers), or None without --health; parser.error on a bad one."""
+    if args.health is None:
+        return None
+    from trainguard.health.settings import HealthSettings
+    from trainguard.health.suite import Peers
+
+    try:
+        options = HealthSettings.from_json(args.health)
+    except ValueError as exc:
+        parser.error(f"--health: {exc}")
+    peers = None
+    if args.health_peers is not None:
+        parts = args.health_peers.split(",")
+        if len(parts) != 4 or not (parts[0] + parts[1] + parts[3]).isdigit() or not parts[2]:
+            parser.error("--health-peers: expected RANK,WORLD,ADDR,PORT")
+        rank, world, addr, port = parts
+        peers = Peers(int(rank), int(world), addr, int(port))
+    return options, peers
 
 
 def replica_bytes(raw: str) -> int:
@@ -223,6 +278,20 @@ def _serve(
     )
     if args.parent_pid is not None and args.controller_grace:
         supervisor.controller = ControllerWatch(args.parent_pid, args.controller_grace)
+    health = parse_health(args, parser)
+    if health is not None:
+        from trainguard.agent.health import HealthKeeper
+
+        options, peers = health
+        job_dir = agent_env.get("TRAINGUARD_JOB_DIR") or str(args.log_dir.resolve())
+        supervisor.health = HealthKeeper(
+            options,
+            job_dir,
+            supervisor.health_news,
+            peers=peers,
+            fail=args.health_fail,
+            hooks=args.health_hooks,
+        )
     memory_dir = agent_env.get(MEMORY_DIR_ENV)
     # Replicas of other nodes' memory tiers live beside this node's own (also in RAM).
     replicas = (

@@ -18,9 +18,11 @@ import logging
 import queue
 import signal
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainguard.agent.api import Refused
 from trainguard.agent.board import Board, StartRefused
@@ -38,6 +40,9 @@ from trainguard.agent.workers import WorkerGroup
 from trainguard.monitor.heartbeat import HEARTBEAT_DIR_ENV
 from trainguard.monitor.stacks import capture_stacks
 from trainguard.monitor.worker_events import EVENT_DIR_ENV
+
+if TYPE_CHECKING:
+    from trainguard.agent.health import HealthKeeper
 from trainguard.wire.requests import (
     AttachRequest,
     AttemptRequest,
@@ -139,6 +144,8 @@ class Supervisor:
         self._injector = StepInjector(on_fired=self._reporter.nudge)
         # The controller this agent lives for (None: it dies with its parent instead).
         self.controller: ControllerWatch | None = None
+        # The node's health checks and monitors (agent/health.py); None: not asked for.
+        self.health: HealthKeeper | None = None
         self._shutdown_requested = False
         self._group: WorkerGroup | None = None
         self._tailer: LogTailer | None = None
@@ -154,14 +161,28 @@ class Supervisor:
 
     def start(self) -> None:
         self._thread.start()
+        if self.health is not None:
+            self.health.start()
+
+    def health_news(self) -> None:
+        """The node's health changed (a check finished, a monitor found something):
+        a new status, pushed at once."""
+        with self.board.lock:
+            self.board.seq += 1
+            self.board.updated_at = time.time()
+        self._reporter.nudge()
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
     def snapshot(self) -> NodeStatus:
         status = self.board.snapshot(self._persister)
-        injected = self._injector.fired
-        return status.model_copy(update={"injected": injected}) if injected else status
+        update: dict[str, object] = {}
+        if injected := self._injector.fired:
+            update["injected"] = injected
+        if self.health is not None:
+            update["health"] = self.health.report()
+        return status.model_copy(update=update) if update else status
 
     def request_start(self, request: AttemptRequest) -> None:
         """Accept an attempt, or raise :class:`StartRefused` if workers may be alive.

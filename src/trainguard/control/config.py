@@ -65,6 +65,11 @@ class ControlConfig:
     # Memory-tier replicas: each node pushes its snapshots to this many next nodes.
     replicas: int = 0
 
+    # A node relaunched with the same id lands on another machine (Kubernetes: a fresh pod,
+    # kept off Nodes labelled unhealthy): an unhealthy node with no spare left to replace
+    # it restarts fresh. False (one machine): it cannot, and the job fails instead.
+    fresh_node_moves: bool = False
+
     # -- in-process restarts (the script adopts trainguard.resilient) -------------------
     in_process: bool = False
     # Hot spare processes for the whole job, spread over the nodes from node 0.

@@ -45,6 +45,7 @@ from trainguard.control.config import ControlConfig
 from trainguard.control.contact import launch_verdict, settled
 from trainguard.control.detect import AttemptWatch, barrier_fault, refusal_faults, stop_faults
 from trainguard.control.events import Event, Fault, FaultType
+from trainguard.control.health import HealthBook, HealthNote
 from trainguard.control.hosts import hosts_to_avoid
 from trainguard.control.inprocess import Rejoin
 from trainguard.control.persist import CheckpointPlanner, PersistCheckpoint
@@ -102,6 +103,8 @@ class JobController:
         self.stragglers = StragglerWatch(config.straggler_threshold, config.straggler_window)
         # Set once every rank exited 0: until then the last checkpoint may still persist.
         self._final_persist_until: float | None = None
+        # Each node's health (deep checks, monitors' findings): control/health.py.
+        self.health = HealthBook()
 
     # -- queries -----------------------------------------------------------
 
@@ -153,6 +156,18 @@ class JobController:
         self.phase = JobPhase.STOPPING
         return [self._stop(now, attempt, "graceful", reason)]
 
+    def replace_nodes(self, now: float, requests: Sequence[tuple[str, str]]) -> None:
+        """Someone outside asked for these nodes (``(node id, why)``) to be replaced (by
+        hand, a node label): each becomes UnschedulablePendingReplacement, and its fault
+        stops the attempt at the next look, like a monitor's finding."""
+        attempt = self.current
+        if attempt is None or self.phase.terminal:
+            return
+        for node_id, reason in requests:
+            if node_id in self.nodes:
+                notes = self.health.replace(now, attempt.number, node_id, reason)
+                self._health_events(now, attempt, notes)
+
     def note_injection(
         self, now: float, spec: str, rank: int | None, node: str | None, step: int | None = None
     ) -> None:
@@ -188,16 +203,24 @@ class JobController:
                 phase=JobPhase.FAILED,
             )
         self.record.worker_events(attempt, reports)
+        health_faults, notes = self.health.observe(now, attempt.number, reports)
+        self._health_events(now, attempt, notes)
         for refusal in refusals:
             if refusal.request == "persist":
                 self._note_persist_refused(now, refusal)
         if attempt.phase is AttemptPhase.LAUNCHING:
-            return self._observe_launching(now, attempt, reports)
+            return self._observe_launching(now, attempt, reports, health_faults)
         if attempt.phase is AttemptPhase.RUNNING:
-            return self._observe_running(now, attempt, reports, refusals)
+            return self._observe_running(now, attempt, reports, refusals, health_faults)
+        for fault in health_faults:  # stopping: the restart decision takes it into account
+            self._record_fault(now, attempt, fault)
         if attempt.phase is AttemptPhase.STOPPING:
             return self._observe_stopping(now, attempt, reports)
         return []
+
+    def _health_events(self, now: float, attempt: Attempt, notes: Sequence[HealthNote]) -> None:
+        for note in notes:
+            self._event(now, note.kind, note.message, attempt.number, note.node, data=note.data)
 
     # -- launching -----------------------------------------------------------
 
@@ -229,10 +252,15 @@ class JobController:
         return actions + self._observe_launching(now, attempt, reports)
 
     def _observe_launching(
-        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
+        self,
+        now: float,
+        attempt: Attempt,
+        reports: Mapping[str, NodeReport],
+        health_faults: Sequence[Fault] = (),
     ) -> list[Action]:
-        """Start the attempt once every node's agent answers, idle; fault the nodes lost
-        on the way, or still not ready at the launch deadline."""
+        """Start the attempt once every node's agent answers, idle, its on-start health
+        checks passed; fault the nodes lost on the way, failing a check, or still not
+        ready at the launch deadline."""
         deadline = attempt.launch_deadline
         lost, waiting = launch_verdict(
             attempt.nodes,
@@ -241,7 +269,9 @@ class JobController:
             deadline is not None and now >= deadline,
             self.config.node_start_timeout,
         )
-        if lost:
+        if lost or health_faults:
+            for fault in health_faults:
+                self._record_fault(now, attempt, fault)
             for node_id, message in lost:
                 fault = Fault(FaultType.NODE_LOST, now, attempt.number, node_id, message=message)
                 self._record_fault(now, attempt, fault)
@@ -249,7 +279,7 @@ class JobController:
             if self._cancel is not None:
                 return self._finish(now, *self._cancel)
             return self._after_failure(now, attempt, reports)
-        if waiting:
+        if waiting or any(self.health.checking(reports.get(n)) for n in attempt.nodes):
             return []
         return [self._start_attempt(now, attempt)]
 
@@ -299,10 +329,12 @@ class JobController:
         attempt: Attempt,
         reports: Mapping[str, NodeReport],
         refusals: Sequence[Refusal],
+        health_faults: Sequence[Fault] = (),
     ) -> list[Action]:
         current = attempt.watch.current(attempt.assignments, reports)
         faults = attempt.watch.faults(now, attempt.assignments, reports, current)
         faults += refusal_faults(now, attempt.number, refusals)
+        faults += health_faults
         faults += self._stragglers(now, attempt, current)
         actions: list[Action] = []
         if attempt.rejoin is not None and not faults:
@@ -432,6 +464,10 @@ class JobController:
     def _after_failure(
         self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
     ) -> list[Action]:
+        if not attempt.assignments and all(
+            f.type is FaultType.HEALTH_CHECK_FAILED for f in attempt.faults
+        ):
+            return self._replace_at_launch(now, attempt, reports)
         decision = decide_restart(
             now,
             attempt.faults,
@@ -443,6 +479,11 @@ class JobController:
         )
         if isinstance(decision, GiveUp):
             return self._finish(now, JobPhase.FAILED, decision.reason)
+        unhealthy = [n for n in decision.nodes if self.health.unusable(n) is not None]
+        if unhealthy and not self.config.fresh_node_moves:  # one machine: no fresh node
+            why = "; ".join(w for n in unhealthy if (w := self.health.unusable(n)) is not None)
+            return self._finish(now, JobPhase.FAILED, f"{why}; {_spares_left(self.spares)}")
+        self._health_events(now, attempt, [r for n in unhealthy if (r := self.health.relaunch(n))])
         self.history.append(RestartRecord(now, decision.scope))
         self.timeline.set_scope(attempt.number, decision.scope.value)
         used = set(decision.nodes)
@@ -470,6 +511,38 @@ class JobController:
         return self._new_attempt(
             now, decision.scope.value, launch=self.nodes, reports=reports, retire=retired
         )
+
+    def _replace_at_launch(
+        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
+    ) -> list[Action]:
+        """Nodes failed their on-start checks before any rank started: swap them for
+        spares and bring those up. No rank ran, so no restart is counted."""
+        failed = list(dict.fromkeys(f.node for f in attempt.faults if f.node is not None))
+        if len(failed) > len(self.spares) and not self.config.fresh_node_moves:
+            why = "; ".join(w for n in failed if (w := self.health.unusable(n)) is not None)
+            return self._finish(now, JobPhase.FAILED, f"{why}; {_spares_left(self.spares)}")
+        replaced = dict(zip(failed, self.spares, strict=False))
+        self.spares = self.spares[len(replaced) :]
+        fresh = [n for n in failed if n not in replaced]  # no spare: a fresh one elsewhere
+        self._health_events(now, attempt, [r for n in fresh if (r := self.health.relaunch(n))])
+        self.nodes = tuple(replaced.get(n, n) for n in self.nodes)
+        self.timeline.set_scope(attempt.number, RestartScope.JOB.value)
+        self.avoid_hosts = hosts_to_avoid(
+            self.avoid_hosts, failed, self._hosts, len(failed) + len(self.avoid_hosts)
+        )
+        swaps = [f"{old} -> {new}" for old, new in replaced.items()]
+        swaps += [f"{n} -> a fresh {n} elsewhere" for n in fresh]
+        self._event(
+            now,
+            "NodesReplaced",
+            f"replacing {', '.join(swaps)} before any rank started (failed on-start health "
+            "checks; not counted as a restart)",
+            attempt=attempt.number + 1,
+            data={"replaced": replaced, "fresh": fresh},
+        )
+        launch = [*replaced.values(), *fresh]
+        retire = [n for n in failed if n in replaced]
+        return self._new_attempt(now, attempt.scope, launch, reports, retire=retire)
 
     def _can_restart_in_place(self, attempt: Attempt, reports: Mapping[str, NodeReport]) -> bool:
         if not self.config.in_process or self.restarts >= self.config.max_restarts:
@@ -572,3 +645,9 @@ class JobController:
         if attempt is None and self.attempts:
             attempt = self.attempts[-1].number
         self.record.event(now, kind, message, attempt, node, rank, data)
+
+
+def _spares_left(spares: Sequence[str]) -> str:
+    if not spares:
+        return "no spare node is left to replace it"
+    return f"only {len(spares)} spare node{'s' if len(spares) > 1 else ''} left to replace them"

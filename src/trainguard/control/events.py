@@ -28,6 +28,11 @@ class FaultType(StrEnum):
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     # A rank much slower than the job's median, with stragglerAction: restart.
     STRAGGLER = "Straggler"
+    # A node failed an on-start (deep) health check: it never takes ranks.
+    HEALTH_CHECK_FAILED = "HealthCheckFailed"
+    # A monitor found a node unhealthy (an XID, a lost GPU, a full disk, ...), or someone
+    # asked for the node to be replaced.
+    NODE_UNHEALTHY = "NodeUnhealthy"
 
     @property
     def is_hang(self) -> bool:
@@ -43,6 +48,8 @@ class FaultType(StrEnum):
             FaultType.NODE_STOP_TIMEOUT,
             FaultType.START_REFUSED,
             FaultType.STRAGGLER,
+            FaultType.HEALTH_CHECK_FAILED,
+            FaultType.NODE_UNHEALTHY,
         )
 
 

@@ -38,6 +38,7 @@ class JobState:
     steps_per_second: float | None = None
     rank_steps_per_second: Mapping[int, float] | None = None
     nodes: Mapping[str, int] | None = None
+    health: Mapping[str, int] | None = None  # nodes by node-health-status
     persist_lag_steps: int | None = None
     hot_spares: int | None = None
 
@@ -162,6 +163,16 @@ class JobObserver:
             steps_per_second=speed,
             rank_steps_per_second={r: 1.0 / s for r, s in paces.items() if s > 0},
             nodes=dict(nodes) if reports is not None else None,
+            health=health_counts(controller),
             persist_lag_steps=lag,
             hot_spares=spares if reports is not None else None,
         )
+
+
+def health_counts(controller: JobController) -> dict[str, int]:
+    """The job's nodes (current ones, and those it left) by node-health-status."""
+    book = controller.health
+    names = [*controller.nodes, *(n for n in book.nodes if n not in controller.nodes)]
+    return dict(
+        Counter(book.nodes[n].status.value if n in book.nodes else "Schedulable" for n in names)
+    )

@@ -106,6 +106,12 @@ class Metrics:
             "job",
         )
         self.nodes = gauge("nodes", "The job's nodes, by state.", "job", "state")
+        self.node_health = gauge(
+            "node_health",
+            "The job's nodes (current ones, and those it left) by HyperPod's node-health-status.",
+            "job",
+            "status",
+        )
         self.hot_spares = gauge("hot_spares_ready", "Idle hot spare processes.", "job")
         self.stragglers = counter("stragglers", "Ranks found slower than their peers.", "job")
 
@@ -121,6 +127,7 @@ class JobMetrics:
         self.job = job
         self._ranks: set[str] = set()
         self._states: set[str] = set()
+        self._health: set[str] = set()
         self._causes: set[str] = set()
         self._injected_at: float | None = None
         # Create the job's label sets now, so that a query sees zeros before any event.
@@ -190,6 +197,8 @@ class JobMetrics:
             self._ranks = _set_all(m.rank_steps_per_second, job, speeds, self._ranks)
         if state.nodes is not None:
             self._states = _set_all(m.nodes, job, state.nodes, self._states)
+        if state.health is not None:
+            self._health = _set_all(m.node_health, job, state.health, self._health)
         if state.persist_lag_steps is not None:
             m.persist_lag.labels(job).set(state.persist_lag_steps)
         if state.hot_spares is not None:
@@ -204,6 +213,7 @@ class JobMetrics:
             (m.downtime, self._causes),
             (m.rank_steps_per_second, self._ranks),
             (m.nodes, self._states),
+            (m.node_health, self._health),
         ):
             for key in keys:
                 _remove(family, job, key)

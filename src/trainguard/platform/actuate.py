@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from trainguard.platform.procs import alive, kill_recorded, pin, runs, start_time
 
@@ -144,3 +145,24 @@ class SignalActuator:
             throttle.halt(self._join_seconds)
         for process in stopped:
             process.send(signal.SIGCONT)
+
+
+def write_hook(directory: Path, kind: str, code: int | None = None) -> bool:
+    """Act on a node agent's rehearsal hooks (``agent/health.py``): ``xid`` appends a
+    kernel-log-style XID line to ``directory/kernel.log``, ``disk-full`` creates
+    ``directory/disk-full``. False when the directory cannot be written."""
+    from trainguard.agent.health import HOOK_DISK_FULL, HOOK_KERNEL_LOG
+    from trainguard.health.xid import xid_line
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if kind == "xid":
+            with open(directory / HOOK_KERNEL_LOG, "a", encoding="utf-8") as log:
+                log.write(xid_line(code or 79) + "\n")
+        elif kind == "disk-full":
+            (directory / HOOK_DISK_FULL).touch()
+        else:
+            raise ValueError(f"no hook for {kind!r}")
+    except OSError:
+        return False
+    return True

@@ -20,7 +20,7 @@ from trainguard.platform.transport import Delivery
 if TYPE_CHECKING:
     from trainguard.control.controller import JobController
 
-__all__ = ["Cancel", "Observation", "Platform"]
+__all__ = ["Cancel", "Observation", "Platform", "Replace"]
 
 
 @dataclass(frozen=True)
@@ -32,12 +32,22 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class Replace:
+    """Someone outside asked for a node to be replaced (``trainguard node replace``, a
+    node labelled ``UnschedulablePendingReplacement`` by hand)."""
+
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Observation:
     """What the platform sees at one instant."""
 
     reports: Mapping[str, NodeReport]
     cancel: Cancel | None = None
     refusals: Sequence[Refusal] = field(default_factory=tuple)
+    replace: Sequence[Replace] = field(default_factory=tuple)
 
 
 class Platform(Protocol):

@@ -57,6 +57,8 @@ def drive(
         actions: list[Action] = []
         if seen.cancel is not None:
             actions += controller.cancel(now, seen.cancel.reason, seen.cancel.phase)
+        if seen.replace:
+            controller.replace_nodes(now, [(r.node_id, r.reason) for r in seen.replace])
         actions += controller.observe(now, seen.reports, [*seen.refusals, *refusals])
         refusals = execute(platform, actions)
         platform.record(controller, seen)

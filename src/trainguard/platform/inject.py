@@ -6,7 +6,14 @@ A SPEC names a fault, its target and its trigger::
     hang:rank=R@step=S       SIGSTOP it (it stays stopped until the injector closes)
     node-kill:node=N@step=S  SIGKILL node rank N's agent and every worker's process group
     slow:rank=R@step=S       throttle the worker: SIGSTOP/SIGCONT in a duty cycle
+    xid:node=N[,code=C]@...  a kernel-log XID line (default 79) for node N's health monitor
+    disk-full:node=N@...     node N's free-space monitors report its disks full
+    health:node=N,check=C    node N fails its on-start health check C (no trigger: at launch)
     ...@Ts                   T seconds (float) after the job's first completed step
+
+``xid`` and ``disk-full`` go through the node agent's rehearsal hooks (files in its
+``--health-hooks`` directory; trainguard never writes to the real kernel log), and
+``health`` through its ``--health-fail`` flag.
 
 The :class:`Injector` decides (which injection is due, at which pid) and an
 :class:`Actuator` acts (signals, the throttle thread), so decisions can be
@@ -30,27 +37,42 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
-from trainguard.platform.actuate import SignalActuator
+from trainguard.health.suite import CHECK_NAMES
+from trainguard.platform.actuate import SignalActuator, write_hook
 from trainguard.wire.requests import StepInjection
 from trainguard.wire.status import InjectedFault
 
-KINDS = ("kill", "hang", "node-kill", "slow")
-_TARGET_KEY = {"kill": "rank", "hang": "rank", "slow": "rank", "node-kill": "node"}
+KINDS = ("kill", "hang", "node-kill", "slow", "xid", "disk-full", "health")
+_TARGET_KEY = {
+    "kill": "rank",
+    "hang": "rank",
+    "slow": "rank",
+    "node-kill": "node",
+    "xid": "node",
+    "disk-full": "node",
+    "health": "node",
+}
 _ACTION = {
     "kill": "SIGKILL",
     "hang": "SIGSTOP",
     "slow": "SIGSTOP/SIGCONT throttle",
     "node-kill": "SIGKILL agent and workers",
+    "xid": "an XID line in its kernel-log hook",
+    "disk-full": "its space monitors report full",
 }
+DEFAULT_XID = 79  # GPU has fallen off the bus
 
 INJECT_HELP = (
     "inject a fault (repeatable): kill:rank=R@step=S (SIGKILL), hang:rank=R@step=S (SIGSTOP), "
-    "node-kill:node=N@step=S (the node's agent and workers), slow:rank=R@step=S (throttled); "
+    "node-kill:node=N@step=S (the node's agent and workers), slow:rank=R@step=S (throttled), "
+    "xid:node=N[,code=C]@step=S (an XID in its kernel-log hook), disk-full:node=N@step=S, "
+    "health:node=N,check=NAME (fails that on-start check); "
     "@Ts (seconds after the first completed step) in place of @step=S"
 )
 
@@ -62,16 +84,18 @@ _SECONDS = re.compile(r"(\d+(?:\.\d*)?|\.\d+)s")
 class Injection:
     """One parsed ``--inject`` SPEC; exactly one of rank/node and one of at_step/at_seconds."""
 
-    kind: str  # "kill" | "hang" | "node-kill" | "slow"
+    kind: str  # one of KINDS
     rank: int | None
     node: int | None
     at_step: int | None
     at_seconds: float | None
     text: str  # the SPEC as given
+    code: int | None = None  # xid: the XID code
+    check: str | None = None  # health: the on-start check to fail
 
     @property
     def target(self) -> str:
-        return f"node {self.node}" if self.kind == "node-kill" else f"rank {self.rank}"
+        return f"rank {self.rank}" if self.rank is not None else f"node {self.node}"
 
     @property
     def trigger(self) -> str:
@@ -93,9 +117,12 @@ def parse_injection(text: str) -> Injection:
     if kind not in KINDS:
         raise bad(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
     key = _TARGET_KEY[kind]
+    if kind == "health":
+        return _health_injection(text, rest, bad)
     if rest.count("@") != 1:
         raise bad(f"expected one '@' between target and trigger, e.g. {kind}:{key}=1@step=10")
     target, trigger = rest.split("@")
+    target, code = _xid_code(kind, target, bad)
     name, equals, value = target.partition("=")
     if not equals or name != key:
         raise bad(f"{kind} takes a target {key}=N, got {target!r}")
@@ -126,7 +153,33 @@ def parse_injection(text: str) -> Injection:
         at_step=at_step,
         at_seconds=at_seconds,
         text=text,
+        code=code,
     )
+
+
+def _xid_code(kind: str, target: str, bad: Callable[[str], ValueError]) -> tuple[str, int | None]:
+    """``node=N[,code=C]`` of an xid injection: the target and the code (default 79)."""
+    if kind != "xid":
+        return target, None
+    node, comma, extra = target.partition(",")
+    if not comma:
+        return node, DEFAULT_XID
+    name, _, value = extra.partition("=")
+    if name != "code" or not _INT.fullmatch(value) or not 0 < int(value) < 1000:
+        raise bad(f"xid takes node=N[,code=C] with C an XID code (1..999), got {target!r}")
+    return node, int(value)
+
+
+def _health_injection(text: str, rest: str, bad: Callable[[str], ValueError]) -> Injection:
+    """``health:node=N,check=NAME``: node N fails that on-start check (at launch)."""
+    node, comma, check = rest.partition(",")
+    name, _, value = node.partition("=")
+    if "@" in rest or not comma or name != "node" or not _INT.fullmatch(value):
+        raise bad("expected health:node=N,check=NAME (no trigger: the check runs at launch)")
+    key, _, check_name = check.partition("=")
+    if key != "check" or check_name not in CHECK_NAMES:
+        raise bad(f"check must be one of {', '.join(CHECK_NAMES)}, got {check!r}")
+    return Injection("health", None, int(value), None, None, text, check=check_name)
 
 
 @dataclass(frozen=True)
@@ -137,6 +190,8 @@ class Targets:
     node_pids: Mapping[int, tuple[int, tuple[int, ...]]]  # node rank -> (agent pid, worker pids)
     # Ranks whose node's agent sees progress lines: it fires their delegated injections.
     agents_see: frozenset[int] = frozenset()
+    # node rank -> its agent's rehearsal hook directory (xid, disk-full).
+    node_hooks: Mapping[int, Path] = field(default_factory=dict)
 
     def node_of(self, pid: int) -> int | None:
         """The node rank whose workers include ``pid``, if known."""
@@ -165,9 +220,9 @@ class Fired:
             who += f" on node {self.node}"
         at = f"step {self.step}" if self.step is not None else "no step yet"
         pids = ", ".join(str(p) for p in self.pids)
-        action = _ACTION[self.injection.kind]
+        action = _ACTION[self.injection.kind] + (f"; pid {pids}" if pids else "")
         return (
-            f"injected {self.injection.kind} of {who} ({action}; pid {pids}) at {at} "
+            f"injected {self.injection.kind} of {who} ({action}) at {at} "
             f"[--inject {self.injection.text}]"
         )
 
@@ -221,7 +276,13 @@ class Injector:
                     f"--inject {injection.text!r}: node {injection.node} is out of range; "
                     f"the job has {nnodes} nodes (nodes 0..{nnodes - 1})"
                 )
-        self._pending = dict(enumerate(injections))  # id -> injection, in the order given
+        # id -> injection, in the order given; health injections act at launch instead.
+        self._pending = {k: i for k, i in enumerate(injections) if i.kind != "health"}
+        self.health_failures: dict[int, tuple[str, ...]] = {}  # node rank -> checks
+        for injection in injections:
+            if injection.kind == "health" and injection.node is not None and injection.check:
+                checks = self.health_failures.get(injection.node, ())
+                self.health_failures[injection.node] = (*checks, injection.check)
         self._delegate_steps = delegate_steps
         self._fired: list[Fired] = []
         self._actuator: Actuator = actuator if actuator is not None else SignalActuator()
@@ -298,7 +359,9 @@ class Injector:
 
     def _agents_fire(self, injection: Injection) -> bool:
         return (
-            self._delegate_steps and injection.at_step is not None and injection.kind != "node-kill"
+            self._delegate_steps
+            and injection.at_step is not None
+            and injection.kind in ("kill", "hang", "slow")
         )
 
     def _fire(
@@ -313,6 +376,12 @@ class Injector:
             if not self._actuator.kill_node(agent_pid, worker_pids):
                 return None
             return Fired(injection, now, step, None, injection.node, (agent_pid, *worker_pids))
+        if injection.kind in ("xid", "disk-full"):
+            assert injection.node is not None
+            hooks = targets.node_hooks.get(injection.node)
+            if hooks is None or not write_hook(hooks, injection.kind, injection.code):
+                return None
+            return Fired(injection, now, step, None, injection.node, ())
         assert injection.rank is not None
         pid = targets.rank_pids.get(injection.rank)
         if pid is None:

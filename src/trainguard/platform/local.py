@@ -35,7 +35,7 @@ from trainguard.platform.drive import drive
 from trainguard.platform.inbox import Inbox
 from trainguard.platform.inject import Injection, Injector
 from trainguard.platform.local_platform import LocalPlatform
-from trainguard.platform.node import AgentLauncher, NodeLauncher
+from trainguard.platform.node import AgentLauncher, HealthLaunch, NodeLauncher
 from trainguard.platform.procs import tune_gc_for_a_controller
 from trainguard.platform.resume import resumed_begin
 from trainguard.platform.store import JobRow, Store
@@ -116,6 +116,13 @@ class LocalRunner:
         self.memory_root = MEMORY_ROOT / self.job_id
         # Raises ValueError naming the SPEC when a target is out of range.
         self.injector = Injector(injections, plan.world_size, plan.nnodes, delegate_steps=True)
+        checks = plan.job.spec.trainguard.health_checks.checks
+        for injection in injections:
+            if injection.kind == "health" and injection.check not in checks:
+                raise ValueError(
+                    f"--inject {injection.text!r}: the job runs no {injection.check} check "
+                    f"(spec.trainguard.healthChecks.onStart: {', '.join(checks) or 'none'})"
+                )
         self.config, self.groups = control_config(plan, self.job_id, durable=True)
         self.launcher: NodeLauncher | None = None
         self.platform: LocalPlatform | None = None
@@ -169,6 +176,7 @@ class LocalRunner:
             self.launcher or self._agent_launcher(),
             memory_root=self.memory_root,
             injector=self.injector,
+            hooks_root=self.job_dir / "health",
             say=self._say,
             pump=self._pump,
             interrupted=lambda: self._interrupts > 0,
@@ -260,7 +268,14 @@ class LocalRunner:
         options = self.plan.job.spec.trainguard
         start = StartOptions(options.warm_start, tuple(options.preload_modules))
         grace = options.controller_grace_seconds
-        return AgentLauncher(self.job_dir, self.token_file, groups, env, start, grace)
+        node_ids = self.config.node_ids
+        fail = {
+            node_ids[rank]: checks
+            for rank, checks in self.injector.health_failures.items()
+            if rank < len(node_ids)
+        }
+        health = HealthLaunch(options.health_checks.settings(), self.job_dir / "health", fail)
+        return AgentLauncher(self.job_dir, self.token_file, groups, env, start, grace, health)
 
     def _result(self, controller: JobController) -> JobResult:
         reason = controller.reason or ""

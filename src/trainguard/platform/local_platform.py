@@ -28,14 +28,15 @@ from trainguard.control.contact import Contact, contact
 from trainguard.control.controller import JobController
 from trainguard.control.events import Event
 from trainguard.control.reports import NodeReport, Refusal
+from trainguard.health.suite import Peers
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
-from trainguard.platform.base import Cancel, Observation
+from trainguard.platform.base import Cancel, Observation, Replace
 from trainguard.platform.book import ReportBook
 from trainguard.platform.inject import Injector, Targets
 from trainguard.platform.node import LaunchedNode, NodeLauncher
 from trainguard.platform.procs import free_port, start_time
-from trainguard.platform.store import NodeRow, Store
+from trainguard.platform.store import JobRow, NodeRow, Store
 from trainguard.platform.transport import AgentTransport, Delivery
 from trainguard.wire.requests import InjectRequest, StepInjection
 from trainguard.wire.status import WorkerState
@@ -61,6 +62,7 @@ class LocalPlatform:
         *,
         memory_root: Path,
         injector: Injector,
+        hooks_root: Path | None = None,
         say: Callable[[str], None],
         pump: Callable[[IO[bytes]], None],
         interrupted: Callable[[], bool],
@@ -74,6 +76,7 @@ class LocalPlatform:
         self.launcher = launcher
         self.memory_root = memory_root
         self.injector = injector
+        self.hooks_root = hooks_root  # each agent's rehearsal hooks (xid, disk-full)
         self.nodes: dict[str, LaunchedNode] = {}  # the live agent of each node id
         self._unlocated: set[str] = set()  # launched, port not known yet
         self._say = say  # a line to the user
@@ -83,6 +86,7 @@ class LocalPlatform:
         self._live = live  # the live line on the terminal, if one
         self._launches = 0
         self._first_step_at: float | None = None
+        self._replacements_seen = 0  # node replacement requests handed on so far
         self._written: dict[str, object] = {}  # what the store has, by row key
         # What each node's agent holds of the step injections: (its incarnation, them).
         self._injections_out: dict[str, tuple[str, tuple[StepInjection, ...]]] = {}
@@ -98,14 +102,15 @@ class LocalPlatform:
     def launch(self, request: LaunchNodes) -> None:
         """Start a fresh agent per node, replacing a live one (one host: nothing to avoid)."""
         self._shutdown([n for n in request.node_ids if n in self.nodes])
-        for node_id in request.node_ids:
+        port, world = free_port(), len(request.node_ids)  # their connectivity check's
+        for rank, node_id in enumerate(request.node_ids):
             self._launches += 1
             incarnation = f"{node_id}.{self._launches}"
             # <node>/memory: the node's own tier; <node>/replicas: its copies of its peers'.
             (self.memory_root / node_id / "memory").mkdir(parents=True, exist_ok=True)
             self.book.reset(node_id, incarnation)
             try:
-                node = self.launcher(node_id, incarnation)
+                node = self.launcher(node_id, incarnation, Peers(rank, world, "127.0.0.1", port))
             except OSError as exc:
                 self.book.gone(node_id, f"its agent could not be launched: {exc}")
                 continue
@@ -173,11 +178,22 @@ class LocalPlatform:
             if (why := node.exited()) is not None:
                 self.book.gone(node_id, why)
         cancel = None
+        job = self.store.job(self.job_id)
         if self._interrupted():
             cancel = Cancel("interrupted (Ctrl-C)")
-        elif self.store.job(self.job_id).desired == "delete":
+        elif job.desired == "delete":
             cancel = Cancel("deleted by user")
-        return Observation(self.book.reports(), cancel)
+        return Observation(self.book.reports(), cancel, replace=self._replace_requests(job))
+
+    def _replace_requests(self, job: JobRow) -> list[Replace]:
+        """The node replacements asked for since the last look (`trainguard node replace`)."""
+        try:
+            requests = json.loads(job.node_requests)
+        except ValueError:
+            return []
+        new = requests[self._replacements_seen :]
+        self._replacements_seen = len(requests)
+        return [Replace(str(node), f"asked for by hand: {why}") for node, why in new]
 
     def _located(self) -> bool:
         """Whether a starting agent's port file has appeared."""
@@ -338,11 +354,16 @@ class LocalPlatform:
             if node.pid is not None:
                 node_pids[node_ranks[node_id]] = (node.pid, tuple(alive.values()))
         now = time.time()
+        hooks = (
+            {rank: self.hooks_root / node_id for node_id, rank in node_ranks.items()}
+            if self.hooks_root is not None
+            else {}
+        )
         fired = self.injector.poll(
             now,
             progress.step if progress else None,
             self._first_step_at,
-            Targets(rank_pids, node_pids, frozenset(agents_see)),
+            Targets(rank_pids, node_pids, frozenset(agents_see), hooks),
         )
         by_rank = {v: k for k, v in node_ranks.items()}
         for f in fired:

@@ -12,16 +12,27 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
 from trainguard.agent.client import AgentClient, AgentError
 from trainguard.agent.jobenv import encode_job_env
 from trainguard.agent.warm import WARM_STARTS, StartOptions
+from trainguard.health.settings import HealthSettings
+from trainguard.health.suite import Peers
 from trainguard.platform.procs import kill_group, kill_recorded, pin
 from trainguard.spec.plan import NodeGroupPlan
 
-__all__ = ["AGENT_SHUTDOWN_SECONDS", "AgentLauncher", "LaunchedNode", "LocalNode", "NodeLauncher"]
+__all__ = [
+    "AGENT_SHUTDOWN_SECONDS",
+    "AgentLauncher",
+    "HealthLaunch",
+    "LaunchedNode",
+    "LocalNode",
+    "NodeLauncher",
+]
 
 # Time an agent gets to exit after /shutdown before it is killed.
 AGENT_SHUTDOWN_SECONDS = 15.0
@@ -54,8 +65,28 @@ class LaunchedNode(Protocol):
 
 
 class NodeLauncher(Protocol):
-    def __call__(self, node_id: str, incarnation: str) -> LaunchedNode:
-        """Launch an agent for ``node_id`` that reports ``incarnation`` in its status."""
+    def __call__(self, node_id: str, incarnation: str, peers: Peers | None = None) -> LaunchedNode:
+        """Launch an agent for ``node_id`` that reports ``incarnation`` in its status;
+        ``peers``: its place among the nodes launched with it (the connectivity check)."""
+
+
+@dataclass(frozen=True)
+class HealthLaunch:
+    """What every agent gets of the job's health checks (``--health*`` flags)."""
+
+    options: HealthSettings
+    hooks_root: Path  # <hooks_root>/<node id>: each agent's rehearsal hooks
+    fail: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # node id -> checks
+
+    def agent_flags(self, node_id: str, peers: Peers | None) -> list[str]:
+        flags = ["--health", self.options.to_json()]
+        flags += ["--health-hooks", str(self.hooks_root / node_id)]
+        for check in self.fail.get(node_id, ()):
+            flags += ["--health-fail", check]
+        if peers is not None and "connectivity" in self.options.checks:
+            where = f"{peers.rank},{peers.world_size},{peers.master_addr},{peers.master_port}"
+            flags += ["--health-peers", where]
+        return flags
 
 
 class LocalNode:
@@ -131,17 +162,20 @@ class AgentLauncher:
         env: dict[str, dict[str, str]],
         start: StartOptions = WARM_STARTS,
         controller_grace: float = 0.0,
+        health: HealthLaunch | None = None,
     ) -> None:
         """``groups``: each node id's group; ``env``: each node id's extra agent env;
-        ``start``: how the agents start their workers (warm or fresh)."""
+        ``start``: how the agents start their workers (warm or fresh); ``health``: the
+        job's health checks and monitors."""
         self.job_dir = job_dir
         self.token_file = token_file
         self.groups = groups
         self.env = env
         self.start = start
         self.controller_grace = controller_grace  # agents outlive this process so long
+        self.health = health
 
-    def __call__(self, node_id: str, incarnation: str) -> LocalNode:
+    def __call__(self, node_id: str, incarnation: str, peers: Peers | None = None) -> LocalNode:
         group = self.groups[node_id]
         agents_dir = self.job_dir / "agents"
         agents_dir.mkdir(parents=True, exist_ok=True)
@@ -175,6 +209,8 @@ class AgentLauncher:
         # The job's env (secrets among it) through the agent's environment, which only its
         # user can read, never its argv (everybody's `ps`); the rest is inherited (AWS_*...).
         job_env = encode_job_env({**group.env, **self.env.get(node_id, {})})
+        if self.health is not None:
+            argv += self.health.agent_flags(node_id, peers)
         argv += [*self.start.agent_flags(), "--", *group.command]
         with open(agents_dir / f"{node_id}.log", "ab") as agent_log:
             process = subprocess.Popen(

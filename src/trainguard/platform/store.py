@@ -33,6 +33,8 @@ _ADDED_COLUMNS = (
     ("jobs", "controller_started", "TEXT"),
     ("nodes", "agent_started", "TEXT"),
     ("nodes", "worker_starts_json", "TEXT NOT NULL DEFAULT '[]'"),
+    # Nodes someone asked to replace (`trainguard node replace`): [[node id, why], ...].
+    ("jobs", "node_requests", "TEXT NOT NULL DEFAULT '[]'"),
 )
 # How long a write waits for a competing writer before giving up.
 BUSY_TIMEOUT_SECONDS = 30.0
@@ -189,6 +191,7 @@ class JobRow:
     spec_json: str
     faults_json: str = "[]"
     controller_started: str | None = None  # the controller's start time (procs.start_time)
+    node_requests: str = "[]"  # [[node id, why], ...]: replacements asked for, in order
 
 
 @dataclass(frozen=True)
@@ -330,6 +333,16 @@ class Store:
         """Ask the job's controller (in whatever process) to act, e.g. ``desired="delete"``."""
         with self._tx() as db:
             db.execute("UPDATE jobs SET desired = ? WHERE id = ?", (desired, job_id))
+
+    def request_replace(self, job_id: str, node_id: str, reason: str) -> None:
+        """Ask the job's controller to replace a node (``trainguard node replace``)."""
+        with self._tx() as db:
+            row = db.execute("SELECT node_requests FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            requests = json.loads(row["node_requests"]) if row is not None else []
+            requests.append([node_id, reason])
+            db.execute(
+                "UPDATE jobs SET node_requests = ? WHERE id = ?", (json.dumps(requests), job_id)
+            )
 
     def job(self, ref: str) -> JobRow:
         """A job by id, or by name when the name is unique (the newest is taken)."""

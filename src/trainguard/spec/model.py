@@ -32,6 +32,7 @@ from trainguard.spec.fields import (
     SpecModel,
     field_problem,
 )
+from trainguard.spec.health import HealthOptions
 from trainguard.spec.kube import (
     Container,
     EnvVar,
@@ -385,6 +386,11 @@ class TrainguardOptions(SpecModel):
     logs: LogOptions = Field(
         default_factory=LogOptions,
         description="trainguard extension: each rank's log cap on disk and its rotations.",
+    )
+    health_checks: HealthOptions = Field(
+        default_factory=HealthOptions,
+        description="trainguard extension: deep checks before a node takes ranks, and the "
+        "monitors that watch it while it works.",
     )
 
     @model_validator(mode="after")

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from trainguard.wire.base import Wire
+from trainguard.wire.health import HealthReport
 
 __all__ = [
     "Beat",
@@ -236,6 +237,7 @@ class NodeStatus(Wire):
     checkpoint: CheckpointStatus = CheckpointStatus()
     injected: tuple[InjectedFault, ...] = ()  # step injections carried out (rehearsals)
     hot_spares: int = Field(default=0, ge=0)  # idle hot spare processes, ready to take a rank
+    health: HealthReport = HealthReport()  # deep checks and monitors' findings (wire/health.py)
 
     @property
     def live_workers(self) -> int:
