@@ -3,12 +3,17 @@
 - :class:`ApiServer`: kmock's ``KubernetesEmulator`` (a stateful API over HTTP, with
   watches) on a background thread, filling in what a real API server adds on create
   (namespace, uid, creationTimestamp) and serving pod logs from the kubelet.
-- :class:`Kubelet`: polls the pods, schedules each onto a fake Node that satisfies its
-  required node affinity (In, NotIn, Exists, DoesNotExist), runs its first container's
-  command as a local process group with its own loopback pod IP (127.77.0.N) and its
-  environment (``value``, ``fieldRef`` podIP/name/namespace, ``secretKeyRef``, ``$(VAR)``
-  expansion), and writes the pod status back (Running with podIP, then Succeeded/Failed
-  with the exit code). A deleted pod gets SIGTERM, then SIGKILL after a grace period.
+- :class:`Kubelet`: polls the pods, schedules each onto a fake Node (as the API server
+  has it now: labels and taints) that satisfies its required node affinity (In, NotIn,
+  Exists, DoesNotExist) and whose NoSchedule/NoExecute taints it tolerates, preferring
+  the Nodes its preferred node affinity weighs most, then the least loaded (a pod that
+  names its ``spec.nodeName``, as a DaemonSet's do, goes there); runs its first
+  container's command as a local process group with its own loopback pod IP
+  (127.77.0.N) and its environment (``value``, ``fieldRef`` podIP/name/namespace/
+  nodeName, ``secretKeyRef``, ``$(VAR)`` expansion), and writes the pod status back
+  (Running with podIP, then Succeeded/Failed with the exit code). A deleted pod gets
+  SIGTERM, then SIGKILL after a grace period. Its processes' ``$HOME`` is the kubelet's
+  root: a kubeconfig at ``<root>/.kube/config`` is what they connect with.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "v1/events": kmock.ResourceInfo(namespaced=True, kind="Event"),
     "v1/serviceaccounts": kmock.ResourceInfo(namespaced=True, kind="ServiceAccount"),
     "apps/v1/deployments": kmock.ResourceInfo(namespaced=True, kind="Deployment"),
+    "apps/v1/daemonsets": kmock.ResourceInfo(namespaced=True, kind="DaemonSet"),
     "rbac.authorization.k8s.io/v1/clusterroles": kmock.ResourceInfo(
         namespaced=False, kind="ClusterRole"
     ),
@@ -296,7 +302,7 @@ class Kubelet:
         ip = f"127.77.0.{self._next_ip}"
         self._next_ip += 1
         container = spec["containers"][0]
-        env = self._environment(container, namespace, name, ip)
+        env = self._environment(container, namespace, name, ip, node)
         argv = [
             _expand(arg, env) for arg in [*container.get("command", []), *container.get("args", [])]
         ]
@@ -376,28 +382,54 @@ class Kubelet:
                 raise
 
     def _schedule(self, pod: Obj) -> str | None:
-        """The matching node with the fewest of our pods (so a job's pods spread out)."""
-        affinity = ((pod["spec"].get("affinity") or {}).get("nodeAffinity") or {}).get(
-            "requiredDuringSchedulingIgnoredDuringExecution"
-        )
-        terms = (affinity or {}).get("nodeSelectorTerms") or [{}]
-        selector = pod["spec"].get("nodeSelector") or {}
-        load = {n: 0 for n in self.nodes}
+        """The fitting node its preferred affinity weighs most, then the one with the
+        fewest of our pods (so a job's pods spread out); or the node the pod names."""
+        spec = pod["spec"]
+        if spec.get("nodeName"):
+            return str(spec["nodeName"])
+        node_affinity = (spec.get("affinity") or {}).get("nodeAffinity") or {}
+        required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
+        terms = (required or {}).get("nodeSelectorTerms") or [{}]
+        preferred = node_affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []
+        selector = spec.get("nodeSelector") or {}
+        tolerations = spec.get("tolerations") or []
+        raw = self.api.core.list_node(_preload_content=False)
+        nodes = {
+            n["metadata"]["name"]: n
+            for n in json.loads(raw.data).get("items") or []
+            if n["metadata"]["name"] in self.nodes
+        }
+        load = {n: 0 for n in nodes}
         with self._lock:
             for running in self.pods.values():
-                if running.process.poll() is None:
+                if running.process.poll() is None and running.node in load:
                     load[running.node] += 1
-        fitting = [
-            name
-            for name, labels in self.nodes.items()
-            if all(labels.get(k) == v for k, v in selector.items())
-            and any(_term_matches(t, {"kubernetes.io/hostname": name, **labels}) for t in terms)
-        ]
-        return min(fitting, key=lambda n: (load[n], n)) if fitting else None
+        score: dict[str, int] = {}
+        for name, node in nodes.items():
+            labels = {"kubernetes.io/hostname": name, **(node["metadata"].get("labels") or {})}
+            taints = (node.get("spec") or {}).get("taints") or []
+            if (
+                all(labels.get(k) == v for k, v in selector.items())
+                and any(_term_matches(t, labels) for t in terms)
+                and all(_tolerated(t, tolerations) for t in taints)
+            ):
+                score[name] = sum(
+                    int(p.get("weight", 0))
+                    for p in preferred
+                    if _term_matches(p.get("preference") or {}, labels)
+                )
+        return min(score, key=lambda n: (-score[n], load[n], n)) if score else None
 
-    def _environment(self, container: Obj, namespace: str, name: str, ip: str) -> dict[str, str]:
+    def _environment(
+        self, container: Obj, namespace: str, name: str, ip: str, node: str
+    ) -> dict[str, str]:
         env: dict[str, str] = {}
-        fields = {"status.podIP": ip, "metadata.name": name, "metadata.namespace": namespace}
+        fields = {
+            "status.podIP": ip,
+            "metadata.name": name,
+            "metadata.namespace": namespace,
+            "spec.nodeName": node,
+        }
         for var in container.get("env") or []:
             source = var.get("valueFrom")
             if source is None:
@@ -423,6 +455,23 @@ def _term_matches(term: Obj, labels: dict[str, str]) -> bool:
         if not ok:
             return False
     return True
+
+
+def _tolerated(taint: Obj, tolerations: list[Obj]) -> bool:
+    """A taint a pod may land under: PreferNoSchedule, or one of its tolerations matches."""
+    if taint.get("effect") not in ("NoSchedule", "NoExecute"):
+        return True
+    for toleration in tolerations:
+        if toleration.get("effect") not in (None, "", taint.get("effect")):
+            continue
+        if toleration.get("operator") == "Exists":
+            if toleration.get("key") in (None, "", taint.get("key")):
+                return True
+        elif toleration.get("key") == taint.get("key") and toleration.get("value") == taint.get(
+            "value"
+        ):
+            return True
+    return False
 
 
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")

@@ -52,6 +52,8 @@ def test_manifests_are_valid_kubernetes() -> None:
         "ServiceAccount",
         "Role",
         "RoleBinding",
+        "ClusterRole",  # node health labels: nodes are cluster-scoped
+        "ClusterRoleBinding",
         "Role",  # the replicas' leader election, in the operator's namespace
         "RoleBinding",
         "Deployment",
@@ -60,7 +62,7 @@ def test_manifests_are_valid_kubernetes() -> None:
     for doc in docs:
         validate(doc)
     # Strict means strict: an unknown field fails.
-    broken = docs[7]
+    broken = docs[9]
     broken["spec"]["replicaz"] = 1
     with pytest.raises(kubernetes_validate.ValidationError):
         validate(broken)
@@ -103,8 +105,15 @@ def granted(rules: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
 def test_rbac_is_namespaced_by_default_and_grants_only_what_the_operator_uses() -> None:
     code, docs, _ = manifests()
     assert code == 0
-    kinds = {d["kind"] for d in docs}
-    assert "ClusterRole" not in kinds and "ClusterRoleBinding" not in kinds
+    # The one cluster-wide right: node health labels (Nodes are cluster-scoped).
+    cluster_roles = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert [r["metadata"]["name"] for r in cluster_roles] == ["trainguard-operator-nodes"]
+    assert granted(cluster_roles[0]["rules"]) == {("", "nodes"): {"get", "list", "patch"}}
+    cluster_binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding")
+    assert cluster_binding["roleRef"]["name"] == "trainguard-operator-nodes"
+    assert cluster_binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "trainguard-operator", "namespace": "trainguard-system"}
+    ]
     role = next(d for d in docs if d["kind"] == "Role")
     binding = next(d for d in docs if d["kind"] == "RoleBinding")
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "default"
@@ -135,12 +144,14 @@ def test_rbac_scope_follows_the_install_flags() -> None:
     assert code == 0
     for doc in docs:
         validate(doc)
-    roles = [(d["kind"], d["metadata"]["namespace"]) for d in docs if "Role" in d["kind"]]
+    roles = [(d["kind"], d["metadata"].get("namespace")) for d in docs if "Role" in d["kind"]]
     assert roles == [
         ("Role", "ml"),
         ("RoleBinding", "ml"),
         ("Role", "research"),
         ("RoleBinding", "research"),
+        ("ClusterRole", None),  # nodes only: node health labels
+        ("ClusterRoleBinding", None),
         ("Role", "trainguard-system"),  # leader election: Leases in its own namespace only
         ("RoleBinding", "trainguard-system"),
     ]
@@ -158,11 +169,19 @@ def test_rbac_scope_follows_the_install_flags() -> None:
         validate(doc)
     roles = [d["metadata"]["name"] for d in docs if d["kind"] in ("Role", "RoleBinding")]
     assert roles == ["trainguard-operator-leader"] * 2  # no job rights in a namespace
-    cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
+    cluster_role = next(
+        d
+        for d in docs
+        if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "trainguard-operator"
+    )
     assert "namespace" not in cluster_role["metadata"]
     expected = {k: v for k, v in OPERATOR_VERBS.items() if k[0] != "networking.k8s.io"}
     assert granted(cluster_role["rules"]) == expected
-    binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding")
+    binding = next(
+        d
+        for d in docs
+        if d["kind"] == "ClusterRoleBinding" and d["metadata"]["name"] == "trainguard-operator"
+    )
     assert binding["roleRef"]["kind"] == "ClusterRole"
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
@@ -280,7 +299,7 @@ def test_job_pods_service_and_secret_are_valid_kubernetes() -> None:
     terms = pod["spec"]["affinity"]["nodeAffinity"][
         "requiredDuringSchedulingIgnoredDuringExecution"
     ]["nodeSelectorTerms"]
-    health = settings.node_health_label
+    health = "trainguard.dev/node-health-status"
     assert [t["matchExpressions"] for t in terms] == [
         [
             {"key": health, "operator": "DoesNotExist"},
@@ -514,7 +533,7 @@ def test_install_and_uninstall_apply_every_object(
             with contextlib.redirect_stdout(out):
                 assert main([verb, "--kubeconfig", kubeconfig]) == 0
             lines = out.getvalue().splitlines()
-            assert len(lines) == 8 and all(line.endswith(f" {word}") for line in lines), lines
+            assert len(lines) == 10 and all(line.endswith(f" {word}") for line in lines), lines
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             assert main(["uninstall", "--kubeconfig", kubeconfig]) == 0

@@ -9,5 +9,9 @@
 - ``runner``: one job (set-up, the loop on a worker thread, clean-up);
 - ``status`` / ``record``: the custom resource's status, Events and metrics
   (``trainguard.observe.metrics``) from the controller;
+- ``node_labels`` / ``node_health``: node health on Kubernetes Nodes (HyperPod's labels,
+  the unhealthy taint): the rules (pure), and the operator's reads and writes;
+- ``health_agent`` / ``health_manifests``: the node health agent's DaemonSet
+  (``python -m trainguard.kube.health_agent``) and its manifests;
 - ``operator``: the kopf handlers (``python -m trainguard.kube.operator``); ``cli``: verbs.
 """

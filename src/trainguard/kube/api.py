@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import urllib3
@@ -203,6 +203,30 @@ class KubeApi:
             for e in data.get("items") or []
             if (e.get("involvedObject") or {}).get("name") == involved_name
         ]
+
+    # -- Nodes (cluster-scoped: node health labels and taints) --------------------------
+
+    def get_node(self, name: str) -> Obj:
+        return self._json(self.core.read_node, name)
+
+    def list_nodes(self, label: str, values: Sequence[str]) -> list[Obj]:
+        """The Nodes whose label ``label`` has one of ``values`` (a set-based selector)."""
+        selector = f"{label} in ({','.join(values)})"
+        data = self._json(self.core.list_node, label_selector=selector)
+        # Filtered here too: cheap, and correct against servers that ignore the selector.
+        return [
+            node
+            for node in data.get("items") or []
+            if (node.get("metadata", {}).get("labels") or {}).get(label) in values
+        ]
+
+    def patch_node(self, name: str, patch: Obj) -> Obj:
+        """A JSON merge patch of the Node (a list in it, such as ``spec.taints``, replaces
+        the Node's; ``metadata.resourceVersion`` in it makes a changed Node a
+        :class:`Conflict`)."""
+        return self._json(
+            self.core.patch_node, name, patch, _content_type="application/merge-patch+json"
+        )
 
     # -- the operators' leader election -----------------------------------------------
 

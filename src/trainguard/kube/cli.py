@@ -17,6 +17,7 @@ import yaml
 
 from trainguard.kube.api import ConfigError, KubeApi, KubeError, NotFound
 from trainguard.kube.config import API_VERSION_FULL, DEFAULT_JOB_NAMESPACE, KIND, OperatorConfig
+from trainguard.kube.health_manifests import HealthAgentOptions
 from trainguard.kube.manifests import all_objects, to_yaml
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.status import parse_time
@@ -80,14 +81,20 @@ def _context_namespace(kubeconfig: str | None, context: str | None) -> str:
 def _install_objects(args: argparse.Namespace) -> list[Obj]:
     """What ``manifests``, ``install`` and ``uninstall`` act on, from the install flags."""
     settings = OperatorConfig(
-        allow_privileged_pods=args.allow_privileged_pods, network_policy=args.network_policies
+        allow_privileged_pods=args.allow_privileged_pods,
+        network_policy=args.network_policies,
+        hyperpod_labels=args.hyperpod_labels,
+        node_labels=args.node_labels,
     )
+    kernel_log = args.health_agent_kernel_log
+    agent = HealthAgentOptions(kernel_log) if args.health_agent or kernel_log else None
     return all_objects(
         args.operator_namespace,
         args.image,
         settings,
         tuple(args.job_namespaces or (DEFAULT_JOB_NAMESPACE,)),
         args.all_namespaces,
+        agent,
     )
 
 

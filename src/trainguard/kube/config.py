@@ -43,6 +43,23 @@ DEFAULT_NAMESPACE: Final = "trainguard-system"
 DEFAULT_JOB_NAMESPACE: Final = "default"
 DEFAULT_IMAGE: Final = "ghcr.io/trainguard/trainguard:latest"
 
+# Node health: HyperPod's two labels on every Kubernetes Node, under trainguard's prefix
+# (GROUP) or, with OperatorConfig.hyperpod_labels, HyperPod's own; and the taint an
+# unhealthy Node gets (its value: the Node's status), with the reason as an annotation.
+HEALTH_STATUS_LABEL: Final = "node-health-status"
+DEEP_HEALTH_LABEL: Final = "deep-health-check-status"
+HYPERPOD_LABEL_PREFIX: Final = "sagemaker.amazonaws.com"
+UNHEALTHY_TAINT: Final = f"{GROUP}/unhealthy"
+HEALTH_REASON_ANNOTATION: Final = f"{GROUP}/node-health-reason"
+# The health agent's DaemonSet (kube/health_agent.py): its name, labels, and the
+# downward-API variable that names its Node.
+HEALTH_AGENT_NAME: Final = "trainguard-health-agent"
+HEALTH_AGENT_LABELS: Final = {
+    "app.kubernetes.io/name": "trainguard",
+    "app.kubernetes.io/component": "health-agent",
+}
+NODE_NAME_ENV: Final = "TRAINGUARD_NODE_NAME"
+
 # The operator's Deployment, and its Service: /metrics, and the agents' pushed reports.
 OPERATOR_NAME: Final = "trainguard-operator"
 OPERATOR_SERVICE: Final = f"{OPERATOR_NAME}-metrics"
@@ -61,9 +78,16 @@ OPERATOR_LABELS: Final = {
 class OperatorConfig:
     """Settings of the operator; each field can be set by ``TRAINGUARD_<FIELD_UPPER>``."""
 
-    # Node health: pods only go to nodes whose label is absent or has a healthy value.
-    node_health_label: str = "sagemaker.amazonaws.com/node-health-status"
+    # Node health labels: <prefix>/node-health-status and <prefix>/deep-health-check-status
+    # under trainguard.dev, or HyperPod's sagemaker.amazonaws.com with hyperpod_labels.
+    # Job pods only go to Nodes whose status label is absent or one of
+    # node_healthy_values (required), and prefer deep-health-check-status Passed.
+    hyperpod_labels: bool = False
     node_healthy_values: tuple[str, ...] = ("Schedulable",)
+    # The operator labels and taints the Node of a job node found unhealthy, and moves a
+    # job's pods off Nodes labelled UnschedulablePendingReplacement (or ...Reboot) by
+    # others: a ClusterRole on nodes (get, list, patch). False: no rights on nodes.
+    node_labels: bool = True
     # Ports inside every job pod: the agent API, and the base of the per-attempt rendezvous.
     agent_port: int = 8471
     rendezvous_port_base: int = 29500
@@ -100,6 +124,20 @@ class OperatorConfig:
     # replaced, and its successor adopts the running jobs (kube/adopt.py).
     leader_election: bool = True
     lease_seconds: float = 15.0
+
+    @property
+    def label_prefix(self) -> str:
+        return HYPERPOD_LABEL_PREFIX if self.hyperpod_labels else GROUP
+
+    @property
+    def health_label(self) -> str:
+        """The key of a Node's ``node-health-status`` label."""
+        return f"{self.label_prefix}/{HEALTH_STATUS_LABEL}"
+
+    @property
+    def deep_health_label(self) -> str:
+        """The key of a Node's ``deep-health-check-status`` label."""
+        return f"{self.label_prefix}/{DEEP_HEALTH_LABEL}"
 
     def namespace(self) -> str:
         """The operator's namespace: the setting, else its service account's, else the default."""

@@ -77,6 +77,32 @@ def add_install_flags(parser: argparse.ArgumentParser) -> None:
         help="give jobs no NetworkPolicy (default: a job's pods take traffic only from each "
         "other, and the agent port only from the operator)",
     )
+    health = parser.add_argument_group("node health")
+    health.add_argument(
+        "--hyperpod-labels",
+        action="store_true",
+        help="node health labels under HyperPod's sagemaker.amazonaws.com/ prefix (default "
+        "trainguard.dev/): node-health-status, deep-health-check-status",
+    )
+    health.add_argument(
+        "--no-node-labels",
+        dest="node_labels",
+        action="store_false",
+        help="the operator neither labels nor taints unhealthy Nodes, nor reads their labels "
+        "(no ClusterRole on nodes; pods still require a healthy label)",
+    )
+    health.add_argument(
+        "--health-agent",
+        action="store_true",
+        help="a DaemonSet that runs the deep health checks on every Node, watches it, and "
+        "labels and taints it",
+    )
+    health.add_argument(
+        "--health-agent-kernel-log",
+        action="store_true",
+        help="the health agent also reads XID/NVRM lines from /dev/kmsg: it runs privileged, "
+        "as root (implies --health-agent)",
+    )
 
 
 def add_submit_flags(parser: argparse.ArgumentParser) -> None:

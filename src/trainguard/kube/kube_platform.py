@@ -11,7 +11,10 @@ processes:
   being deleted or ended is a ``gone`` node; a pod with an IP locates its agent (and its
   host). The agents' statuses come through the transport (polls, pushes). A pod that
   never gets an IP is the controller's to time out (``node_start_timeout``). Pods of
-  the job that no node owns (an earlier operator's) are deleted;
+  the job that no node owns (an earlier operator's) are deleted. With the same listing,
+  a pod on a Node labelled to be moved off (``UnschedulablePendingReplacement``, by hand
+  or by the health agent) asks for its node's replacement
+  (:meth:`~trainguard.kube.node_health.NodeHealthLabels.replacements`);
 - **record** patches the job's status and records Events and metrics
   (:class:`~trainguard.kube.record.ClusterRecord`).
 
@@ -41,9 +44,10 @@ from trainguard.control.reports import NodeReport, Refusal
 from trainguard.kube.api import KubeApi, KubeError
 from trainguard.kube.config import OperatorConfig
 from trainguard.kube.node import PodNode
+from trainguard.kube.node_health import NodeHealthLabels
 from trainguard.kube.pods import job_selector, node_pod, pod_name, service_name
 from trainguard.kube.record import ClusterRecord
-from trainguard.platform.base import Cancel, Observation
+from trainguard.platform.base import Cancel, Observation, Replace
 from trainguard.platform.book import ReportBook
 from trainguard.platform.transport import AgentTransport, Delivery
 from trainguard.spec import NodeGroupPlan, TrainingJob
@@ -114,6 +118,7 @@ class KubePlatform:
         poll_interval: float,
         unreachable_after: int,
         clock: Callable[[], float] = time.time,
+        node_health: NodeHealthLabels | None = None,
     ) -> None:
         self.api = api
         self.job = job
@@ -127,6 +132,7 @@ class KubePlatform:
         self.poll_interval = poll_interval
         self.unreachable_after = unreachable_after
         self.clock = clock
+        self.node_health = node_health  # None: Node labels are not read
         self.name = job.metadata.name
         self.namespace = job.metadata.namespace or "default"
         self.source = f"{self.namespace}/{self.name}"
@@ -246,7 +252,7 @@ class KubePlatform:
 
     def observe(self, now: float) -> Observation:
         cancel = self.outside.check()
-        self._list(now)
+        listed = self._list(now)
         port = self.settings.agent_port
         for node_id, node in self.nodes.items():
             node.observe(self._listing.get(node.pod_name))
@@ -256,18 +262,22 @@ class KubePlatform:
             elif (url := node.agent_url(port)) is not None and self.book.url(node_id) != url:
                 self.book.located(node_id, url, host=node.host)
         self._seen = dict(self.nodes)
-        return Observation(self.book.reports(), cancel)
+        replace: list[Replace] = []
+        if listed and self.node_health is not None:
+            replace = self.node_health.replacements(self.nodes)
+        return Observation(self.book.reports(), cancel, replace=tuple(replace))
 
-    def _list(self, now: float, force: bool = False) -> None:
-        """List the job's pods, at most once per poll interval; delete the unowned ones."""
+    def _list(self, now: float, force: bool = False) -> bool:
+        """List the job's pods, at most once per poll interval; delete the unowned ones.
+        Whether it listed."""
         if not force and self._listed_at is not None and now - self._listed_at < self.poll_interval:
-            return
+            return False
         try:
             pods = self.api.list_pods(self.namespace, job_selector(self.name))
         except KubeError as exc:
             # Without a listing, every node keeps its last view; the next look tries again.
             logger.warning("%s: cannot list pods: %s", self.source, exc)
-            return
+            return False
         self._listed_at = now
         self._listing = {p["metadata"]["name"]: p for p in pods}
         owned = {n.pod_name for n in self.nodes.values()}
@@ -275,6 +285,7 @@ class KubePlatform:
             if name not in owned and not (pod.get("metadata") or {}).get("deletionTimestamp"):
                 self._doomed.add(name)
         _each(self._delete, sorted(self._doomed))
+        return True
 
     # -- the record ----------------------------------------------------------------------
 

@@ -15,8 +15,17 @@ The rights are a Role and RoleBinding in each namespace the operator runs jobs i
 ClusterRole and ClusterRoleBinding, and the operator then watches every namespace.
 In its own namespace, a Role on Leases (get, create, update) lets its two replicas
 elect a leader (``kube/leader.py``).
-kopf's cluster scanning is off, so no rights on CRDs or namespaces. The Helm chart in
-``deploy/helm/trainguard`` renders the same objects.
+
+One ClusterRole even in a namespaced install: Nodes are cluster-scoped, and a Role
+cannot grant rights on them. The operator reads and writes node health labels and
+taints (``kube/node_health.py``): nodes get, list (only those labelled to be moved off,
+by label selector), patch; never create, delete, watch, nor any other cluster-scoped
+resource. ``node_labels`` off (``--no-node-labels``) leaves it out, and the operator
+then neither labels Nodes nor reads their labels.
+
+kopf's cluster scanning is off, so no rights on CRDs or namespaces. The health agent's
+DaemonSet (``--health-agent``) is :mod:`trainguard.kube.health_manifests`. The Helm
+chart in ``deploy/helm/trainguard`` renders the same objects.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from trainguard.kube.config import (
     OperatorConfig,
 )
 from trainguard.kube.crd import crd
+from trainguard.kube.health_manifests import HealthAgentOptions, health_agent_objects
 
 Obj = dict[str, Any]
 
@@ -62,6 +72,10 @@ LEASE_RULES: list[Obj] = [
         "verbs": ["get", "create", "update"],
     },
 ]
+NODE_RULES: list[Obj] = [
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]},
+]
+NODES_ROLE = f"{OPERATOR_NAME}-nodes"
 NETWORK_POLICY_RULE: Obj = {
     "apiGroups": ["networking.k8s.io"],
     "resources": ["networkpolicies"],
@@ -108,6 +122,27 @@ def rbac_objects(
     return objects
 
 
+def node_objects(namespace: str) -> list[Obj]:
+    """The ClusterRole on nodes and its ClusterRoleBinding (see the module docstring)."""
+    meta = {"name": NODES_ROLE, "labels": dict(_LABELS)}
+    subject = {"kind": "ServiceAccount", "name": OPERATOR_NAME, "namespace": namespace}
+    return [
+        {
+            "apiVersion": f"{_RBAC}/v1",
+            "kind": "ClusterRole",
+            "metadata": dict(meta),
+            "rules": NODE_RULES,
+        },
+        {
+            "apiVersion": f"{_RBAC}/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": dict(meta),
+            "roleRef": {"apiGroup": _RBAC, "kind": "ClusterRole", "name": NODES_ROLE},
+            "subjects": [subject],
+        },
+    ]
+
+
 def leader_objects(namespace: str) -> list[Obj]:
     """The Role and RoleBinding on Leases in the operator's own namespace."""
     name = f"{OPERATOR_NAME}-leader"
@@ -131,9 +166,11 @@ def operator_objects(
     settings: OperatorConfig | None = None,
     job_namespaces: Sequence[str] = (DEFAULT_JOB_NAMESPACE,),
     all_namespaces: bool = False,
+    health_agent: HealthAgentOptions | None = None,
 ) -> list[Obj]:
     """The operator's Namespace, ServiceAccount, Role(s) and binding(s) (see
-    :func:`rbac_objects`), Deployment and Service.
+    :func:`rbac_objects`; :func:`node_objects`), Deployment and Service; then the health
+    agent's objects, when asked for.
 
     The operator watches ``job_namespaces`` (or every namespace). The Service serves its
     metrics and takes the reports the agents of every job push (at
@@ -155,6 +192,7 @@ def operator_objects(
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": OPERATOR_NAME, **meta}},
         *rbac_objects(namespace, settings, job_namespaces, all_namespaces),
+        *(node_objects(namespace) if settings.node_labels else []),
         *(leader_objects(namespace) if settings.leader_election else []),
         {
             "apiVersion": "apps/v1",
@@ -188,6 +226,11 @@ def operator_objects(
                 ],
             },
         },
+        *(
+            health_agent_objects(namespace, image, settings, health_agent)
+            if health_agent is not None
+            else []
+        ),
     ]
 
 
@@ -235,9 +278,13 @@ def all_objects(
     settings: OperatorConfig | None = None,
     job_namespaces: Sequence[str] = (DEFAULT_JOB_NAMESPACE,),
     all_namespaces: bool = False,
+    health_agent: HealthAgentOptions | None = None,
 ) -> list[Obj]:
     """The CRD first (the rest may refer to it), then the operator's objects."""
-    return [crd(), *operator_objects(namespace, image, settings, job_namespaces, all_namespaces)]
+    return [
+        crd(),
+        *operator_objects(namespace, image, settings, job_namespaces, all_namespaces, health_agent),
+    ]
 
 
 def to_yaml(objects: list[Obj]) -> str:
@@ -249,10 +296,13 @@ __all__ = [
     "LEASE_RULES",
     "MANAGER",
     "NETWORK_POLICY_RULE",
+    "NODES_ROLE",
+    "NODE_RULES",
     "OPERATOR_NAME",
     "RBAC_RULES",
     "all_objects",
     "leader_objects",
+    "node_objects",
     "operator_objects",
     "rbac_objects",
     "rbac_rules",

@@ -18,7 +18,10 @@ The pod's name is the agent's incarnation: a status from an earlier pod of the s
 node id is never taken for its successor's.
 
 The operator (not Kubernetes) restarts workers, so ``restartPolicy: Never``. Pods only
-land on nodes whose health label is absent or healthy, and never on ``avoid_hosts``.
+land on nodes whose ``node-health-status`` label is absent or healthy (required node
+affinity; HyperPod's default), prefer nodes whose ``deep-health-check-status`` is
+``Passed``, never land on ``avoid_hosts``, and never tolerate trainguard's unhealthy taint
+(:mod:`trainguard.kube.node_labels`).
 """
 
 from __future__ import annotations
@@ -50,11 +53,14 @@ from trainguard.kube.config import (
     VERSION,
     OperatorConfig,
 )
+from trainguard.kube.node_labels import untolerated
 from trainguard.spec import NodeGroupPlan, TrainingJob
 
 Obj = dict[str, Any]
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+DEEP_PASSED_WEIGHT = 100
+"""The weight of the preference for a Node whose deep health checks passed (the most)."""
 
 
 def service_name(job: str) -> str:
@@ -135,6 +141,8 @@ def node_pod(
     spec["hostname"] = node_id
     spec["subdomain"] = service_name(job_name)
     spec["affinity"] = _affinity(spec.get("affinity"), settings, avoid_hosts)
+    if spec.get("tolerations"):
+        spec["tolerations"] = untolerated(spec["tolerations"])
     container = spec["containers"][0]
     container.pop("args", None)
     container["command"] = [*_agent_argv(job, node_id, settings), "--", *pod_argv(group)]
@@ -207,16 +215,21 @@ def _agent_argv(job: TrainingJob, node_id: str, settings: OperatorConfig) -> lis
     ]
     options = job.spec.trainguard
     start = StartOptions(options.warm_start, tuple(options.preload_modules))
-    return [*argv, *start.agent_flags()]
+    # The node's health checks and monitors (no connectivity peers here: that check is
+    # skipped on a cluster, see the README's "Node health").
+    health = ["--health", options.health_checks.settings().to_json()]
+    return [*argv, *health, *start.agent_flags()]
 
 
 def _affinity(given: Obj | None, settings: OperatorConfig, avoid_hosts: Sequence[str]) -> Obj:
-    """The template's affinity, with every required node term also asking for a healthy node."""
+    """The template's affinity, with every required node term also asking for a healthy
+    node (and not one of ``avoid_hosts``), and a preference for a Node whose deep health
+    checks passed."""
     affinity = copy.deepcopy(given or {})
     node = affinity.setdefault("nodeAffinity", {})
     required = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
     terms = required.get("nodeSelectorTerms") or [{}]
-    key = settings.node_health_label
+    key = settings.health_label
     health: list[list[Obj]] = [
         [{"key": key, "operator": "DoesNotExist"}],
         [{"key": key, "operator": "In", "values": list(settings.node_healthy_values)}],
@@ -231,6 +244,9 @@ def _affinity(given: Obj | None, settings: OperatorConfig, avoid_hosts: Sequence
         for term in terms
         for h in health
     ]
+    passed = {"key": settings.deep_health_label, "operator": "In", "values": ["Passed"]}
+    preferred = node.setdefault("preferredDuringSchedulingIgnoredDuringExecution", [])
+    preferred.append({"weight": DEEP_PASSED_WEIGHT, "preference": {"matchExpressions": [passed]}})
     return affinity
 
 

@@ -2,7 +2,9 @@
 
 :class:`ClusterRecord` is the Kubernetes platform's ``record``: after every turn of the loop
 it turns the controller's new events into Kubernetes Events and metrics, and patches the
-job's status when it changed.
+job's status when it changed. A ``NodeHealth`` event that says a node is unhealthy also
+labels and taints the Kubernetes Node its pod ran on
+(:class:`~trainguard.kube.node_health.NodeHealthLabels`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from trainguard.control.reports import NodeReport
 from trainguard.kube.adopt import takeover_record
 from trainguard.kube.api import KubeApi, KubeError, NotFound
 from trainguard.kube.node import PodNode
+from trainguard.kube.node_health import NodeHealthLabels
 from trainguard.kube.status import Conditions, FaultyPods, PodInfo, job_status, k8s_event
 from trainguard.observe.job import JobObserver
 
@@ -27,16 +30,24 @@ logger = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 COMPONENT = "trainguard-operator"
+NODE_HEALTH_EVENTS = frozenset({"NodeHealth", "HealthCheck", "HealthFinding"})
 
 
 class ClusterRecord:
     """One TrainingJob's status, Events and metrics (see the module docstring)."""
 
-    def __init__(self, api: KubeApi, body: Obj, observer: JobObserver) -> None:
+    def __init__(
+        self,
+        api: KubeApi,
+        body: Obj,
+        observer: JobObserver,
+        node_health: NodeHealthLabels | None = None,
+    ) -> None:
         meta = body.get("metadata") or {}
         self.api = api
         self.body = body
         self.observer = observer  # the job's metrics (label job="<namespace>/<name>")
+        self.node_health = node_health  # None: Nodes are not labelled
         self.name = str(meta.get("name"))
         self.namespace = str(meta.get("namespace") or "default")
         self.source = f"{self.namespace}/{self.name}"
@@ -78,6 +89,8 @@ class ClusterRecord:
         elif event.kind == "RestartScheduled":
             scope = str(event.data.get("scope", ""))
             self.faulty.restart_type = RestartScope(scope).hyperpod if scope else None
+        if event.kind in NODE_HEALTH_EVENTS and self.node_health is not None:
+            self.node_health.record(event, seen.get(event.node) if event.node else None)
         try:
             self.api.create_event(self.namespace, k8s_event(self.body, event, COMPONENT))
         except KubeError as exc:

@@ -29,6 +29,7 @@ from trainguard.kube import adopt
 from trainguard.kube.api import KubeApi, KubeError, NotFound
 from trainguard.kube.config import OperatorConfig
 from trainguard.kube.kube_platform import Detached, KubePlatform, Outside
+from trainguard.kube.node_health import NodeHealthLabels
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.pods import (
     headless_service,
@@ -94,12 +95,19 @@ class KubeJob:
         # own disks do not outlive them).
         durable = bool(self.job.spec.checkpointing.durable_url)
         config, self.groups = control_config(self.plan, self.name, durable=durable)
-        self.config = replace(config, unreachable_after=settings.unreachable_after_polls)
+        # A fresh pod of a node lands off the Nodes labelled unhealthy: see kube/node_health.py.
+        self.config = replace(
+            config, unreachable_after=settings.unreachable_after_polls, fresh_node_moves=True
+        )
         self.book = ReportBook()
         self.outside = Outside(self.book)
         self.controller = JobController(self.config, self._endpoint)
         observer = JobObserver(self.name, self.source, metrics.job(self.source))
-        self.record = ClusterRecord(api, body, observer)
+        # Node health labels: written on the job's NodeHealth events, read each poll.
+        self.node_health = (
+            NodeHealthLabels(api, settings, self.source) if settings.node_labels else None
+        )
+        self.record = ClusterRecord(api, body, observer, self.node_health)
         self.transport: AgentTransport | None = None
         self.platform: KubePlatform | None = None
         self.ended = threading.Event()  # run() returned
@@ -202,6 +210,7 @@ class KubeJob:
             poll_interval=self.config.poll_interval,
             unreachable_after=self.config.unreachable_after,
             clock=self.clock,
+            node_health=self.node_health,
         )
         begin = self._take_over(token, platform, report_url)
         platform.reap()  # pods of an earlier operator that were not adopted

@@ -22,7 +22,7 @@ Obj = dict[str, Any]
 # Timeline entries kept in the status (the oldest are dropped; Events keep the rest).
 MAX_STATUS_FAULTS = 20
 MAX_EVENT_MESSAGE = 1024
-WARNING_EVENTS = frozenset({"Fault", "JobFailed", "PodLost"})
+WARNING_EVENTS = frozenset({"Fault", "JobFailed", "PodLost", "HealthFinding"})
 CONDITION_TYPES = ("Created", "PodsRunning", "Running", "Restarting", "Succeeded", "Failed")
 
 
@@ -153,6 +153,15 @@ def job_status(
     return status
 
 
+def _warning(event: Event) -> bool:
+    """A Warning Event: a fault, a failure, a failed health check, an unhealthy node."""
+    if event.kind == "NodeHealth":
+        return event.data.get("status") not in (None, "Schedulable")
+    if event.kind == "HealthCheck":
+        return event.data.get("outcome") == "failed"
+    return event.kind in WARNING_EVENTS
+
+
 def k8s_event(job: Mapping[str, Any], event: Event, component: str) -> Obj:
     """A core/v1 Event about the TrainingJob ``job`` (its metadata) for one timeline event."""
     meta = job.get("metadata") or {}
@@ -185,7 +194,7 @@ def k8s_event(job: Mapping[str, Any], event: Event, component: str) -> Obj:
         "involvedObject": involved,
         "reason": event.kind,
         "message": message[:MAX_EVENT_MESSAGE],
-        "type": "Warning" if event.kind in WARNING_EVENTS else "Normal",
+        "type": "Warning" if _warning(event) else "Normal",
         "source": {"component": component},
         "firstTimestamp": stamp,
         "lastTimestamp": stamp,
