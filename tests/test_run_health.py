@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import SCRIPTS, Trainguard, wait_for
+from test_run_elastic import started
 
 STEPS = [str(SCRIPTS / "step_worker.py")]
 
@@ -141,14 +142,13 @@ def test_a_node_replaced_by_hand_leaves_the_job(tg: Trainguard, tmp_path: Path) 
     run = tg.popen("run", "-f", str(path))
     job_id = "health"
     try:
-        wait_for(lambda: json.loads(tg.run("list", "-o", "json").stdout), 60)
-        job_id = json.loads(tg.run("list", "-o", "json").stdout)[0]["id"]
-        wait_for(lambda: kinds(tg.describe(job_id), "AttemptStarted"), 120)
+        wait_for(lambda: started(tg)[1] == [2], 120)
+        job_id = str(started(tg)[0])
         wrong = tg.run("node", "replace", job_id, "node-7")
         assert wrong.returncode == 2 and "has no node 'node-7'" in wrong.stderr
         asked = tg.run("node", "replace", job_id, "node-0", "--reason", "fan noise")
         assert asked.returncode == 0, asked.stderr
-        wait_for(lambda: len(kinds(tg.describe(job_id), "AttemptStarted")) == 2, 120)
+        wait_for(lambda: started(tg)[1] == [2, 2], 120)
         job = tg.describe(job_id)
         assert ranks_of(job)[-1] == ["node-2", "node-1"]
         assert nodes(tg, job_id)["node-0"]["reason"] == "asked for by hand: fan noise"

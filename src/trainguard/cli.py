@@ -182,6 +182,16 @@ def _parser() -> argparse.ArgumentParser:
     replace.add_argument("node", help="node id, e.g. node-1 (see `trainguard nodes JOB`)")
     replace.add_argument("--reason", default="replacement asked for", help="why (recorded)")
 
+    scale = sub.add_parser(
+        "scale",
+        parents=[common],
+        help="set how many nodes a running elastic job may use (it scales to fit)",
+    )
+    scale.add_argument("job", help="job id or name")
+    scale.add_argument(
+        "--capacity", type=_non_negative_int, required=True, metavar="N", help="nodes available"
+    )
+
     delete = sub.add_parser("delete", parents=[common], help="stop a job and remove it")
     delete.add_argument("job", help="job id or name")
     delete.add_argument(
@@ -297,6 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from trainguard.platform import nodes_view
 
             return nodes_view.replace(store, args.job, args.node, args.reason)
+        if args.verb == "scale":
+            from trainguard.platform import nodes_view
+
+            return nodes_view.scale(store, args.job, args.capacity)
     except JobNotFound as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return EXIT_USAGE

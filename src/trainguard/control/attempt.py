@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from trainguard.control.actions import AttemptPhase
 from trainguard.control.assignment import Endpoint
 from trainguard.control.detect import AttemptWatch
+from trainguard.control.elastic import Scale
 from trainguard.control.events import Fault
 from trainguard.control.inprocess import Rejoin
 from trainguard.control.policy import RestartScope
@@ -36,3 +37,7 @@ class Attempt:
     stop_deadline: float | None = None
     recovered: bool = False
     rejoin: Rejoin | None = None
+    # Elastic training: the scaling this attempt is stopping for, and the nodes a
+    # scale-up attempt brings up (control/elastic.py).
+    scale: Scale | None = None
+    growing: tuple[str, ...] = ()

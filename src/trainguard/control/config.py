@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from trainguard.control.elastic import ElasticConfig
 from trainguard.control.persist import DurableCadence
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.stragglers import (
@@ -64,6 +65,11 @@ class ControlConfig:
     final_persist_timeout: float = 120.0
     # Memory-tier replicas: each node pushes its snapshots to this many next nodes.
     replicas: int = 0
+
+    # Elastic training (control/elastic.py): the sizes the job may run at, and the node
+    # ids it grows onto beyond `node_ids` (None: a fixed size).
+    elastic: ElasticConfig | None = None
+    elastic_node_ids: tuple[str, ...] = ()
 
     # A node relaunched with the same id lands on another machine (Kubernetes: a fresh pod,
     # kept off Nodes labelled unhealthy): an unhealthy node with no spare left to replace

@@ -44,6 +44,7 @@ from trainguard.control.attempt import Attempt
 from trainguard.control.config import ControlConfig
 from trainguard.control.contact import launch_verdict, settled
 from trainguard.control.detect import AttemptWatch, barrier_fault, refusal_faults, stop_faults
+from trainguard.control.elastic import ElasticWatch, Scale
 from trainguard.control.events import Event, Fault, FaultType
 from trainguard.control.health import HealthBook, HealthNote
 from trainguard.control.hosts import hosts_to_avoid
@@ -105,6 +106,13 @@ class JobController:
         self._final_persist_until: float | None = None
         # Each node's health (deep checks, monitors' findings): control/health.py.
         self.health = HealthBook()
+        # Elastic training (control/elastic.py): the sizing watch, the node ids left to
+        # grow onto, and the platform's capacity (nodes the job may use; None: unknown)
+        # and the nodes being taken away, as of the latest look.
+        self.elastic = ElasticWatch(config.elastic) if config.elastic is not None else None
+        self.growth: tuple[str, ...] = config.elastic_node_ids
+        self.capacity: int | None = None
+        self.preempted: tuple[str, ...] = ()
 
     # -- queries -----------------------------------------------------------
 
@@ -155,6 +163,11 @@ class JobController:
             return []
         self.phase = JobPhase.STOPPING
         return [self._stop(now, attempt, "graceful", reason)]
+
+    def set_capacity(self, capacity: int | None, preempted: Sequence[str] = ()) -> None:
+        """What the platform can give the job now: ``capacity`` nodes (None: unknown),
+        ``preempted`` being taken away (elastic jobs scale to it)."""
+        self.capacity, self.preempted = capacity, tuple(preempted)
 
     def replace_nodes(self, now: float, requests: Sequence[tuple[str, str]]) -> None:
         """Someone outside asked for these nodes (``(node id, why)``) to be replaced (by
@@ -269,6 +282,8 @@ class JobController:
             deadline is not None and now >= deadline,
             self.config.node_start_timeout,
         )
+        if lost and attempt.growing and {n for n, _ in lost} <= set(attempt.growing):
+            return self._scale_up_failed(now, attempt, [n for n, _ in lost], reports)
         if lost or health_faults:
             for fault in health_faults:
                 self._record_fault(now, attempt, fault)
@@ -283,7 +298,30 @@ class JobController:
             return []
         return [self._start_attempt(now, attempt)]
 
+    def _scale_up_failed(
+        self, now: float, attempt: Attempt, lost: Sequence[str], reports: Mapping[str, NodeReport]
+    ) -> list[Action]:
+        """The new nodes of a scale-up did not come up: go on without them (the next
+        scale-up waits longer: control/elastic.py)."""
+        assert self.elastic is not None
+        self.elastic.outcome(False)
+        self.nodes = tuple(n for n in self.nodes if n not in lost)
+        self.growth = (*self.growth, *lost)
+        self.checkpoints.world_size = len(self.nodes) * self.config.nproc_per_node
+        self._end_attempt(now, attempt, AttemptPhase.FAILED, f"{', '.join(lost)} did not come up")
+        self._event(
+            now,
+            "ElasticScalingFailed",
+            f"scale up failed: {', '.join(lost)} did not come up; going on with "
+            f"{len(self.nodes)} nodes",
+            attempt=attempt.number,
+            data={"lost": list(lost), "failures": self.elastic.failures},
+        )
+        return self._new_attempt(now, attempt.scope, (), reports, retire=lost)
+
     def _start_attempt(self, now: float, attempt: Attempt) -> StartNodes:
+        if attempt.growing and self.elastic is not None:
+            self.elastic.outcome(True)
         self._fill_assignments(now, attempt)
         attempt.phase = AttemptPhase.RUNNING
         self.phase = JobPhase.RUNNING
@@ -353,6 +391,14 @@ class JobController:
             status.state is NodeState.COMPLETED for _, status in current
         ):
             return self._complete(now, attempt, reports, actions)
+        if self.elastic is not None and attempt.rejoin is None and self._cancel is None:
+            scale = self.elastic.observe(
+                now, attempt.nodes, self.capacity, self.preempted, attempt.started_at
+            )
+            if scale is not None:
+                attempt.scale = scale
+                self._event(now, "ScalingRequested", scale.reason, attempt=attempt.number)
+                return [*actions, self._stop(now, attempt, "graceful", scale.reason)]
         return actions
 
     def _stragglers(
@@ -459,7 +505,37 @@ class JobController:
         if self._cancel is not None:
             phase, reason = self._cancel
             return self._finish(now, phase, reason)
+        if attempt.scale is not None and not attempt.faults:
+            return self._scale(now, attempt, attempt.scale, reports)
         return self._after_failure(now, attempt, reports)
+
+    def _scale(
+        self, now: float, attempt: Attempt, scale: Scale, reports: Mapping[str, NodeReport]
+    ) -> list[Action]:
+        """Restart the job on ``scale.size`` nodes (elastic training; not a restart counted
+        against jobMaxRetryCount): without the dropped nodes, or with new ones."""
+        assert self.elastic is not None
+        before = len(self.nodes)
+        added = self.growth[: max(0, scale.size - before)]
+        self.growth = (*scale.drop, *self.growth[len(added) :])  # dropped ids may come back
+        self.nodes = (*(n for n in self.nodes if n not in scale.drop), *added)
+        self.elastic.scaled(now, len(self.nodes))
+        self.checkpoints.world_size = len(self.nodes) * self.config.nproc_per_node
+        self.phase = JobPhase.RESTARTING
+        self._event(
+            now,
+            "ElasticScaling",
+            f"{scale.reason}; the job restarts at WORLD_SIZE "
+            f"{len(self.nodes) * self.config.nproc_per_node} (not counted as a restart)",
+            attempt=attempt.number + 1,
+            data={"from": before, "to": len(self.nodes), "dropped": list(scale.drop),
+                  "added": list(added)},
+        )  # fmt: skip
+        actions = self._new_attempt(
+            now, RestartScope.PROCESS.value, added, reports, retire=scale.drop
+        )
+        self.attempts[-1].growing = tuple(added)
+        return actions
 
     def _after_failure(
         self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
@@ -593,6 +669,8 @@ class JobController:
         attempt.reason = attempt.reason or reason
         attempt.watch.pause(now)
         grace = self.config.stop_grace_seconds if mode == "graceful" else 0.0
+        if attempt.scale is not None and self.config.elastic is not None:  # ranks save first
+            grace = max(grace, self.config.elastic.graceful_shutdown_timeout)
         attempt.stop_allowance = grace + self.config.stop_slack_seconds
         self._event(
             now,

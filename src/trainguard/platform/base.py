@@ -48,6 +48,10 @@ class Observation:
     cancel: Cancel | None = None
     refusals: Sequence[Refusal] = field(default_factory=tuple)
     replace: Sequence[Replace] = field(default_factory=tuple)
+    # Elastic training: the nodes the job may use now (None: unknown), and the nodes
+    # being taken away (preempted) that it should give up.
+    capacity: int | None = None
+    preempted: Sequence[str] = field(default_factory=tuple)
 
 
 class Platform(Protocol):

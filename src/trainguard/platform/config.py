@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainguard.control.config import ControlConfig
+from trainguard.control.elastic import ElasticConfig
 from trainguard.control.persist import DurableCadence
 from trainguard.control.policy import PolicyConfig
 from trainguard.monitor.rules import LogRuleSpec
@@ -40,6 +41,7 @@ def control_config(
             spares.append(f"node-{len(active) + len(spares)}")
             groups[spares[-1]] = (index, group)
     spec = plan.job.spec
+    elastic, growth = _elastic(plan, len(active) + len(spares), groups)
     run_policy = spec.run_policy
     checkpointing = spec.checkpointing
     options = spec.trainguard
@@ -72,5 +74,39 @@ def control_config(
         straggler_threshold=options.straggler_threshold,
         straggler_window=options.straggler_window,
         straggler_action=options.straggler_action,
+        elastic=elastic,
+        elastic_node_ids=growth,
     )
     return config, groups
+
+
+def _elastic(
+    plan: JobPlan, first: int, groups: dict[str, tuple[int, NodeGroupPlan]]
+) -> tuple[ElasticConfig | None, tuple[str, ...]]:
+    """``spec.elasticPolicy`` as the controller's, and the node ids the job may grow onto
+    (after the spares; each group up to its ``maxReplicas``, the rest to the last group)."""
+    spec = plan.job.spec
+    policy = spec.elastic_policy
+    if policy is None:
+        return None, ()
+    total = plan.nnodes
+    restart = spec.run_policy.restart_policy
+    snooze = restart.scale_up_snooze_time_in_seconds if restart is not None else None
+    config = ElasticConfig(
+        min_nodes=policy.min_replicas or total,
+        max_nodes=policy.max_replicas or total,
+        increment=policy.replica_increment_step,
+        discrete=tuple(policy.replica_discrete_values or ()),
+        scaling_timeout=policy.scaling_timeout_in_seconds or 0.0,
+        graceful_shutdown_timeout=policy.graceful_shutdown_timeout_in_seconds or 0.0,
+        scale_up_snooze=snooze or 0.0,
+    )
+    growth: list[str] = []
+    extra = config.max_nodes - total
+    for index, group in enumerate(plan.groups):
+        room = (group.max_replicas or group.replicas) - group.replicas
+        last = index == len(plan.groups) - 1
+        for _ in range(extra - len(growth) if last else min(room, extra - len(growth))):
+            growth.append(f"node-{first + len(growth)}")
+            groups[growth[-1]] = (index, group)
+    return config, tuple(growth)

@@ -59,6 +59,7 @@ def drive(
             actions += controller.cancel(now, seen.cancel.reason, seen.cancel.phase)
         if seen.replace:
             controller.replace_nodes(now, [(r.node_id, r.reason) for r in seen.replace])
+        controller.set_capacity(seen.capacity, seen.preempted)
         actions += controller.observe(now, seen.reports, [*seen.refusals, *refusals])
         refusals = execute(platform, actions)
         platform.record(controller, seen)

@@ -9,6 +9,9 @@ A SPEC names a fault, its target and its trigger::
     xid:node=N[,code=C]@...  a kernel-log XID line (default 79) for node N's health monitor
     disk-full:node=N@...     node N's free-space monitors report its disks full
     health:node=N,check=C    node N fails its on-start health check C (no trigger: at launch)
+    preempt:node=N@...       node N is taken away (elastic: capacity - 1, then it is killed
+                             after gracefulShutdownTimeoutInSeconds unless given up)
+    capacity:+K@...          K more nodes become available (elastic: capacity + K)
     ...@Ts                   T seconds (float) after the job's first completed step
 
 ``xid`` and ``disk-full`` go through the node agent's rehearsal hooks (files in its
@@ -48,7 +51,7 @@ from trainguard.platform.actuate import SignalActuator, write_hook
 from trainguard.wire.requests import StepInjection
 from trainguard.wire.status import InjectedFault
 
-KINDS = ("kill", "hang", "node-kill", "slow", "xid", "disk-full", "health")
+KINDS = ("kill", "hang", "node-kill", "slow", "xid", "disk-full", "health", "preempt", "capacity")
 _TARGET_KEY = {
     "kill": "rank",
     "hang": "rank",
@@ -57,6 +60,8 @@ _TARGET_KEY = {
     "xid": "node",
     "disk-full": "node",
     "health": "node",
+    "preempt": "node",
+    "capacity": "count",
 }
 _ACTION = {
     "kill": "SIGKILL",
@@ -65,6 +70,8 @@ _ACTION = {
     "node-kill": "SIGKILL agent and workers",
     "xid": "an XID line in its kernel-log hook",
     "disk-full": "its space monitors report full",
+    "preempt": "taken away",
+    "capacity": "capacity given",
 }
 DEFAULT_XID = 79  # GPU has fallen off the bus
 
@@ -95,6 +102,8 @@ class Injection:
 
     @property
     def target(self) -> str:
+        if self.kind == "capacity":
+            return f"+{self.code} nodes"
         return f"rank {self.rank}" if self.rank is not None else f"node {self.node}"
 
     @property
@@ -119,10 +128,16 @@ def parse_injection(text: str) -> Injection:
     key = _TARGET_KEY[kind]
     if kind == "health":
         return _health_injection(text, rest, bad)
+    code: int | None = None
+    if kind == "capacity":
+        rest, code = _capacity(rest, bad)
     if rest.count("@") != 1:
         raise bad(f"expected one '@' between target and trigger, e.g. {kind}:{key}=1@step=10")
     target, trigger = rest.split("@")
-    target, code = _xid_code(kind, target, bad)
+    if kind == "capacity":
+        target = f"count={code}"
+    else:
+        target, code = _xid_code(kind, target, bad)
     name, equals, value = target.partition("=")
     if not equals or name != key:
         raise bad(f"{kind} takes a target {key}=N, got {target!r}")
@@ -155,6 +170,14 @@ def parse_injection(text: str) -> Injection:
         text=text,
         code=code,
     )
+
+
+def _capacity(rest: str, bad: Callable[[str], ValueError]) -> tuple[str, int]:
+    """``+K@TRIGGER`` of a capacity injection: ``@TRIGGER`` and K."""
+    amount, at, trigger = rest.partition("@")
+    if not amount.startswith("+") or not _INT.fullmatch(amount[1:]) or int(amount[1:]) < 1:
+        raise bad("expected capacity:+K@TRIGGER with K >= 1, e.g. capacity:+2@10s")
+    return f"count={amount[1:]}{at}{trigger}", int(amount[1:])
 
 
 def _xid_code(kind: str, target: str, bad: Callable[[str], ValueError]) -> tuple[str, int | None]:
@@ -376,6 +399,13 @@ class Injector:
             if not self._actuator.kill_node(agent_pid, worker_pids):
                 return None
             return Fired(injection, now, step, None, injection.node, (agent_pid, *worker_pids))
+        if injection.kind == "capacity":  # the platform gives the job more nodes
+            return Fired(injection, now, step, None, None, ())
+        if injection.kind == "preempt":  # the platform takes the node away
+            assert injection.node is not None
+            if injection.node not in targets.node_pids:
+                return None
+            return Fired(injection, now, step, None, injection.node, ())
         if injection.kind in ("xid", "disk-full"):
             assert injection.node is not None
             hooks = targets.node_hooks.get(injection.node)

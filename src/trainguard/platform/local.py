@@ -177,6 +177,7 @@ class LocalRunner:
             memory_root=self.memory_root,
             injector=self.injector,
             hooks_root=self.job_dir / "health",
+            preempt_grace=self._preempt_grace(),
             say=self._say,
             pump=self._pump,
             interrupted=lambda: self._interrupts > 0,
@@ -243,6 +244,16 @@ class LocalRunner:
             time.sleep(self.metrics.linger)
         server.shutdown()
         server.server_close()
+
+    def _preempt_grace(self) -> float | None:
+        """An elastic job's gracefulShutdownTimeoutInSeconds (None: not elastic); its
+        capacity starts at its size unless `trainguard scale` set it."""
+        policy = self.config.elastic
+        if policy is None:
+            return None
+        if self.store.job(self.job_id).capacity is None:
+            self.store.set_capacity(self.job_id, len(self.config.node_ids))
+        return policy.graceful_shutdown_timeout
 
     def _warn_of_credentials(self) -> None:
         options = self.plan.job.spec.checkpointing.storage_options

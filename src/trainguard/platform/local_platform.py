@@ -63,6 +63,7 @@ class LocalPlatform:
         memory_root: Path,
         injector: Injector,
         hooks_root: Path | None = None,
+        preempt_grace: float | None = None,
         say: Callable[[str], None],
         pump: Callable[[IO[bytes]], None],
         interrupted: Callable[[], bool],
@@ -77,6 +78,10 @@ class LocalPlatform:
         self.memory_root = memory_root
         self.injector = injector
         self.hooks_root = hooks_root  # each agent's rehearsal hooks (xid, disk-full)
+        # Elastic jobs (None: not elastic): how long a preempted node lives on, and when
+        # each preempted node's time is up.
+        self.preempt_grace = preempt_grace
+        self._preempted: dict[str, float] = {}
         self.nodes: dict[str, LaunchedNode] = {}  # the live agent of each node id
         self._unlocated: set[str] = set()  # launched, port not known yet
         self._say = say  # a line to the user
@@ -183,7 +188,26 @@ class LocalPlatform:
             cancel = Cancel("interrupted (Ctrl-C)")
         elif job.desired == "delete":
             cancel = Cancel("deleted by user")
-        return Observation(self.book.reports(), cancel, replace=self._replace_requests(job))
+        self._take_preempted(now)
+        return Observation(
+            self.book.reports(),
+            cancel,
+            replace=self._replace_requests(job),
+            capacity=job.capacity if self.preempt_grace is not None else None,
+            preempted=tuple(self._preempted),
+        )
+
+    def _take_preempted(self, now: float) -> None:
+        """A preempted node still in the job when its grace is over is taken: its agent
+        and workers are killed (the controller then sees it lost)."""
+        for node_id, deadline in list(self._preempted.items()):
+            if node_id not in self.nodes:
+                del self._preempted[node_id]  # given up in time
+            elif now >= deadline:
+                del self._preempted[node_id]
+                self._say(f"{node_id} preempted: its agent and workers are killed")
+                self._shutdown([node_id])
+                self.book.gone(node_id, "preempted (its capacity was taken away)")
 
     def _replace_requests(self, job: JobRow) -> list[Replace]:
         """The node replacements asked for since the last look (`trainguard node replace`)."""
@@ -367,6 +391,11 @@ class LocalPlatform:
         )
         by_rank = {v: k for k, v in node_ranks.items()}
         for f in fired:
+            if f.injection.kind == "capacity" and f.injection.code is not None:
+                self.store.set_capacity(self.job_id, f.injection.code, delta=True)
+            if f.injection.kind == "preempt" and f.node is not None:
+                self.store.set_capacity(self.job_id, -1, delta=True)
+                self._preempted[by_rank[f.node]] = now + (self.preempt_grace or 0.0)
             if f.injection.kind == "node-kill" and f.node is not None:
                 # A lost node loses its RAM: its memory tier goes with it.
                 shutil.rmtree(self.memory_root / by_rank[f.node], ignore_errors=True)

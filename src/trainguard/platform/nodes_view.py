@@ -15,7 +15,7 @@ from typing import Any
 from trainguard.platform.store import Store
 from trainguard.platform.views import _table, controller_runs, effective_phase
 
-__all__ = ["nodes", "replace"]
+__all__ = ["nodes", "replace", "scale"]
 
 EXIT_USAGE = 2
 
@@ -85,4 +85,23 @@ def replace(store: Store, ref: str, node_id: str, reason: str) -> int:
         return EXIT_USAGE
     store.request_replace(job.id, node_id, reason)
     print(f"job {job.id}: asked to replace {node_id} ({reason})")
+    return 0
+
+
+def scale(store: Store, ref: str, capacity: int) -> int:
+    """Set how many nodes a running elastic job may use (``trainguard scale``)."""
+    job = store.job(ref)
+    if not controller_runs(job) or effective_phase(job) not in ("Pending", "Running", "Restarting"):
+        print(
+            f"trainguard: job {job.id} is {effective_phase(job)}: nothing to scale", file=sys.stderr
+        )
+        return EXIT_USAGE
+    if json.loads(job.spec_json).get("spec", {}).get("elasticPolicy") is None:
+        print(
+            f"trainguard: job {job.id} has no spec.elasticPolicy: it runs at a fixed size",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    store.set_capacity(job.id, capacity)
+    print(f"job {job.id}: capacity {capacity} nodes")
     return 0

@@ -35,6 +35,8 @@ _ADDED_COLUMNS = (
     ("nodes", "worker_starts_json", "TEXT NOT NULL DEFAULT '[]'"),
     # Nodes someone asked to replace (`trainguard node replace`): [[node id, why], ...].
     ("jobs", "node_requests", "TEXT NOT NULL DEFAULT '[]'"),
+    # Elastic jobs: the nodes the job may use (`trainguard scale --capacity`; NULL: its size).
+    ("jobs", "capacity", "INTEGER"),
 )
 # How long a write waits for a competing writer before giving up.
 BUSY_TIMEOUT_SECONDS = 30.0
@@ -192,6 +194,7 @@ class JobRow:
     faults_json: str = "[]"
     controller_started: str | None = None  # the controller's start time (procs.start_time)
     node_requests: str = "[]"  # [[node id, why], ...]: replacements asked for, in order
+    capacity: int | None = None  # elastic: the nodes the job may use (None: its size)
 
 
 @dataclass(frozen=True)
@@ -333,6 +336,16 @@ class Store:
         """Ask the job's controller (in whatever process) to act, e.g. ``desired="delete"``."""
         with self._tx() as db:
             db.execute("UPDATE jobs SET desired = ? WHERE id = ?", (desired, job_id))
+
+    def set_capacity(self, job_id: str, capacity: int, delta: bool = False) -> int:
+        """Set (or, with ``delta``, change) how many nodes an elastic job may use; the
+        new value."""
+        with self._tx() as db:
+            row = db.execute("SELECT capacity FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            current = row["capacity"] if row is not None else None
+            value = max(0, (current or 0) + capacity) if delta else capacity
+            db.execute("UPDATE jobs SET capacity = ? WHERE id = ?", (value, job_id))
+        return int(value)
 
     def request_replace(self, job_id: str, node_id: str, reason: str) -> None:
         """Ask the job's controller to replace a node (``trainguard node replace``)."""

@@ -246,7 +246,9 @@ class RunPolicy(SpecModel):
 
 
 class ElasticPolicy(SpecModel):
-    """Elastic scaling bounds (parsed and validated; not acted on yet)."""
+    """Elastic scaling: the job runs between minReplicas and maxReplicas nodes, scaling
+    down when nodes are taken away and up when capacity comes back (a restart at the new
+    WORLD_SIZE; locally, the capacity is `trainguard scale` / `--inject`)."""
 
     min_replicas: int | None = Field(default=None, ge=1, le=MAX_NODES, description="Fewest nodes.")
     max_replicas: int | None = Field(default=None, ge=1, le=MAX_NODES, description="Most nodes.")
@@ -415,7 +417,8 @@ class TrainingJobSpec(SpecModel):
         default_factory=RunPolicy, description="Retries, deadlines and log monitoring."
     )
     elastic_policy: ElasticPolicy | None = Field(
-        default=None, description="Elastic scaling bounds (validated, not acted on yet)."
+        default=None,
+        description="Elastic scaling: bounds, sizes, timeouts (HyperPod's elasticPolicy).",
     )
     trainguard: TrainguardOptions = Field(
         default_factory=TrainguardOptions,
@@ -438,6 +441,22 @@ class TrainingJobSpec(SpecModel):
         if nodes > MAX_NODES:
             raise ValueError(f"{nodes} nodes with spares; a job has at most {MAX_NODES}")
         return groups
+
+    @model_validator(mode="after")
+    def _elastic_bounds_hold_the_job(self) -> TrainingJobSpec:
+        policy = self.elastic_policy
+        if policy is None:
+            return self
+        total = sum(group.replicas for group in self.replica_specs)
+        if policy.min_replicas is not None and policy.min_replicas > total:
+            raise field_problem(
+                "elasticPolicy.minReplicas", f"must be <= the job's replicas ({total})"
+            )
+        if policy.max_replicas is not None and policy.max_replicas < total:
+            raise field_problem(
+                "elasticPolicy.maxReplicas", f"must be >= the job's replicas ({total})"
+            )
+        return self
 
 
 class TrainingJob(SpecModel):

@@ -59,6 +59,7 @@ class NodeGroupPlan:
     env: dict[str, str] = field(repr=False)  # may hold secrets: never shown
     working_dir: str | None
     ignored_flags: tuple[str, ...] = ()  # launcher flags dropped (trainguard decides those)
+    max_replicas: int | None = None  # the most nodes of this group when the job scales up
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,7 @@ def _group_plan(
         env=env,
         working_dir=container.working_dir,
         ignored_flags=launcher.ignored if launcher is not None else (),
+        max_replicas=replica_spec.max_replicas,
     )
     return group, launcher
 

@@ -1,0 +1,130 @@
+"""Elastic training: when a job changes its number of nodes, and to which size.
+
+HyperPod's ``elasticPolicy`` semantics, as pure decisions:
+
+- **sizes** (:meth:`ElasticConfig.sizes`): ``minReplicas``, then every
+  ``replicaIncrementStep`` up to ``maxReplicas`` (default step 1), or exactly the
+  ``replicaDiscreteValues`` within the bounds;
+- **scale down** (:meth:`ElasticWatch.observe`): nodes are being taken away (preempted:
+  the platform's capacity fell under the job's size): at once, to the largest size the
+  remaining capacity fits (never under ``minReplicas``: then the job waits, or fails);
+- **scale up**: the capacity fits a larger size, has for ``scalingTimeoutInSeconds``,
+  and the last restart is more than ``scaleUpSnoozeTimeInSeconds`` ago; after a scaling
+  that failed (the new nodes did not come up), the wait doubles each time (anti-
+  thrashing), and resets once a scaling sticks.
+
+A scaling is a restart at the new size (the script resumes from its checkpoint at the
+new ``WORLD_SIZE``), decided by the controller and not counted against
+``jobMaxRetryCount``: capacity changed, the job's code did not fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["ElasticConfig", "ElasticWatch", "Scale"]
+
+MAX_BACKOFF_DOUBLINGS = 6
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    min_nodes: int
+    max_nodes: int
+    increment: int | None = None
+    discrete: tuple[int, ...] = ()
+    scaling_timeout: float = 0.0  # capacity must stay this long before a scale-up
+    graceful_shutdown_timeout: float = 0.0  # ranks' time to save and exit before a scaling
+    scale_up_snooze: float = 0.0  # no scale-up this long after a restart
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(f"need 1 <= min ({self.min_nodes}) <= max ({self.max_nodes})")
+        if not self.sizes():
+            raise ValueError("no allowed size between min and max")
+
+    def sizes(self) -> tuple[int, ...]:
+        """The allowed node counts, ascending."""
+        if self.discrete:
+            return tuple(
+                sorted({v for v in self.discrete if self.min_nodes <= v <= self.max_nodes})
+            )
+        return tuple(range(self.min_nodes, self.max_nodes + 1, self.increment or 1))
+
+    def fit(self, available: int) -> int | None:
+        """The largest allowed size within ``available`` nodes (None: under the minimum)."""
+        fitting = [s for s in self.sizes() if s <= available]
+        return fitting[-1] if fitting else None
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Restart the job on ``size`` nodes: drop ``drop`` (preempted first), or add nodes."""
+
+    size: int
+    reason: str
+    drop: tuple[str, ...] = ()
+
+    @property
+    def down(self) -> bool:
+        return bool(self.drop)
+
+
+class ElasticWatch:
+    """See the module docstring; one per job, fed at every look while an attempt runs."""
+
+    def __init__(self, config: ElasticConfig) -> None:
+        self.config = config
+        self.failures = 0  # consecutive scalings whose nodes did not come up
+        self.last_scaling: float | None = None
+        self.target: int | None = None  # the size the last scaling aimed at
+        self._ample_since: float | None = None  # capacity has fitted a larger size since
+
+    def observe(
+        self,
+        now: float,
+        nodes: Sequence[str],
+        capacity: int | None,
+        preempted: Sequence[str],
+        last_restart: float | None,
+    ) -> Scale | None:
+        """What to do now about the running attempt on ``nodes`` (node-rank order), given
+        the platform's ``capacity`` (nodes the job may use; None: unknown) and the nodes
+        being taken away."""
+        cfg, size = self.config, len(nodes)
+        gone = [n for n in nodes if n in set(preempted)]
+        if gone or (capacity is not None and capacity < size):
+            self._ample_since = None
+            room = size - len(gone) if capacity is None else min(capacity, size - len(gone))
+            target = cfg.fit(room)
+            if target is None:
+                return None  # under the minimum: the controller decides (wait, or fail)
+            keep = [n for n in nodes if n not in gone][:target]
+            drop = tuple(n for n in nodes if n not in keep)
+            why = f"{', '.join(gone)} preempted" if gone else f"capacity fell to {capacity}"
+            return Scale(target, f"scale down {size} -> {target} nodes: {why}", drop)
+        target = cfg.fit(capacity) if capacity is not None else None
+        if target is None or target <= size:
+            self._ample_since = None
+            return None
+        if self._ample_since is None:
+            self._ample_since = now
+        wait = cfg.scaling_timeout * (2 ** min(self.failures, MAX_BACKOFF_DOUBLINGS))
+        if now - self._ample_since < wait:
+            return None
+        if last_restart is not None and now - last_restart < cfg.scale_up_snooze:
+            return None
+        self._ample_since = None
+        return Scale(
+            target,
+            f"scale up {size} -> {target} nodes: capacity for {capacity} nodes "
+            f"for {wait:g} s (scalingTimeoutInSeconds)",
+        )
+
+    def scaled(self, now: float, target: int) -> None:
+        self.last_scaling, self.target = now, target
+
+    def outcome(self, ok: bool) -> None:
+        """The last scaling's new nodes came up (``ok``), or not: backoff grows."""
+        self.failures = 0 if ok else self.failures + 1

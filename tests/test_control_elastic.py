@@ -1,0 +1,130 @@
+"""Elastic training's decisions (control/elastic.py) and the controller's scalings, pure."""
+
+from __future__ import annotations
+
+import pytest
+
+import control_helpers as h
+from trainguard.control.actions import LaunchNodes, RetireNodes, StartNodes, StopNodes
+from trainguard.control.assignment import Endpoint
+from trainguard.control.config import ControlConfig
+from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.elastic import ElasticConfig, ElasticWatch
+from trainguard.control.reports import NodeReport, NodeState
+from trainguard.wire.status import WorkerState
+
+NODES = ("node-0", "node-1")
+
+
+def test_sizes_follow_the_increment_or_the_discrete_values() -> None:
+    assert ElasticConfig(1, 4).sizes() == (1, 2, 3, 4)
+    assert ElasticConfig(2, 8, increment=3).sizes() == (2, 5, 8)
+    assert ElasticConfig(1, 8, discrete=(8, 2, 4, 16)).sizes() == (2, 4, 8)
+    assert ElasticConfig(2, 8, increment=3).fit(7) == 5
+    assert ElasticConfig(2, 8).fit(1) is None
+    with pytest.raises(ValueError, match="min"):
+        ElasticConfig(3, 2)
+
+
+def test_preemption_scales_down_at_once_to_what_fits() -> None:
+    watch = ElasticWatch(ElasticConfig(1, 4, increment=1))
+    nodes = ("n0", "n1", "n2")
+    scale = watch.observe(10.0, nodes, capacity=2, preempted=["n1"], last_restart=0.0)
+    assert scale is not None and scale.size == 2 and scale.drop == ("n1",)
+    assert "n1 preempted" in scale.reason
+    # With discrete sizes, the largest that fits: 3 left of 4, only 2 allowed.
+    even = ElasticWatch(ElasticConfig(2, 4, discrete=(2, 4)))
+    four = ("n0", "n1", "n2", "n3")
+    scale = even.observe(10.0, four, capacity=3, preempted=["n2"], last_restart=0.0)
+    assert scale is not None and scale.size == 2 and scale.drop == ("n2", "n3")
+    # Under the minimum: no scaling (the node will be lost, a fault).
+    low = ElasticWatch(ElasticConfig(2, 4))
+    assert low.observe(10.0, ("n0", "n1"), capacity=1, preempted=["n1"], last_restart=0.0) is None
+
+
+def test_scale_up_waits_for_stable_capacity_and_the_snooze_and_backs_off() -> None:
+    cfg = ElasticConfig(1, 4, scaling_timeout=5.0, scale_up_snooze=30.0)
+    watch = ElasticWatch(cfg)
+    nodes = ("n0", "n1")
+    assert watch.observe(100.0, nodes, 4, [], last_restart=0.0) is None  # capacity just came
+    assert watch.observe(103.0, nodes, 2, [], last_restart=0.0) is None  # gone again: resets
+    assert watch.observe(104.0, nodes, 4, [], last_restart=0.0) is None
+    scale = watch.observe(109.0, nodes, 4, [], last_restart=0.0)
+    assert scale is not None and scale.size == 4 and not scale.down
+    # Within the snooze after a restart: no scale-up.
+    again = ElasticWatch(cfg)
+    again.observe(100.0, nodes, 4, [], last_restart=90.0)
+    assert again.observe(110.0, nodes, 4, [], last_restart=90.0) is None
+    assert again.observe(121.0, nodes, 4, [], last_restart=90.0) is not None
+    # A failed scale-up doubles the wait.
+    again.outcome(False)
+    again.observe(200.0, nodes, 4, [], last_restart=0.0)
+    assert again.observe(206.0, nodes, 4, [], last_restart=0.0) is None
+    assert again.observe(210.0, nodes, 4, [], last_restart=0.0) is not None
+
+
+def make(capacity: int = 2) -> JobController:
+    config = ControlConfig(
+        "job",
+        NODES,
+        2,
+        elastic=ElasticConfig(1, 3, scaling_timeout=1.0),
+        elastic_node_ids=("node-2",),
+        stop_grace_seconds=5,
+    )
+    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    h.begin(c)
+    c.set_capacity(capacity)
+    return c
+
+
+def stopped(nodes: tuple[str, ...], attempt: int) -> dict[str, NodeReport]:
+    return {
+        n: h.report(n, NodeState.STOPPED, attempt, workers=h.workers(i, WorkerState.STOPPED))
+        for i, n in enumerate(nodes)
+    }
+
+
+def test_a_preempted_node_is_given_up_then_capacity_brings_the_job_back_to_three() -> None:
+    c = make()
+    c.set_capacity(1, ["node-1"])
+    [stop] = c.observe(1.0, h.reports(NODES, NodeState.RUNNING, 0))
+    assert isinstance(stop, StopNodes) and stop.mode == "graceful"
+    actions = c.observe(2.0, stopped(NODES, 0))
+    retire, start = actions
+    assert isinstance(retire, RetireNodes) and retire.node_ids == ("node-1",)
+    assert isinstance(start, StartNodes) and [a.node_id for a in start.assignments] == ["node-0"]
+    assert start.assignments[0].nnodes == 1  # WORLD_SIZE 2
+    assert c.restarts == 0 and c.phase is JobPhase.RUNNING
+    assert c.checkpoints.world_size == 2
+
+    c.set_capacity(3)
+    one = {"node-0": h.report("node-0", NodeState.RUNNING, 1, workers=h.workers(0))}
+    assert c.observe(3.0, one) == []  # capacity for 3: wait scalingTimeoutInSeconds
+    [stop] = c.observe(4.5, one)
+    assert isinstance(stop, StopNodes)
+    stopped_one = {"node-0": h.report("node-0", NodeState.STOPPED, 1, workers=())}
+    [launch] = c.observe(5.0, stopped_one)
+    assert isinstance(launch, LaunchNodes) and set(launch.node_ids) == {"node-2", "node-1"}
+    ready = {**stopped_one, **h.ready(("node-2", "node-1"))}
+    [start] = c.observe(6.0, ready)
+    assert isinstance(start, StartNodes) and len(start.assignments) == 3
+    assert c.restarts == 0
+    kinds = [e.kind for e in c.drain_events()]
+    assert kinds.count("ElasticScaling") == 2 and "RestartScheduled" not in kinds
+
+
+def test_a_scale_up_whose_nodes_do_not_come_up_goes_on_without_them() -> None:
+    c = make(capacity=3)
+    running = h.reports(NODES, NodeState.RUNNING, 0)
+    c.observe(1.0, running)
+    [stop] = c.observe(2.5, running)
+    assert isinstance(stop, StopNodes)
+    [launch] = c.observe(3.0, stopped(NODES, 0))
+    assert isinstance(launch, LaunchNodes) and launch.node_ids == ("node-2",)
+    late = {**stopped(NODES, 0), "node-2": h.lost("node-2", "its agent could not start")}
+    actions = c.observe(4.0, late)
+    assert isinstance(actions[0], RetireNodes) and actions[0].node_ids == ("node-2",)
+    assert isinstance(actions[-1], StartNodes) and len(actions[-1].assignments) == 2
+    assert c.elastic is not None and c.elastic.failures == 1
+    assert c.restarts == 0 and "node-2" in c.growth
