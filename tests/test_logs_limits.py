@@ -226,8 +226,9 @@ def test_a_40mb_flood_from_a_real_process_stays_within_the_cap(tmp_path: Path) -
     finally:
         tailer.stop(timeout=30)
     # rank-0.log and its rotations: cap x (keep + 1); the spool: at most one cap more,
-    # plus what the writer adds between two looks of the tailer (some ms of a flood).
-    assert peak <= cap * (keep + 2) + 2 * MIB, peak
+    # plus what the writer adds between two looks of the tailer: some ms of a flood, more
+    # on a loaded 2-core CI machine (seen: 30 KB over a 2 MiB slack). Far under 40 MB.
+    assert peak <= cap * (keep + 2) + 6 * MIB, peak
     files = family(layout.combined(0))
     assert len(files) <= keep + 1 and all(p.stat().st_size <= cap for p in files)
     assert disk_bytes(layout.root) <= cap * (keep + 1) + 2 * MIB  # the spool: emptied
