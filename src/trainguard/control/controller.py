@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainguard.control import inprocess
+from trainguard.control import recovery
 from trainguard.control.actions import (
     Action,
     AttemptPhase,
@@ -43,19 +43,17 @@ from trainguard.control.assignment import Endpoint, assign_attempt
 from trainguard.control.attempt import Attempt
 from trainguard.control.config import ControlConfig
 from trainguard.control.contact import launch_verdict, settled
-from trainguard.control.detect import AttemptWatch, barrier_fault, refusal_faults, stop_faults
-from trainguard.control.elastic import ElasticWatch, Scale
+from trainguard.control.detect import AttemptWatch, refusal_faults, stop_faults
+from trainguard.control.elastic import ElasticWatch
 from trainguard.control.events import Event, Fault, FaultType
 from trainguard.control.health import HealthBook, HealthNote
-from trainguard.control.hosts import hosts_to_avoid
-from trainguard.control.inprocess import Rejoin
 from trainguard.control.persist import CheckpointPlanner, PersistCheckpoint
-from trainguard.control.policy import GiveUp, RestartRecord, RestartScope, decide_restart
+from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.record import JobRecord
 from trainguard.control.reports import NodeReport, Refusal
 from trainguard.control.stragglers import StragglerWatch
 from trainguard.control.timeline import Timeline
-from trainguard.wire.status import NodeState, NodeStatus, WorkerState
+from trainguard.wire.status import NodeState, NodeStatus
 
 __all__ = [
     "Action",
@@ -283,7 +281,7 @@ class JobController:
             self.config.node_start_timeout,
         )
         if lost and attempt.growing and {n for n, _ in lost} <= set(attempt.growing):
-            return self._scale_up_failed(now, attempt, [n for n, _ in lost], reports)
+            return recovery.scale_up_failed(self, now, attempt, [n for n, _ in lost], reports)
         if lost or health_faults:
             for fault in health_faults:
                 self._record_fault(now, attempt, fault)
@@ -293,31 +291,10 @@ class JobController:
             self._end_attempt(now, attempt, AttemptPhase.FAILED, attempt.faults[0].message)
             if self._cancel is not None:
                 return self._finish(now, *self._cancel)
-            return self._after_failure(now, attempt, reports)
+            return recovery.after_failure(self, now, attempt, reports)
         if waiting or any(self.health.checking(reports.get(n)) for n in attempt.nodes):
             return []
         return [self._start_attempt(now, attempt)]
-
-    def _scale_up_failed(
-        self, now: float, attempt: Attempt, lost: Sequence[str], reports: Mapping[str, NodeReport]
-    ) -> list[Action]:
-        """The new nodes of a scale-up did not come up: go on without them (the next
-        scale-up waits longer: control/elastic.py)."""
-        assert self.elastic is not None
-        self.elastic.outcome(False)
-        self.nodes = tuple(n for n in self.nodes if n not in lost)
-        self.growth = (*self.growth, *lost)
-        self.checkpoints.world_size = len(self.nodes) * self.config.nproc_per_node
-        self._end_attempt(now, attempt, AttemptPhase.FAILED, f"{', '.join(lost)} did not come up")
-        self._event(
-            now,
-            "ElasticScalingFailed",
-            f"scale up failed: {', '.join(lost)} did not come up; going on with "
-            f"{len(self.nodes)} nodes",
-            attempt=attempt.number,
-            data={"lost": list(lost), "failures": self.elastic.failures},
-        )
-        return self._new_attempt(now, attempt.scope, (), reports, retire=lost)
 
     def _start_attempt(self, now: float, attempt: Attempt) -> StartNodes:
         if attempt.growing and self.elastic is not None:
@@ -376,14 +353,14 @@ class JobController:
         faults += self._stragglers(now, attempt, current)
         actions: list[Action] = []
         if attempt.rejoin is not None and not faults:
-            replace, faults = self._watch_rejoin(now, attempt, attempt.rejoin, reports)
+            replace, faults = recovery.watch_rejoin(self, now, attempt, attempt.rejoin, reports)
             actions += replace
         self.record.progress(now, attempt)
         if faults:
             for fault in faults:
                 self._record_fault(now, attempt, fault)
-            if self._can_restart_in_place(attempt, reports):
-                return [self._restart_in_place(now, attempt, reports)]
+            if recovery.can_restart_in_place(self, attempt, reports):
+                return [recovery.restart_in_place(self, now, attempt, reports)]
             capture = any(f.type.is_hang for f in faults)
             return [self._stop(now, attempt, "process", faults[0].message, capture)]
         actions += self._plan_checkpoints(now, attempt, reports)
@@ -412,43 +389,6 @@ class JobController:
             return []
         progress = attempt.watch.progress
         return [s.fault(now, attempt.number, progress.step if progress else None) for s in found]
-
-    def _watch_rejoin(
-        self, now: float, attempt: Attempt, rejoin: Rejoin, reports: Mapping[str, NodeReport]
-    ) -> tuple[list[Action], list[Fault]]:
-        """While an in-process restart is under way: replace the ranks stuck in the failed
-        attempt, and fault the ranks that miss the barrier."""
-        cfg = self.config
-        step = inprocess.watch_rejoin(
-            now,
-            attempt.number,
-            rejoin,
-            reports,
-            attempt.assignments,
-            cfg.stuck_rank_timeout,
-            cfg.barrier_timeout,
-        )
-        if step.done:
-            attempt.rejoin = None
-        node_of = {r: a.node_id for a in attempt.assignments for r in a.global_ranks}
-        faults = [
-            barrier_fault(now, attempt.number, node_of[rank], rank, cfg.barrier_timeout)
-            for rank in step.missed
-        ]
-        actions: list[Action] = []
-        for node_id, ranks in step.replace.items():
-            actions.append(ReplaceRanks(attempt.number, node_id, ranks))
-            self._event(
-                now,
-                "StuckRanksReplaced",
-                f"{', '.join(f'rank {r}' for r in ranks)} did not leave attempt "
-                f"{attempt.number - 1} within {cfg.stuck_rank_timeout:g} s (deadlocked in a "
-                "collective); giving each a new process",
-                attempt=attempt.number,
-                node=node_id,
-                data={"ranks": list(ranks)},
-            )
-        return actions, faults
 
     def _complete(
         self,
@@ -506,161 +446,8 @@ class JobController:
             phase, reason = self._cancel
             return self._finish(now, phase, reason)
         if attempt.scale is not None and not attempt.faults:
-            return self._scale(now, attempt, attempt.scale, reports)
-        return self._after_failure(now, attempt, reports)
-
-    def _scale(
-        self, now: float, attempt: Attempt, scale: Scale, reports: Mapping[str, NodeReport]
-    ) -> list[Action]:
-        """Restart the job on ``scale.size`` nodes (elastic training; not a restart counted
-        against jobMaxRetryCount): without the dropped nodes, or with new ones."""
-        assert self.elastic is not None
-        before = len(self.nodes)
-        added = self.growth[: max(0, scale.size - before)]
-        self.growth = (*scale.drop, *self.growth[len(added) :])  # dropped ids may come back
-        self.nodes = (*(n for n in self.nodes if n not in scale.drop), *added)
-        self.elastic.scaled(now, len(self.nodes))
-        self.checkpoints.world_size = len(self.nodes) * self.config.nproc_per_node
-        self.phase = JobPhase.RESTARTING
-        self._event(
-            now,
-            "ElasticScaling",
-            f"{scale.reason}; the job restarts at WORLD_SIZE "
-            f"{len(self.nodes) * self.config.nproc_per_node} (not counted as a restart)",
-            attempt=attempt.number + 1,
-            data={"from": before, "to": len(self.nodes), "dropped": list(scale.drop),
-                  "added": list(added)},
-        )  # fmt: skip
-        actions = self._new_attempt(
-            now, RestartScope.PROCESS.value, added, reports, retire=scale.drop
-        )
-        self.attempts[-1].growing = tuple(added)
-        return actions
-
-    def _after_failure(
-        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-    ) -> list[Action]:
-        if not attempt.assignments and all(
-            f.type is FaultType.HEALTH_CHECK_FAILED for f in attempt.faults
-        ):
-            return self._replace_at_launch(now, attempt, reports)
-        decision = decide_restart(
-            now,
-            attempt.faults,
-            self.history,
-            self._node_fault_times,
-            self.nodes,
-            self.spares,
-            self.config.policy,
-        )
-        if isinstance(decision, GiveUp):
-            return self._finish(now, JobPhase.FAILED, decision.reason)
-        unhealthy = [n for n in decision.nodes if self.health.unusable(n) is not None]
-        if unhealthy and not self.config.fresh_node_moves:  # one machine: no fresh node
-            why = "; ".join(w for n in unhealthy if (w := self.health.unusable(n)) is not None)
-            return self._finish(now, JobPhase.FAILED, f"{why}; {_spares_left(self.spares)}")
-        self._health_events(now, attempt, [r for n in unhealthy if (r := self.health.relaunch(n))])
-        self.history.append(RestartRecord(now, decision.scope))
-        self.timeline.set_scope(attempt.number, decision.scope.value)
-        used = set(decision.nodes)
-        self.spares = tuple(s for s in self.spares if s not in used)
-        retired = [n for n in self.nodes if n not in used]
-        self.nodes = decision.nodes
-        self.phase = JobPhase.RESTARTING
-        self._event(
-            now,
-            "RestartScheduled",
-            f"{decision.scope.value}-level restart "
-            f"{self.restarts} of {self.config.max_restarts}: {decision.reason}",
-            attempt=attempt.number + 1,
-            data={"scope": decision.scope.value, "replaced": dict(decision.replaced)},
-        )
-        if decision.scope is not RestartScope.JOB:
-            return self._new_attempt(now, decision.scope.value, (), reports)
-        lost = [f.node for f in attempt.faults if f.node is not None and f.type.loses_node]
-        self.avoid_hosts = hosts_to_avoid(
-            self.avoid_hosts,
-            [*lost, *decision.replaced],
-            self._hosts,
-            self.config.policy.max_num_repeat_offenders_to_avoid,
-        )
-        return self._new_attempt(
-            now, decision.scope.value, launch=self.nodes, reports=reports, retire=retired
-        )
-
-    def _replace_at_launch(
-        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-    ) -> list[Action]:
-        """Nodes failed their on-start checks before any rank started: swap them for
-        spares and bring those up. No rank ran, so no restart is counted."""
-        failed = list(dict.fromkeys(f.node for f in attempt.faults if f.node is not None))
-        if len(failed) > len(self.spares) and not self.config.fresh_node_moves:
-            why = "; ".join(w for n in failed if (w := self.health.unusable(n)) is not None)
-            return self._finish(now, JobPhase.FAILED, f"{why}; {_spares_left(self.spares)}")
-        replaced = dict(zip(failed, self.spares, strict=False))
-        self.spares = self.spares[len(replaced) :]
-        fresh = [n for n in failed if n not in replaced]  # no spare: a fresh one elsewhere
-        self._health_events(now, attempt, [r for n in fresh if (r := self.health.relaunch(n))])
-        self.nodes = tuple(replaced.get(n, n) for n in self.nodes)
-        self.timeline.set_scope(attempt.number, RestartScope.JOB.value)
-        self.avoid_hosts = hosts_to_avoid(
-            self.avoid_hosts, failed, self._hosts, len(failed) + len(self.avoid_hosts)
-        )
-        swaps = [f"{old} -> {new}" for old, new in replaced.items()]
-        swaps += [f"{n} -> a fresh {n} elsewhere" for n in fresh]
-        self._event(
-            now,
-            "NodesReplaced",
-            f"replacing {', '.join(swaps)} before any rank started (failed on-start health "
-            "checks; not counted as a restart)",
-            attempt=attempt.number + 1,
-            data={"replaced": replaced, "fresh": fresh},
-        )
-        launch = [*replaced.values(), *fresh]
-        retire = [n for n in failed if n in replaced]
-        return self._new_attempt(now, attempt.scope, launch, reports, retire=retire)
-
-    def _can_restart_in_place(self, attempt: Attempt, reports: Mapping[str, NodeReport]) -> bool:
-        if not self.config.in_process or self.restarts >= self.config.max_restarts:
-            return False
-        return inprocess.eligible(
-            attempt.faults,
-            attempt.number,
-            attempt.assignments,
-            reports,
-            self.config.unreachable_after,
-        )
-
-    def _restart_in_place(
-        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-    ) -> RejoinNodes:
-        scope = RestartScope.IN_PROCESS
-        reason = attempt.faults[0].message
-        dead = {f.rank for f in attempt.faults}
-        survivors = tuple(
-            w.rank
-            for _, status in attempt.watch.current(attempt.assignments, reports)
-            for w in status.workers
-            if w.state is WorkerState.RUNNING and w.rank not in dead
-        )
-        self._end_attempt(now, attempt, AttemptPhase.FAILED, reason)
-        self.history.append(RestartRecord(now, scope))
-        self.timeline.set_scope(attempt.number, scope.value)
-        self.phase = JobPhase.RESTARTING
-        self._event(
-            now,
-            "RestartScheduled",
-            f"in-process restart {self.restarts} of {self.config.max_restarts}: {reason}; "
-            "survivors keep their processes, dead ranks are replaced",
-            attempt=attempt.number + 1,
-            data={"scope": scope.value, "replaced": {}},
-        )
-        new = Attempt(len(self.attempts), now, self.nodes, self._watch(len(self.attempts), now))
-        new.scope = scope.value
-        new.rejoin = Rejoin(now, survivors)
-        self.attempts.append(new)
-        started = self._start_attempt(now, new)
-        return RejoinNodes(started.attempt, started.assignments)
+            return recovery.rescale(self, now, attempt, attempt.scale, reports)
+        return recovery.after_failure(self, now, attempt, reports)
 
     def _stop(
         self, now: float, attempt: Attempt, mode: str, reason: str, capture: bool = False
@@ -723,9 +510,3 @@ class JobController:
         if attempt is None and self.attempts:
             attempt = self.attempts[-1].number
         self.record.event(now, kind, message, attempt, node, rank, data)
-
-
-def _spares_left(spares: Sequence[str]) -> str:
-    if not spares:
-        return "no spare node is left to replace it"
-    return f"only {len(spares)} spare node{'s' if len(spares) > 1 else ''} left to replace them"
