@@ -128,3 +128,20 @@ def test_a_scale_up_whose_nodes_do_not_come_up_goes_on_without_them() -> None:
     assert isinstance(actions[-1], StartNodes) and len(actions[-1].assignments) == 2
     assert c.elastic is not None and c.elastic.failures == 1
     assert c.restarts == 0 and "node-2" in c.growth
+
+
+def test_a_preempted_node_lost_before_it_was_given_up_is_a_scale_down_not_a_restart() -> None:
+    c = make()
+    c.set_capacity(1, ["node-1"])
+    lost = {
+        "node-0": h.report("node-0", NodeState.RUNNING, 0, workers=h.workers(0)),
+        "node-1": h.lost("node-1", "pod evicted"),
+    }
+    [stop] = c.observe(1.0, lost)  # the fault comes first: every rank stops
+    assert isinstance(stop, StopNodes)
+    after = {"node-0": stopped(NODES, 0)["node-0"], "node-1": h.lost("node-1", "pod evicted")}
+    actions = c.observe(2.0, after)
+    assert isinstance(actions[0], RetireNodes) and actions[0].node_ids == ("node-1",)
+    assert isinstance(actions[-1], StartNodes) and len(actions[-1].assignments) == 1
+    assert c.restarts == 0 and c.nodes == ("node-0",)
+    assert [e.kind for e in c.drain_events() if e.kind == "ElasticScaling"] == ["ElasticScaling"]

@@ -96,6 +96,9 @@ def after_failure(
         f.type is FaultType.HEALTH_CHECK_FAILED for f in attempt.faults
     ):
         return replace_at_launch(c, now, attempt, reports)
+    taken = _preempted_away(c, attempt)
+    if taken is not None:
+        return rescale(c, now, attempt, taken, reports)
     decision = decide_restart(
         now,
         attempt.faults,
@@ -138,6 +141,21 @@ def after_failure(
     )
     return c._new_attempt(
         now, decision.scope.value, launch=c.nodes, reports=reports, retire=retired
+    )
+
+
+def _preempted_away(c: JobController, attempt: Attempt) -> Scale | None:
+    """An elastic job whose only faults are preempted nodes lost (taken before it gave
+    them up): a scale-down without them, not a restart (None: not that case)."""
+    if c.elastic is None or not c.preempted or not attempt.faults:
+        return None
+    lost = {f.node for f in attempt.faults if f.type is FaultType.NODE_LOST}
+    if not lost or any(f.type is not FaultType.NODE_LOST for f in attempt.faults):
+        return None
+    if not lost <= set(c.preempted):
+        return None
+    return c.elastic.observe(
+        attempt.ended_at or attempt.started_at, attempt.nodes, c.capacity, c.preempted, None
     )
 
 
