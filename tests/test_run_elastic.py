@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from conftest import SCRIPTS, Trainguard, wait_for
 from trainguard.platform.store import Store
 
@@ -118,3 +120,36 @@ def test_scale_needs_an_elastic_running_job(tg: Trainguard, tmp_path: Path) -> N
     done = tg.run("run", "-f", str(bad), timeout=60)
     assert done.returncode == 2
     assert "spec.elasticPolicy.minReplicas: must be <= the job's replicas (2)" in done.stderr
+
+
+@pytest.mark.e2e
+def test_a_script_with_trainguard_elastic_saves_and_resumes_every_sample_once(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    """4(b): the ranks see the request at the same step, save and exit; the restarted
+    job takes the epoch up where it was, at the new world size, global batch kept."""
+    out = tmp_path / "out"
+    out.mkdir()
+    path = job_file(tmp_path, 0, {**ELASTIC, "gracefulShutdownTimeoutInSeconds": 30})
+    job = json.loads(path.read_text())
+    container = job["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]
+    container["command"] = ["python", str(SCRIPTS / "elastic_train.py"), str(out), "1200"]
+    path.write_text(json.dumps(job))
+    done = tg.run(
+        "run", "-f", str(path), "--inject", "preempt:node=1@1s", "--inject", "capacity:+2@4s",
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    described = tg.only_job()
+    assert sizes(described) == [2, 1, 3] and described["restarts"] == 0
+    taken = [int(i) for f in out.glob("samples-rank-*.txt") for i in f.read_text().split()]
+    assert sorted(taken) == list(range(1200))  # every sample of the epoch, exactly once
+    logs = Path(described["logs_dir"])
+    batches = re.findall(
+        r"global batch (\d+)", "".join(p.read_text() for p in logs.glob("*/*/stdout.log"))
+    )
+    assert batches and set(batches) == {"12"}
+    saved = [
+        p for p in logs.glob("attempt-[01]/rank-*/stdout.log") if "saved, exiting" in p.read_text()
+    ]
+    assert saved  # the scalings were the script's own save-and-exit, not a SIGTERM

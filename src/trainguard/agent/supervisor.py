@@ -37,6 +37,7 @@ from trainguard.agent.replicas import ReplicaPusher, restore_from_peers
 from trainguard.agent.reporter import Reporter
 from trainguard.agent.warm import FRESH_STARTS, Spawner, StartOptions
 from trainguard.agent.workers import WorkerGroup
+from trainguard.elastic.request import ARMED_SUFFIX, ELASTIC_FILE_ENV
 from trainguard.monitor.heartbeat import HEARTBEAT_DIR_ENV
 from trainguard.monitor.stacks import capture_stacks
 from trainguard.monitor.worker_events import EVENT_DIR_ENV
@@ -319,6 +320,8 @@ class Supervisor:
                 **self._agent_env,
                 HEARTBEAT_DIR_ENV: str(beats_dir),
                 EVENT_DIR_ENV: str(events_dir),
+                # trainguard.elastic: created when a scaling asks the ranks to save and exit.
+                ELASTIC_FILE_ENV: str(beats_dir.parent / "scale-request"),
             },
             cwd=self._cwd,
             reap_timeout=self._timings.reap_timeout,
@@ -462,12 +465,30 @@ class Supervisor:
             stacks = capture_stacks(pids, self._timings.stack_timeout)
             with self.board.lock:
                 self.board.stacks = stacks
+        if request.notice > 0 and request.mode == "graceful":
+            self._ask_to_scale(request.notice)
         if request.mode == "process" or request.timeout <= 0:
             self._end_attempt(signal.SIGKILL, self._timings.reap_timeout)
         else:
             self._end_attempt(signal.SIGTERM, request.timeout)
         with self.board.lock:
             self.board.set(NodeState.STOPPED)
+
+    def _ask_to_scale(self, notice: float) -> None:
+        """An elastic scaling: ask the ranks to save and exit (``trainguard.elastic``'s
+        request file), and give those that read it (they left ``<file>.armed``) up to
+        ``notice`` seconds to do so before they are signalled."""
+        group = self._group
+        if group is None or self.board.attempt is None:
+            return
+        request = self._layout.attempt_dir(self.board.attempt) / "scale-request"
+        request.touch()
+        if not Path(str(request) + ARMED_SUFFIX).exists():
+            return  # an unmodified script: it is stopped at once
+        deadline = time.monotonic() + notice
+        while time.monotonic() < deadline and group.running():
+            time.sleep(0.05)
+        self._record_exits(group.poll(), stopped=False)
 
     def _shutdown(self, reason: str) -> None:
         logger.info("shutting down: %s", reason)

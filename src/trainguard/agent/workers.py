@@ -209,6 +209,10 @@ class WorkerGroup:
     def pids(self) -> dict[int, int]:
         return {local: w.pid for local, w in self._workers.items()}
 
+    def running(self) -> bool:
+        """Whether any of the group's processes still runs."""
+        return any(p.proc.poll() is None for p in self._processes())
+
     def poll(self) -> dict[int, int]:
         """Workers that exited since the last call: local rank -> exit code (<0: signal)."""
         new: dict[int, int] = {}

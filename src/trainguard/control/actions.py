@@ -105,6 +105,7 @@ class StopNodes:
     mode: str  # "process" (kill now) or "graceful" (SIGTERM, then SIGKILL)
     timeout: float
     capture_stacks: bool = False
+    notice: float = 0.0  # elastic scaling: ranks that read requests get this to save and exit
 
 
 @dataclass(frozen=True)

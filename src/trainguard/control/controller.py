@@ -456,9 +456,10 @@ class JobController:
         attempt.reason = attempt.reason or reason
         attempt.watch.pause(now)
         grace = self.config.stop_grace_seconds if mode == "graceful" else 0.0
-        if attempt.scale is not None and self.config.elastic is not None:  # ranks save first
-            grace = max(grace, self.config.elastic.graceful_shutdown_timeout)
-        attempt.stop_allowance = grace + self.config.stop_slack_seconds
+        notice = 0.0  # an elastic scaling: ranks that read requests save and exit first
+        if attempt.scale is not None and self.config.elastic is not None:
+            notice = self.config.elastic.graceful_shutdown_timeout
+        attempt.stop_allowance = notice + grace + self.config.stop_slack_seconds
         self._event(
             now,
             "StoppingAll",
@@ -466,7 +467,7 @@ class JobController:
             attempt=attempt.number,
             data={"mode": mode, "capture_stacks": capture},
         )
-        return StopNodes(attempt.number, attempt.nodes, mode, grace, capture)
+        return StopNodes(attempt.number, attempt.nodes, mode, grace, capture, notice)
 
     def _stopped(self, report: NodeReport | None) -> bool:
         return settled(report, self.config.unreachable_after)

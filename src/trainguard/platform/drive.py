@@ -94,6 +94,7 @@ def deliveries(
             mode="process" if action.mode == "process" else "graceful",
             timeout=action.timeout,
             capture_stacks=action.capture_stacks,
+            notice=action.notice,
         )
         return [Delivery(n, "stop", action.attempt, stop) for n in action.node_ids]
     return [

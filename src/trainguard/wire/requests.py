@@ -150,6 +150,9 @@ class AttemptRequest(Wire):
     report_url: str | None = Field(default=None, max_length=2048)
 
 
+MAX_NOTICE_SECONDS = 3600.0
+
+
 class StopRequest(Wire):
     """Stop ``attempt`` (None: whatever runs); another attempt is left alone.
 
@@ -161,6 +164,9 @@ class StopRequest(Wire):
     mode: Literal["graceful", "process"] = "graceful"
     timeout: Seconds = DEFAULT_STOP_TIMEOUT
     capture_stacks: bool = False
+    # An elastic scaling: first ask the ranks to save and exit (trainguard.elastic), and
+    # give those that read such requests this long before SIGTERM.
+    notice: float = Field(default=0.0, ge=0, le=MAX_NOTICE_SECONDS, allow_inf_nan=False)
 
 
 class ReplaceRequest(Wire):
