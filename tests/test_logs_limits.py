@@ -23,7 +23,7 @@ MIB = 1024 * 1024
 INTERVAL = 0.02
 
 
-def eventually(check: object, timeout: float = 30.0) -> None:
+def eventually(check: object, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():  # type: ignore[operator]
         assert time.monotonic() < deadline, "condition not met in time"
