@@ -12,8 +12,10 @@
   (127.77.0.N) and its environment (``value``, ``fieldRef`` podIP/name/namespace/
   nodeName, ``secretKeyRef``, ``$(VAR)`` expansion), and writes the pod status back
   (Running with podIP, then Succeeded/Failed with the exit code). A deleted pod gets
-  SIGTERM, then SIGKILL after a grace period. Its processes' ``$HOME`` is the kubelet's
-  root: a kubeconfig at ``<root>/.kube/config`` is what they connect with.
+  SIGTERM, then SIGKILL after a grace period; an evicted one (:meth:`Kubelet.evict`)
+  the ``DisruptionTarget`` condition first, the same ending, and the reason Evicted. Its
+  processes' ``$HOME`` is the kubelet's root: a kubeconfig at ``<root>/.kube/config`` is
+  what they connect with.
 """
 
 from __future__ import annotations
@@ -182,6 +184,7 @@ class PodProcess:
     log: Path
     container: str
     reported: bool = False  # its end was written to the pod status
+    evicted: str | None = None  # why the kubelet evicted it (its status message)
     pids: set[int] = field(default_factory=set)
 
 
@@ -232,6 +235,40 @@ class Kubelet:
         pod = self.process(name)
         _kill_tree(pod.process.pid, signal.SIGSTOP)
         _kill_tree(pod.process.pid, signal.SIGKILL)
+
+    def evict(
+        self, name: str, grace: float, reason: str = "TerminationByKubelet", message: str = ""
+    ) -> threading.Thread:
+        """Evict the pod as a kubelet under node pressure does: the condition
+        ``DisruptionTarget`` (``reason``) at once; after ``grace`` seconds the pod's first
+        process (its container's) gets SIGTERM, and what is left of the pod SIGKILL after
+        the delete grace period; the pod ends Failed with the reason Evicted. Returns the
+        thread that ends it."""
+        pod = self.process(name)
+        message = message or "The node was low on resource: memory."
+        condition = {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": now_rfc3339(),
+        }
+        raw = self.api.core.read_namespaced_pod(name, pod.namespace, _preload_content=False)
+        conditions = (json.loads(raw.data).get("status") or {}).get("conditions") or []
+        self._patch_status(pod.namespace, name, {"conditions": [*conditions, condition]})
+
+        def end() -> None:
+            self._halt.wait(grace)
+            pod.evicted = message
+            with contextlib.suppress(ProcessLookupError):
+                pod.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                pod.process.wait(DELETE_GRACE_SECONDS)
+            _kill_tree(pod.process.pid, signal.SIGKILL)
+
+        thread = threading.Thread(target=end, daemon=True, name=f"evict-{name}")
+        thread.start()
+        return thread
 
     def all_pids(self, prefix: str = "") -> set[int]:
         """Every process seen in the pods whose name starts with ``prefix`` (agents, workers)."""
@@ -353,12 +390,14 @@ class Kubelet:
 
     def _report_end(self, proc: PodProcess, code: int) -> None:
         exit_code = 128 - code if code < 0 else code  # a signal: 128 + signal number
+        evicted = {"reason": "Evicted", "message": proc.evicted} if proc.evicted else {}
         with contextlib.suppress(NotFound):
             self._patch_status(
                 proc.namespace,
                 proc.name,
                 {
-                    "phase": "Succeeded" if exit_code == 0 else "Failed",
+                    **evicted,
+                    "phase": "Failed" if evicted or exit_code else "Succeeded",
                     "containerStatuses": [
                         {
                             "name": proc.container,

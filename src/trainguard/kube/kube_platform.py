@@ -14,7 +14,9 @@ processes:
   the job that no node owns (an earlier operator's) are deleted. With the same listing,
   a pod on a Node labelled to be moved off (``UnschedulablePendingReplacement``, by hand
   or by the health agent) asks for its node's replacement
-  (:meth:`~trainguard.kube.node_health.NodeHealthLabels.replacements`);
+  (:meth:`~trainguard.kube.node_health.NodeHealthLabels.replacements`). For an elastic
+  job it also reports the capacity (the job's replica count, re-read from the API) and
+  the nodes whose pod is evicted or preempted (:mod:`trainguard.kube.elastic`);
 - **record** patches the job's status and records Events and metrics
   (:class:`~trainguard.kube.record.ClusterRecord`).
 
@@ -43,6 +45,7 @@ from trainguard.control.controller import JobController
 from trainguard.control.reports import NodeReport, Refusal
 from trainguard.kube.api import KubeApi, KubeError
 from trainguard.kube.config import OperatorConfig
+from trainguard.kube.elastic import Preemptions, ReplicaCount
 from trainguard.kube.node import PodNode
 from trainguard.kube.node_health import NodeHealthLabels
 from trainguard.kube.pods import job_selector, node_pod, pod_name, service_name
@@ -142,6 +145,12 @@ class KubePlatform:
         self._listed_at: float | None = None
         self._doomed: set[str] = set()  # pods to delete (retried until the API agrees)
         self._shut_down = False
+        # Elastic jobs: the replica count (capacity) and the pods taken away (preempted).
+        self.replicas: ReplicaCount | None = None
+        if job.spec.elastic_policy is not None:
+            initial = sum(group.replicas for group in job.spec.replica_specs)
+            self.replicas = ReplicaCount(api, self.namespace, self.name, initial, poll_interval)
+        self.preemptions = Preemptions(self.source)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -265,7 +274,15 @@ class KubePlatform:
         replace: list[Replace] = []
         if listed and self.node_health is not None:
             replace = self.node_health.replacements(self.nodes)
-        return Observation(self.book.reports(), cancel, replace=tuple(replace))
+        if self.replicas is None:
+            return Observation(self.book.reports(), cancel, replace=tuple(replace))
+        return Observation(
+            self.book.reports(),
+            cancel,
+            replace=tuple(replace),
+            capacity=self.replicas.read(now),
+            preempted=self.preemptions.observe(self.nodes),
+        )
 
     def _list(self, now: float, force: bool = False) -> bool:
         """List the job's pods, at most once per poll interval; delete the unowned ones.

@@ -61,6 +61,9 @@ class PodNode:
         if self.phase in ("Failed", "Succeeded"):
             exit_code, finished = _termination(self.pod)
             how = f" (exit code {exit_code})" if exit_code is not None else ""
+            status = self.pod.get("status") or {}
+            if status.get("reason") == "Evicted":  # by the kubelet (node pressure)
+                how = f" (evicted: {status.get('message') or 'by the kubelet'})"
             return f"pod {self.pod_name} {self.phase.lower()}{how}", finished
         return None
 

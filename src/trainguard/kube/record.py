@@ -19,6 +19,7 @@ from trainguard.control.policy import RestartScope
 from trainguard.control.reports import NodeReport
 from trainguard.kube.adopt import takeover_record
 from trainguard.kube.api import KubeApi, KubeError, NotFound
+from trainguard.kube.elastic import ScalingStatus
 from trainguard.kube.node import PodNode
 from trainguard.kube.node_health import NodeHealthLabels
 from trainguard.kube.status import Conditions, FaultyPods, PodInfo, job_status, k8s_event
@@ -53,6 +54,7 @@ class ClusterRecord:
         self.source = f"{self.namespace}/{self.name}"
         self.conditions = Conditions()
         self.faulty = FaultyPods()
+        self.scaling = ScalingStatus()  # elastic jobs' elasticScalingStatus
         self._last_status: Obj | None = None
 
     def record(
@@ -70,7 +72,7 @@ class ClusterRecord:
         for event in events:
             self._event(event, seen)
         self.observer.turn(now, controller, events, reports)
-        status = job_status(controller, self.conditions, pods, self.faulty, now)
+        status = job_status(controller, self.conditions, pods, self.faulty, now, self.scaling)
         status["takeover"] = takeover_record(controller)  # for an operator taking over
         if status == self._last_status:
             return
@@ -86,6 +88,8 @@ class ClusterRecord:
         logger.info("%s: %s: %s", self.source, event.kind, event.message)
         if event.kind == "Fault":
             self._note_fault(event, seen.get(event.node) if event.node else None)
+        elif event.kind == "ElasticScaling":
+            self.scaling.note(event)
         elif event.kind == "RestartScheduled":
             scope = str(event.data.get("scope", ""))
             self.faulty.restart_type = RestartScope(scope).hyperpod if scope else None

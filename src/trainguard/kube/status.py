@@ -1,8 +1,9 @@
 """What the operator records on a TrainingJob: its ``status`` and Kubernetes Events.
 
 Pure functions of the controller's state (HyperPod's status shape: ``conditions``,
-``restartCount``, ``restartStatus``, ``latestFaultyPodInstanceList``) plus the
-pods the operator made; :class:`Conditions` keeps transition times stable.
+``restartCount``, ``restartStatus``, ``latestFaultyPodInstanceList``, and for elastic
+jobs ``elasticScalingStatus``) plus the pods the operator made; :class:`Conditions`
+keeps transition times stable.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import datetime
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard.control.controller import JobController
 from trainguard.control.events import Event
 from trainguard.kube.config import GROUP, KIND, VERSION
+
+if TYPE_CHECKING:
+    from trainguard.kube.elastic import ScalingStatus
 
 Obj = dict[str, Any]
 
@@ -108,8 +112,10 @@ def job_status(
     pods: Sequence[PodInfo],
     faulty: FaultyPods,
     now: float,
+    scaling: ScalingStatus | None = None,
 ) -> Obj:
-    """The TrainingJob ``status`` for the controller's current state."""
+    """The TrainingJob ``status`` for the controller's current state (``scaling``: an
+    elastic job's ``elasticScalingStatus``)."""
     phase = controller.phase.value
     attempt = controller.current
     ranks = {a.node_id: a for a in attempt.assignments} if attempt else {}
@@ -150,6 +156,9 @@ def job_status(
         status["completionTime"] = rfc3339(controller.finished_at or now)
     if faulty.attempt >= 0:
         status["latestFaultyPodInstanceList"] = faulty.to_json()
+    elastic = scaling.to_json(controller, now) if scaling is not None else None
+    if elastic is not None:
+        status["elasticScalingStatus"] = elastic
     return status
 
 

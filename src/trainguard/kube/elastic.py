@@ -1,0 +1,185 @@
+"""Elastic training on Kubernetes: what the cluster tells an elastic job's controller, and
+what its status shows.
+
+The decisions are the controller's (:mod:`trainguard.control.elastic`); the platform
+(:meth:`~trainguard.kube.kube_platform.KubePlatform.observe`) hands it two facts:
+
+- **capacity** (:class:`ReplicaCount`): the TrainingJob's total ``replicas`` as the API
+  server has them now (re-read at most once per poll interval), so that
+  ``kubectl patch`` of a group's replica count grows or shrinks the running job. The
+  count is reported as it is; the controller keeps to ``elasticPolicy``'s sizes;
+- **preempted** (:class:`Preemptions`): the node ids whose current pod is being taken
+  away (:func:`preemption`): a ``DisruptionTarget`` condition (the scheduler preempting
+  it, the Eviction API, the kubelet under node pressure, a taint) or a pod the kubelet
+  evicted (phase ``Failed``, reason ``Evicted``). A node's new pod is not preempted.
+
+:class:`ScalingStatus` keeps HyperPod's ``status.elasticScalingStatus`` for elastic jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from trainguard.control.actions import AttemptPhase
+from trainguard.control.events import Event
+from trainguard.kube.api import KubeApi, KubeError, NotFound
+from trainguard.kube.node import PodNode
+from trainguard.kube.status import rfc3339
+
+if TYPE_CHECKING:
+    from trainguard.control.controller import JobController
+
+__all__ = ["Preemptions", "ReplicaCount", "ScalingStatus", "preemption", "replica_count"]
+
+logger = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+DISRUPTION_TARGET = "DisruptionTarget"
+
+
+def replica_count(body: Mapping[str, Any]) -> int | None:
+    """The job's nodes (the sum of ``spec.replicaSpecs[].replicas``, 1 where unset), or
+    None when the spec does not say (a malformed patch)."""
+    groups = (body.get("spec") or {}).get("replicaSpecs")
+    if not isinstance(groups, list) or not groups:
+        return None
+    total = 0
+    for group in groups:
+        replicas = group.get("replicas", 1) if isinstance(group, dict) else None
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            return None
+        total += replicas
+    return total
+
+
+def preemption(pod: Mapping[str, Any] | None) -> str | None:
+    """Why the pod is being taken away (or was), or None: it was evicted (phase Failed,
+    reason Evicted), or it has the condition ``DisruptionTarget`` True (reasons
+    ``PreemptionByScheduler``, ``EvictionByEvictionAPI``, ``TerminationByKubelet``,
+    ``DeletionByTaintManager``, ...)."""
+    status = (pod or {}).get("status") or {}
+    if status.get("phase") == "Failed" and status.get("reason") == "Evicted":
+        return f"Evicted: {status.get('message') or 'by the kubelet'}"
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == DISRUPTION_TARGET and condition.get("status") == "True":
+            why = condition.get("reason") or DISRUPTION_TARGET
+            return f"{why}: {condition['message']}" if condition.get("message") else str(why)
+    return None
+
+
+class Preemptions:
+    """The nodes whose current pod is being taken away; a pod once seen preempted stays
+    so until the node has another pod (the preempted pod may vanish before the job
+    gives the node up)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self._pods: dict[str, str] = {}  # pod name -> why it is being taken away
+
+    def observe(self, nodes: Mapping[str, PodNode]) -> tuple[str, ...]:
+        """The node ids (in ``nodes``' order) whose current pod is preempted."""
+        current = {node.pod_name for node in nodes.values()}
+        self._pods = {pod: why for pod, why in self._pods.items() if pod in current}
+        preempted: list[str] = []
+        for node_id, node in nodes.items():
+            if node.pod_name not in self._pods:
+                why = preemption(node.pod)
+                if why is None:
+                    continue
+                self._pods[node.pod_name] = why
+                logger.info(
+                    "%s: %s's pod %s is preempted (%s)", self.source, node_id, node.pod_name, why
+                )
+            preempted.append(node_id)
+        return tuple(preempted)
+
+
+class ReplicaCount:
+    """The job's replica count as the API server has it, re-read at most once per
+    ``interval`` seconds (the last count read stands while the API cannot be read)."""
+
+    def __init__(
+        self, api: KubeApi, namespace: str, name: str, initial: int, interval: float
+    ) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.name = name
+        self.interval = interval
+        self.value = initial
+        self._read_at: float | None = None
+
+    def read(self, now: float) -> int:
+        if self._read_at is not None and now - self._read_at < self.interval:
+            return self.value
+        self._read_at = now
+        try:
+            count = replica_count(self.api.get_job(self.namespace, self.name))
+        except NotFound:
+            return self.value  # deleted: the operator's delete handler ends the job
+        except KubeError as exc:
+            logger.warning(
+                "%s/%s: cannot read the job's replicas: %s", self.namespace, self.name, exc
+            )
+            return self.value
+        if count is not None and count != self.value:
+            logger.info("%s/%s: replicas %d -> %d", self.namespace, self.name, self.value, count)
+            self.value = count
+        return self.value
+
+
+class ScalingStatus:
+    """HyperPod's ``status.elasticScalingStatus`` of an elastic job:
+
+    - ``targetReplicas``: the nodes the job runs on, or is scaling to while a scaling
+      stops its ranks;
+    - ``lastScalingTime``: when the last scaling was decided (an ``ElasticScaling``
+      event; null before the first);
+    - ``lastRestartTime``: when the job last restarted, for a fault or a scaling (its
+      current attempt began; null before the first restart): no scale-up comes within
+      ``scaleUpSnoozeTimeInSeconds`` of it;
+    - ``podsScaled``: how many pods the last scaling removed or added;
+    - ``isFaultyPodScaleDown``: the last scaling was a scale-down away from faulty pods
+      (the controller's event says ``faulty``), not a preemption or a capacity change;
+    - ``consecutiveScalingFailures``: scale-ups in a row whose new pods did not come up
+      (each doubles the wait before the next: anti-thrashing);
+    - ``lastUpdated``: when any of the above last changed.
+    """
+
+    def __init__(self) -> None:
+        self.pods_scaled = 0
+        self.faulty = False
+        self._fields: Obj | None = None
+        self._updated: float | None = None
+
+    def note(self, event: Event) -> None:
+        """Take in one of the controller's events (only ``ElasticScaling`` counts)."""
+        if event.kind != "ElasticScaling":
+            return
+        data = event.data
+        self.pods_scaled = len(data.get("dropped") or ()) + len(data.get("added") or ())
+        self.faulty = bool(data.get("faulty", False))
+
+    def to_json(self, controller: JobController, now: float) -> Obj | None:
+        """The status object now (None: not an elastic job)."""
+        watch = controller.elastic
+        if watch is None:
+            return None
+        attempt = controller.current
+        target = len(controller.nodes)
+        scale = attempt.scale if attempt is not None else None
+        if scale is not None and attempt is not None and attempt.phase is AttemptPhase.STOPPING:
+            target = scale.size  # its ranks are stopping for the scaling
+        restarted = attempt.started_at if attempt is not None and attempt.number > 0 else None
+        fields: Obj = {
+            "targetReplicas": target,
+            "lastScalingTime": rfc3339(watch.last_scaling) if watch.last_scaling else None,
+            "lastRestartTime": rfc3339(restarted) if restarted is not None else None,
+            "podsScaled": self.pods_scaled,
+            "isFaultyPodScaleDown": self.faulty,
+            "consecutiveScalingFailures": watch.failures,
+        }
+        if fields != self._fields or self._updated is None:
+            self._fields, self._updated = fields, now
+        return {**fields, "lastUpdated": rfc3339(self._updated)}
