@@ -10,6 +10,7 @@ from trainguard.control.assignment import Endpoint
 from trainguard.control.config import ControlConfig
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.control.elastic import ElasticConfig, ElasticWatch
+from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport, NodeState
 from trainguard.wire.status import WorkerState
 
@@ -145,3 +146,35 @@ def test_a_preempted_node_lost_before_it_was_given_up_is_a_scale_down_not_a_rest
     assert isinstance(actions[-1], StartNodes) and len(actions[-1].assignments) == 1
     assert c.restarts == 0 and c.nodes == ("node-0",)
     assert [e.kind for e in c.drain_events() if e.kind == "ElasticScaling"] == ["ElasticScaling"]
+
+
+def test_a_lost_node_not_back_within_the_faulty_timeout_is_scaled_away() -> None:
+    config = ControlConfig(
+        "job",
+        NODES,
+        2,
+        policy=PolicyConfig.from_spec(None, 3),
+        elastic=ElasticConfig(1, 2, faulty_scale_down_timeout=5.0),
+        stop_grace_seconds=5,
+        node_start_timeout=120.0,
+    )
+    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    h.begin(c)
+    lost = {
+        "node-0": h.report("node-0", NodeState.RUNNING, 0, workers=h.workers(0)),
+        "node-1": h.lost("node-1"),
+    }
+    [stop] = c.observe(1.0, lost)
+    assert isinstance(stop, StopNodes)
+    after = {"node-0": stopped(NODES, 0)["node-0"], "node-1": h.lost("node-1")}
+    [launch] = c.observe(2.0, after)  # no spare: both restart fresh (a job-level restart)
+    assert isinstance(launch, LaunchNodes) and launch.node_ids == NODES
+    assert c.restarts == 1
+    up = h.ready(("node-0",))
+    assert c.observe(4.0, up) == []  # node-1 not up yet, within the timeout
+    actions = c.observe(7.5, up)  # 5 s after the restart: go on without it
+    assert isinstance(actions[0], RetireNodes) and actions[0].node_ids == ("node-1",)
+    assert isinstance(actions[-1], StartNodes) and len(actions[-1].assignments) == 1
+    assert c.restarts == 1 and c.nodes == ("node-0",)
+    [scaling] = [e for e in c.drain_events() if e.kind == "ElasticScaling"]
+    assert scaling.data["faulty"] is True and "faultyScaleDownTimeoutInSeconds" in scaling.message

@@ -41,3 +41,7 @@ class Attempt:
     # scale-up attempt brings up (control/elastic.py).
     scale: Scale | None = None
     growing: tuple[str, ...] = ()
+    # Lost nodes restarting fresh, and when the job scales down without them if they are
+    # not up by then (faultyScaleDownTimeoutInSeconds).
+    replacing: tuple[str, ...] = ()
+    faulty_deadline: float | None = None

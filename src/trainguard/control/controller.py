@@ -280,6 +280,14 @@ class JobController:
             deadline is not None and now >= deadline,
             self.config.node_start_timeout,
         )
+        deadline = attempt.faulty_deadline
+        if self.elastic is not None and deadline is not None and now >= deadline:
+            pending = {n for n, _ in lost} | set(waiting)
+            late = [n for n in attempt.replacing if n in pending]
+            if late and len(late) == len(pending):  # only they hold the attempt up
+                scaled = recovery.faulty_scale_down(self, now, attempt, late, reports)
+                if scaled is not None:
+                    return scaled
         if lost and attempt.growing and {n for n, _ in lost} <= set(attempt.growing):
             return recovery.scale_up_failed(self, now, attempt, [n for n, _ in lost], reports)
         if lost or health_faults:

@@ -8,6 +8,9 @@ HyperPod's ``elasticPolicy`` semantics, as pure decisions:
 - **scale down** (:meth:`ElasticWatch.observe`): nodes are being taken away (preempted:
   the platform's capacity fell under the job's size): at once, to the largest size the
   remaining capacity fits (never under ``minReplicas``: then the job waits, or fails);
+- **faulty scale-down**: a lost node with no spare restarts fresh; if it is not up
+  ``faultyScaleDownTimeoutInSeconds`` after the restart, the job goes on without it
+  (control/recovery.py ``faulty_scale_down``);
 - **scale up**: the capacity fits a larger size, has for ``scalingTimeoutInSeconds``,
   and the last restart is more than ``scaleUpSnoozeTimeInSeconds`` ago; after a scaling
   that failed (the new nodes did not come up), the wait doubles each time (anti-
@@ -37,6 +40,9 @@ class ElasticConfig:
     scaling_timeout: float = 0.0  # capacity must stay this long before a scale-up
     graceful_shutdown_timeout: float = 0.0  # ranks' time to save and exit before a scaling
     scale_up_snooze: float = 0.0  # no scale-up this long after a restart
+    # A lost node's fresh replacement not up this long after the restart: scale down
+    # without it (None: wait for it as for any node, nodeStartTimeoutSeconds).
+    faulty_scale_down_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_nodes <= self.max_nodes:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "after_failure",
     "can_restart_in_place",
+    "faulty_scale_down",
     "replace_at_launch",
     "rescale",
     "restart_in_place",
@@ -139,9 +140,48 @@ def after_failure(
         c._hosts,
         c.config.policy.max_num_repeat_offenders_to_avoid,
     )
-    return c._new_attempt(
+    actions = c._new_attempt(
         now, decision.scope.value, launch=c.nodes, reports=reports, retire=retired
     )
+    timeout = c.config.elastic.faulty_scale_down_timeout if c.config.elastic else None
+    fresh = tuple(n for n in lost if n in c.nodes)  # no spare took its place
+    if timeout is not None and fresh:
+        c.attempts[-1].replacing, c.attempts[-1].faulty_deadline = fresh, now + timeout
+    return actions
+
+
+def faulty_scale_down(
+    c: JobController,
+    now: float,
+    attempt: Attempt,
+    late: Sequence[str],
+    reports: Mapping[str, NodeReport],
+) -> list[Action] | None:
+    """Lost nodes restarting fresh are not up ``faultyScaleDownTimeoutInSeconds`` after
+    the restart: go on without them, at the largest allowed size (None: that would be
+    under ``minReplicas``: keep waiting)."""
+    assert c.elastic is not None
+    size = c.elastic.config.fit(len(c.nodes) - len(late))
+    if size is None:
+        return None
+    keep = [n for n in c.nodes if n not in late][:size]
+    drop = tuple(n for n in c.nodes if n not in keep)
+    before = len(c.nodes)
+    c.nodes, c.growth = tuple(keep), (*c.growth, *drop)
+    c.elastic.scaled(now, size)
+    c.checkpoints.world_size = size * c.config.nproc_per_node
+    timeout = c.elastic.config.faulty_scale_down_timeout
+    reason = f"{', '.join(late)} not up {timeout:g} s after the restart"
+    c._end_attempt(now, attempt, AttemptPhase.FAILED, reason)
+    c._event(
+        now,
+        "ElasticScaling",
+        f"scale down {before} -> {size} nodes: {reason} (faultyScaleDownTimeoutInSeconds; "
+        "not counted as a restart)",
+        attempt=attempt.number + 1,
+        data={"from": before, "to": size, "dropped": list(drop), "added": [], "faulty": True},
+    )
+    return c._new_attempt(now, attempt.scope, (), reports, retire=drop)
 
 
 def _preempted_away(c: JobController, attempt: Attempt) -> Scale | None:

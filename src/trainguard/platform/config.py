@@ -100,6 +100,7 @@ def _elastic(
         scaling_timeout=policy.scaling_timeout_in_seconds or 0.0,
         graceful_shutdown_timeout=policy.graceful_shutdown_timeout_in_seconds or 0.0,
         scale_up_snooze=snooze or 0.0,
+        faulty_scale_down_timeout=policy.faulty_scale_down_timeout_in_seconds,
     )
     growth: list[str] = []
     extra = config.max_nodes - total
