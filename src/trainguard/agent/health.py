@@ -23,18 +23,15 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from trainguard.health.kernel_log import KernelLogMonitor, default_sources
-from trainguard.health.monitors import HealthWatch, MemoryPressureMonitor, Monitor, SpaceMonitor
-from trainguard.health.nvsmi import NvidiaSmiMonitor
-from trainguard.health.result import CheckResult, Finding
+from trainguard.health.kernel_log import KERNEL_LOG_ENV
+from trainguard.health.monitors import HealthWatch
+from trainguard.health.result import Finding
 from trainguard.health.runner import run_checks
-from trainguard.health.settings import HealthSettings
-from trainguard.health.storage import SHM
-from trainguard.health.suite import Peers, on_start_checks, set_disk_full
+from trainguard.health.settings import MONITOR_KIND, HealthSettings
+from trainguard.health.suite import Peers, continuous_watch, on_start_checks, set_disk_full
 from trainguard.wire.health import MAX_FINDINGS, CheckReport, FindingReport, HealthReport
 
 __all__ = ["HOOK_DISK_FULL", "HOOK_KERNEL_LOG", "HealthKeeper"]
@@ -66,9 +63,9 @@ class HealthKeeper:
         self.hooks = hooks
         self._on_news = on_news
         self._lock = threading.Lock()
-        self._deep: str | None = "InProgress" if options.checks else None
-        self._checks: list[CheckResult] = []
-        self._findings: deque[FindingReport] = deque(maxlen=MAX_FINDINGS)
+        # What the status says, rebuilt only when a check ends or a finding comes (every
+        # status the agent serves or pushes carries it).
+        self._report = HealthReport(deep="InProgress" if options.checks else None)
         self._next_seq = 0
         self._stop = threading.Event()
         self.watching = threading.Event()  # the monitors run (they see what comes after)
@@ -82,11 +79,7 @@ class HealthKeeper:
 
     def report(self) -> HealthReport:
         with self._lock:
-            return HealthReport(
-                deep=self._deep,  # type: ignore[arg-type]
-                checks=tuple(CheckReport(**c.to_json()) for c in self._checks),
-                findings=tuple(self._findings),
-            )
+            return self._report
 
     # -- the thread -------------------------------------------------------------------
 
@@ -121,35 +114,36 @@ class HealthKeeper:
         results = run_checks(checks, fail)
         for result in results:
             logger.info("health check %s %s: %s", result.name, result.outcome, result.message)
+        reports = tuple(CheckReport(**r.to_json()) for r in results)
+        deep = "Failed" if any(r.failed for r in results) else "Passed"
         with self._lock:
-            self._checks = results
-            self._deep = "Failed" if any(r.failed for r in results) else "Passed"
+            self._report = self._report.model_copy(update={"deep": deep, "checks": reports})
         self._on_news()
 
     def _watch(self) -> HealthWatch | None:
-        chosen = set(self.options.continuous)
-        monitors: list[Monitor] = []
-        if "kernelLog" in chosen:
-            env = dict(os.environ)
-            if self.hooks is not None:
-                env["TRAINGUARD_KERNEL_LOG"] = str(self.hooks / HOOK_KERNEL_LOG)
-            monitors.append(KernelLogMonitor(default_sources(env)))
-        if "gpu" in chosen:
-            monitors.append(NvidiaSmiMonitor(expected_gpus=self.options.expected_gpus))
-        if "disk" in chosen:
-            monitors.append(SpaceMonitor(self.job_dir, self.options.min_free_disk_mib, "replace"))
-            if os.path.isdir(SHM):
-                monitors.append(SpaceMonitor(SHM, self.options.min_free_shm_mib, "reboot"))
-        if "memory" in chosen:
-            monitors.append(MemoryPressureMonitor())
-        return HealthWatch(monitors) if monitors else None
+        if not self.options.continuous:
+            return None
+        env = dict(os.environ)
+        if self.hooks is not None:
+            env[KERNEL_LOG_ENV] = str(self.hooks / HOOK_KERNEL_LOG)
+        return continuous_watch(
+            self.job_dir,
+            expected_gpus=self.options.expected_gpus,
+            disk_min_free_mib=self.options.min_free_disk_mib,
+            shm_min_free_mib=self.options.min_free_shm_mib,
+            env=env,
+            only=[MONITOR_KIND[name] for name in self.options.continuous],
+        )
 
     def _found(self, found: list[Finding]) -> None:
         with self._lock:
+            findings = list(self._report.findings)
             for finding in found:
                 logger.warning("health: %s: %s", finding.kind, finding.message)
                 data = finding.to_json()
                 data["time"] = data["time"] or time.time()
-                self._findings.append(FindingReport(seq=self._next_seq, **data))
+                findings.append(FindingReport(seq=self._next_seq, **data))
                 self._next_seq += 1
+            kept = tuple(findings[-MAX_FINDINGS:])  # the newest
+            self._report = self._report.model_copy(update={"findings": kept})
         self._on_news()

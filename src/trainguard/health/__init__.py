@@ -44,6 +44,7 @@ from trainguard.health.stress import CpuCheck, MemoryCheck
 from trainguard.health.suite import (
     CHECK_NAMES,
     HYPERPOD_ALIASES,
+    MONITOR_KINDS,
     Peers,
     SuiteConfig,
     continuous_watch,
@@ -57,6 +58,7 @@ __all__ = [
     "CHECK_NAMES",
     "HYPERPOD_ALIASES",
     "KERNEL_LOG_ENV",
+    "MONITOR_KINDS",
     "NODE_HEALTH_STATUS",
     "Action",
     "CheckResult",

@@ -138,14 +138,16 @@ class FileSource:
         pass
 
 
-def default_sources(env: Mapping[str, str] | None = None) -> list[LineSource]:
-    """``$TRAINGUARD_KERNEL_LOG`` (when set) and ``/dev/kmsg`` (when it can be read)."""
+def default_sources(env: Mapping[str, str] | None = None, kmsg: bool = True) -> list[LineSource]:
+    """``$TRAINGUARD_KERNEL_LOG`` (when set) and, with ``kmsg``, ``/dev/kmsg`` (when it
+    can be read)."""
     env = os.environ if env is None else env
     sources: list[LineSource] = []
     if env.get(KERNEL_LOG_ENV):
         sources.append(FileSource(env[KERNEL_LOG_ENV]))
-    with contextlib.suppress(OSError):
-        sources.append(KmsgSource())
+    if kmsg:
+        with contextlib.suppress(OSError):
+            sources.append(KmsgSource())
     return sources
 
 

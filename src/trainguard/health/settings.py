@@ -15,9 +15,16 @@ from typing import Any
 
 from trainguard.health.suite import SuiteConfig, expand_check_names
 
-__all__ = ["MONITOR_NAMES", "HealthSettings"]
+__all__ = ["MONITOR_KIND", "MONITOR_NAMES", "HealthSettings"]
 
 MONITOR_NAMES = ("kernelLog", "gpu", "disk", "memory")
+# Each spec monitor name's kind in `trainguard.health.suite.continuous_watch`.
+MONITOR_KIND = {
+    "kernelLog": "kernel-log",
+    "gpu": "nvidia-smi",
+    "disk": "space",
+    "memory": "memory-pressure",
+}
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from trainguard.health.stress import CpuCheck, MemoryCheck
 __all__ = [
     "CHECK_NAMES",
     "HYPERPOD_ALIASES",
+    "MONITOR_KINDS",
     "Peers",
     "SuiteConfig",
     "continuous_watch",
@@ -129,24 +130,40 @@ def on_start_checks(
     return [built[name] for name in expand_check_names(config.checks)]
 
 
+MONITOR_KINDS: Final = ("kernel-log", "nvidia-smi", "space", "memory-pressure")
+"""The monitors `continuous_watch` can build (``space``: the job dir and ``/dev/shm``)."""
+
+
 def continuous_watch(
     job_dir: str,
     expected_gpus: int | None = None,
     disk_min_free_mib: float = DEFAULT_DISK_MIN_FREE_MIB,
     shm_min_free_mib: float = DEFAULT_SHM_MIN_FREE_MIB,
     env: Mapping[str, str] | None = None,
+    *,
+    only: Iterable[str] = MONITOR_KINDS,
+    kmsg: bool = True,
 ) -> HealthWatch:
-    """The agent's monitors: kernel log (``$TRAINGUARD_KERNEL_LOG``, ``/dev/kmsg``),
-    nvidia-smi, free space on the job dir (``replace``: a new node brings a fresh disk)
-    and ``/dev/shm`` (``reboot``: a reboot empties it), memory pressure."""
-    monitors: list[Monitor] = [
-        KernelLogMonitor(default_sources(env)),
-        NvidiaSmiMonitor(expected_gpus=expected_gpus),
-        SpaceMonitor(job_dir, disk_min_free_mib, action="replace"),
-    ]
-    if os.path.isdir(SHM):
-        monitors.append(SpaceMonitor(SHM, shm_min_free_mib, action="reboot"))
-    monitors.append(MemoryPressureMonitor())
+    """The monitors of `MONITOR_KINDS` named in ``only``: kernel log
+    (``$TRAINGUARD_KERNEL_LOG``, and ``/dev/kmsg`` with ``kmsg``), nvidia-smi, free space
+    on the job dir (``replace``: a new node brings a fresh disk) and ``/dev/shm``
+    (``reboot``: a reboot empties it), memory pressure. ``ValueError`` names an unknown
+    one."""
+    chosen = set(only)
+    unknown = sorted(chosen - set(MONITOR_KINDS))
+    if unknown:
+        raise ValueError(f"unknown monitor {unknown[0]!r} (known: {', '.join(MONITOR_KINDS)})")
+    monitors: list[Monitor] = []
+    if "kernel-log" in chosen:
+        monitors.append(KernelLogMonitor(default_sources(env, kmsg)))
+    if "nvidia-smi" in chosen:
+        monitors.append(NvidiaSmiMonitor(expected_gpus=expected_gpus))
+    if "space" in chosen:
+        monitors.append(SpaceMonitor(job_dir, disk_min_free_mib, action="replace"))
+        if os.path.isdir(SHM):
+            monitors.append(SpaceMonitor(SHM, shm_min_free_mib, action="reboot"))
+    if "memory-pressure" in chosen:
+        monitors.append(MemoryPressureMonitor())
     return HealthWatch(monitors)
 
 

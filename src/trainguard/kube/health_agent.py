@@ -42,12 +42,11 @@ from types import FrameType
 from typing import Any, Final
 
 from trainguard.health import (
+    MONITOR_KINDS,
     CheckResult,
     Finding,
     HealthCheck,
     HealthWatch,
-    KernelLogMonitor,
-    KmsgSource,
     SuiteConfig,
     continuous_watch,
     expand_check_names,
@@ -68,7 +67,7 @@ __all__ = ["DEFAULT_MONITORS", "MONITORS", "HealthAgent", "main", "make_agent"]
 
 logger = logging.getLogger("trainguard.health_agent")
 
-MONITORS: Final = ("kernel-log", "nvidia-smi", "space", "memory-pressure")
+MONITORS: Final = MONITOR_KINDS
 DEFAULT_MONITORS: Final = ("kernel-log", "nvidia-smi")
 START_READS: Final = 5
 """Tries to read the Node on start (a second apart, then more) before exiting."""
@@ -214,34 +213,15 @@ def make_agent(
     names = expand_check_names(checks)
     if "connectivity" in names:
         raise ValueError("connectivity: needs a job's nodes; the health agent does not run it")
-    unknown = sorted(set(monitors) - set(MONITORS))
-    if unknown:
-        raise ValueError(f"unknown monitor {unknown[0]!r} (known: {', '.join(MONITORS)})")
     built = on_start_checks(SuiteConfig(checks=names, expected_gpus=expected_gpus), work_dir)
     missing = sorted(set(fail) - {c.name for c in built})
     if missing:
         raise ValueError(f"--fail-check {missing[0]}: not among the checks ({', '.join(names)})")
     os.makedirs(work_dir, exist_ok=True)
-    watch = continuous_watch(work_dir, expected_gpus=expected_gpus, env=env)
-    kept = []
-    for monitor in watch.monitors:
-        if monitor.name.split(":")[0] not in monitors:
-            _close(monitor)
-            continue
-        if isinstance(monitor, KernelLogMonitor) and not kmsg:
-            for source in monitor.sources:
-                if isinstance(source, KmsgSource):
-                    source.close()
-            monitor.sources = [s for s in monitor.sources if not isinstance(s, KmsgSource)]
-        kept.append(monitor)
-    watch.monitors = kept
+    watch = continuous_watch(
+        work_dir, expected_gpus=expected_gpus, env=env, only=monitors, kmsg=kmsg
+    )
     return HealthAgent(api, node, keys, built, watch, fail)
-
-
-def _close(monitor: object) -> None:
-    close = getattr(monitor, "close", None)
-    if callable(close):
-        close()
 
 
 def main(argv: list[str] | None = None) -> int:
