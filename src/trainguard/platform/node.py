@@ -32,6 +32,7 @@ __all__ = [
     "LaunchedNode",
     "LocalNode",
     "NodeLauncher",
+    "WorkerPids",
 ]
 
 # Time an agent gets to exit after /shutdown before it is killed.
@@ -89,7 +90,29 @@ class HealthLaunch:
         return flags
 
 
-class LocalNode:
+class WorkerPids:
+    """A launched node's worker pids as last seen in its status, each with the start time
+    taken when the pid was first seen (``procs.pin``): shared by :class:`LocalNode` and
+    :class:`~trainguard.platform.resume.AdoptedNode`."""
+
+    def __init__(self) -> None:
+        self._workers: dict[int, str | None] = {}  # worker pid -> its start time
+
+    @property
+    def last_pids(self) -> tuple[int, ...]:
+        return tuple(self._workers)
+
+    @last_pids.setter
+    def last_pids(self, pids: tuple[int, ...]) -> None:
+        self._workers = pin(pids, self._workers)
+
+    def kill_workers(self) -> None:
+        """SIGKILL each worker still the process seen with its pid (never a later one)."""
+        for pid, started in self._workers.items():
+            kill_recorded(pid, started)
+
+
+class LocalNode(WorkerPids):
     """One node agent subprocess (see :class:`AgentLauncher`)."""
 
     def __init__(
@@ -99,16 +122,7 @@ class LocalNode:
         self.incarnation = incarnation
         self.process = process
         self.port_file = port_file
-        self._workers: dict[int, str | None] = {}  # worker pid -> its start time
-
-    @property
-    def last_pids(self) -> tuple[int, ...]:
-        return tuple(self._workers)
-
-    @last_pids.setter
-    def last_pids(self, pids: tuple[int, ...]) -> None:
-        """Each worker pid's start time is taken when the pid is first seen."""
-        self._workers = pin(pids, self._workers)
+        super().__init__()
 
     @property
     def pid(self) -> int | None:
@@ -144,8 +158,7 @@ class LocalNode:
         # Workers die with their agent (PDEATHSIG); this covers an agent that was SIGKILLed
         # before it could arm that for a worker. Only a worker that is still the process
         # first seen with its pid is signalled, never a later one reusing the pid.
-        for pid, started in self._workers.items():
-            kill_recorded(pid, started)
+        self.kill_workers()
         if self.process.stdout is not None:
             with contextlib.suppress(OSError):
                 self.process.stdout.close()

@@ -26,7 +26,8 @@ from trainguard.control.assignment import Endpoint
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.resume import Recorded, RecordedAttempt
-from trainguard.platform.procs import kill_recorded, pin, runs, start_time
+from trainguard.platform.node import WorkerPids
+from trainguard.platform.procs import kill_recorded, runs, start_time
 from trainguard.platform.store import JobRow, Store
 from trainguard.wire.requests import AttachRequest
 from trainguard.wire.status import NodeState
@@ -111,7 +112,7 @@ def live_agents(
     return agents, None
 
 
-class AdoptedNode:
+class AdoptedNode(WorkerPids):
     """A node agent that a dead controller launched: known by its pid (and that pid's
     start time, so a reused pid is never taken for it) and its URL."""
 
@@ -121,16 +122,7 @@ class AdoptedNode:
         self.url = agent.url
         self._pid = agent.pid
         self._started = agent.started
-        self._workers: dict[int, str | None] = {}  # worker pid -> its start time
-
-    @property
-    def last_pids(self) -> tuple[int, ...]:
-        return tuple(self._workers)
-
-    @last_pids.setter
-    def last_pids(self, pids: tuple[int, ...]) -> None:
-        """Each worker pid's start time is taken when the pid is first seen."""
-        self._workers = pin(pids, self._workers)
+        super().__init__()
 
     @property
     def pid(self) -> int | None:
@@ -159,8 +151,7 @@ class AdoptedNode:
         # Neither the agent nor its workers are children of this process: each is
         # signalled only while its pid still names the process seen with its start time.
         kill_recorded(self._pid, self._started)  # the agent leads its own session
-        for pid, started in self._workers.items():
-            kill_recorded(pid, started)
+        self.kill_workers()
 
 
 def attach_all(clients: Sequence[AgentClient], report_url: str) -> list[str]:
