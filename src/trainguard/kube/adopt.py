@@ -23,13 +23,11 @@ as new.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard.agent.client import AgentClient, AgentError
 from trainguard.control.assignment import Endpoint
 from trainguard.control.controller import JobController
 from trainguard.control.policy import RestartRecord, RestartScope
@@ -37,7 +35,7 @@ from trainguard.control.resume import Recorded, RecordedAttempt
 from trainguard.kube.api import KubeApi, KubeError
 from trainguard.kube.node import PodNode
 from trainguard.kube.pods import job_selector
-from trainguard.wire.status import NodeState
+from trainguard.platform.resume import live_status
 
 __all__ = ["LivePod", "live_pods", "recorded", "takeover_record"]
 
@@ -45,7 +43,6 @@ logger = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 AGENT_TIMEOUT = 5.0
-_LIVE = (NodeState.STARTING, NodeState.RUNNING, NodeState.COMPLETED, NodeState.FAULTED)
 
 
 def takeover_record(controller: JobController) -> Obj:
@@ -152,29 +149,17 @@ def live_pods(
             return [], ended[0]
         if node.phase != "Running" or url is None:
             return [], f"pod {name} is {node.phase}"
-        why = _agent_runs(url, token, node_id, name, attempt)
-        if why is not None:
+        answer, why = live_status(
+            url,
+            token,
+            node_id,
+            attempt,
+            incarnation=name,  # that pod's agent
+            who=f"{node_id} ({name})",
+            timeout=AGENT_TIMEOUT,
+        )
+        if answer is None:
             return [], why
         assert pod is not None
         found.append(LivePod(node_id, pod, url))
     return found, None
-
-
-def _agent_runs(url: str, token: str, node_id: str, pod: str, attempt: int) -> str | None:
-    """Why the agent at ``url`` is not pod ``pod``'s, running ``attempt``; None when it is."""
-    client = AgentClient(url, token, timeout=AGENT_TIMEOUT)
-    try:
-        status = client.status()
-    except AgentError as exc:
-        return f"the agent of {node_id} ({pod}) does not answer: {exc}"
-    finally:
-        with contextlib.suppress(Exception):
-            client.close()
-    if status.node_id != node_id or status.incarnation != pod:
-        return f"{url} is not the agent of pod {pod} any more"
-    if status.attempt != attempt or status.state not in _LIVE:
-        return (
-            f"the agent of {node_id} is {status.state} (attempt {status.attempt}), "
-            f"not running attempt {attempt}"
-        )
-    return None

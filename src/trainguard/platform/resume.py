@@ -30,12 +30,20 @@ from trainguard.platform.node import WorkerPids
 from trainguard.platform.procs import kill_recorded, runs, start_time
 from trainguard.platform.store import JobRow, Store
 from trainguard.wire.requests import AttachRequest
-from trainguard.wire.status import NodeState
+from trainguard.wire.status import NodeState, NodeStatus
 
 if TYPE_CHECKING:
     from trainguard.platform.local_platform import LocalPlatform
 
-__all__ = ["AdoptedNode", "LiveAgent", "attach_all", "live_agents", "recorded", "resumed_begin"]
+__all__ = [
+    "AdoptedNode",
+    "LiveAgent",
+    "attach_all",
+    "live_agents",
+    "live_status",
+    "recorded",
+    "resumed_begin",
+]
 
 AGENT_SHUTDOWN_SECONDS = 30.0
 _LIVE = (NodeState.STARTING, NodeState.RUNNING, NodeState.COMPLETED, NodeState.FAULTED)
@@ -92,24 +100,48 @@ def live_agents(
         started = row.get("agent_started") or start_time(pid)
         if not url or not runs(pid, started):
             return [], f"the agent of {row['node_id']} is gone"
-        client = AgentClient(url, token, timeout=10.0)
-        try:
-            status = client.status()
-        except AgentError as exc:
-            return [], f"the agent of {row['node_id']} does not answer: {exc}"
-        finally:
-            client.close()
-        if status.pid != pid or status.node_id != row["node_id"]:
-            return [], f"{url} is not the agent of {row['node_id']} any more"
-        if status.attempt != attempt or status.state not in _LIVE:
-            return [], (
-                f"the agent of {row['node_id']} is {status.state} "
-                f"(attempt {status.attempt}), not running attempt {attempt}"
-            )
+        status, why = live_status(url, token, row["node_id"], attempt, pid=pid)
+        if status is None:
+            return [], why
         agents.append(
             LiveAgent(row["node_id"], row["node_rank"], url, pid, started, status.incarnation)
         )
     return agents, None
+
+
+def live_status(
+    url: str,
+    token: str,
+    node_id: str,
+    attempt: int,
+    *,
+    pid: int | None = None,
+    incarnation: str | None = None,
+    who: str | None = None,
+    timeout: float = 10.0,
+) -> tuple[NodeStatus | None, str | None]:
+    """The status of the agent at ``url`` when it is ``node_id``'s (the very process
+    ``pid``, or agent ``incarnation``, when given) and still runs ``attempt``; else None
+    and why not (``who``: the node as the reason names it)."""
+    who = who or node_id
+    client = AgentClient(url, token, timeout=timeout)
+    try:
+        status = client.status()
+    except AgentError as exc:
+        return None, f"the agent of {who} does not answer: {exc}"
+    finally:
+        client.close()
+    other = (pid is not None and status.pid != pid) or (
+        incarnation is not None and status.incarnation != incarnation
+    )
+    if status.node_id != node_id or other:
+        return None, f"{url} is not the agent of {who} any more"
+    if status.attempt != attempt or status.state not in _LIVE:
+        return None, (
+            f"the agent of {node_id} is {status.state} (attempt {status.attempt}), "
+            f"not running attempt {attempt}"
+        )
+    return status, None
 
 
 class AdoptedNode(WorkerPids):
