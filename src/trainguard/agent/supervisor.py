@@ -321,7 +321,7 @@ class Supervisor:
                 HEARTBEAT_DIR_ENV: str(beats_dir),
                 EVENT_DIR_ENV: str(events_dir),
                 # trainguard.elastic: created when a scaling asks the ranks to save and exit.
-                ELASTIC_FILE_ENV: str(beats_dir.parent / "scale-request"),
+                ELASTIC_FILE_ENV: str(self._scale_request(assignment.attempt)),
             },
             cwd=self._cwd,
             reap_timeout=self._timings.reap_timeout,
@@ -474,6 +474,10 @@ class Supervisor:
         with self.board.lock:
             self.board.set(NodeState.STOPPED)
 
+    def _scale_request(self, attempt: int) -> Path:
+        """The attempt's ``trainguard.elastic`` request file (created on a scaling)."""
+        return self._layout.attempt_dir(attempt) / "scale-request"
+
     def _ask_to_scale(self, notice: float) -> None:
         """An elastic scaling: ask the ranks to save and exit (``trainguard.elastic``'s
         request file), and give those that read it (they left ``<file>.armed``) up to
@@ -481,7 +485,7 @@ class Supervisor:
         group = self._group
         if group is None or self.board.attempt is None:
             return
-        request = self._layout.attempt_dir(self.board.attempt) / "scale-request"
+        request = self._scale_request(self.board.attempt)
         request.touch()
         if not Path(str(request) + ARMED_SUFFIX).exists():
             return  # an unmodified script: it is stopped at once

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from trainguard.platform.store import Store
+from trainguard.platform.store import JobRow, Store
 from trainguard.platform.views import _table, controller_runs, effective_phase
 
 __all__ = ["nodes", "replace", "scale"]
@@ -69,11 +69,7 @@ def nodes(store: Store, ref: str, output: str) -> int:
 def replace(store: Store, ref: str, node_id: str, reason: str) -> int:
     """Ask the job's controller to replace ``node_id`` (like a monitor's finding)."""
     job = store.job(ref)
-    if not controller_runs(job) or effective_phase(job) not in ("Pending", "Running", "Restarting"):
-        print(
-            f"trainguard: job {job.id} is {effective_phase(job)}: nothing to replace",
-            file=sys.stderr,
-        )
+    if not _running(job, "replace"):
         return EXIT_USAGE
     current = {row["node_id"] for row in store.nodes(job.id)}
     if node_id not in current:
@@ -91,10 +87,7 @@ def replace(store: Store, ref: str, node_id: str, reason: str) -> int:
 def scale(store: Store, ref: str, capacity: int) -> int:
     """Set how many nodes a running elastic job may use (``trainguard scale``)."""
     job = store.job(ref)
-    if not controller_runs(job) or effective_phase(job) not in ("Pending", "Running", "Restarting"):
-        print(
-            f"trainguard: job {job.id} is {effective_phase(job)}: nothing to scale", file=sys.stderr
-        )
+    if not _running(job, "scale"):
         return EXIT_USAGE
     if json.loads(job.spec_json).get("spec", {}).get("elasticPolicy") is None:
         print(
@@ -105,3 +98,11 @@ def scale(store: Store, ref: str, capacity: int) -> int:
     store.set_capacity(job.id, capacity)
     print(f"job {job.id}: capacity {capacity} nodes")
     return 0
+
+
+def _running(job: JobRow, what: str) -> bool:
+    """Whether the job's controller runs it (else says there is nothing to ``what``)."""
+    if controller_runs(job) and effective_phase(job) in ("Pending", "Running", "Restarting"):
+        return True
+    print(f"trainguard: job {job.id} is {effective_phase(job)}: nothing to {what}", file=sys.stderr)
+    return False
