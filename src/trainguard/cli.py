@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from trainguard.argtypes import non_negative_int
 from trainguard.health.command import add_health_check_parser, health_check_command
 from trainguard.kube.flags import (
     add_cluster_flags,
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
         "--max-restarts",
         "--max_restarts",
         dest="max_restarts",
-        type=_non_negative_int,
+        type=non_negative_int,
         help="restarts before the job fails",
     )
     run.add_argument("--name", help="job name (default: the script's name)")
@@ -140,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
 
     logs = sub.add_parser("logs", parents=[common], help="print a job's worker output")
     logs.add_argument("job", help="job id or name")
-    logs.add_argument("--rank", type=_non_negative_int, help="only this global rank")
+    logs.add_argument("--rank", type=non_negative_int, help="only this global rank")
     logs.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
     add_cluster_flags(logs)
 
@@ -189,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     scale.add_argument("job", help="job id or name")
     scale.add_argument(
-        "--capacity", type=_non_negative_int, required=True, metavar="N", help="nodes available"
+        "--capacity", type=non_negative_int, required=True, metavar="N", help="nodes available"
     )
 
     delete = sub.add_parser("delete", parents=[common], help="stop a job and remove it")
@@ -228,14 +229,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _positive_int(text: str) -> int:
-    value = _non_negative_int(text)
+    value = non_negative_int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value
 
 
 def _port(text: str) -> int:
-    value = _non_negative_int(text)
+    value = non_negative_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"must be <= 65535, got {text}")
     return value
@@ -248,16 +249,6 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not 0 <= value <= 3600:
         raise argparse.ArgumentTypeError(f"must be between 0 and 3600, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Final
 
+from trainguard.argtypes import non_negative_int
 from trainguard.health.result import OUTCOMES, CheckResult
 from trainguard.health.runner import run_checks
 from trainguard.health.suite import (
@@ -56,7 +57,10 @@ def add_health_check_parser(sub: Any) -> argparse.ArgumentParser:
         help=f"run only this check (repeatable, or comma-separated; {names})",
     )
     parser.add_argument(
-        "--expected-gpus", type=_count, metavar="N", help="fail the gpu check with fewer GPUs"
+        "--expected-gpus",
+        type=non_negative_int,
+        metavar="N",
+        help="fail the gpu check with fewer GPUs",
     )
     parser.add_argument(
         "--min-free-mib",
@@ -141,16 +145,6 @@ def _check_name(text: str) -> tuple[str, ...]:
         return expand_check_names(names)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def _amount(text: str) -> float:
