@@ -99,7 +99,8 @@ class ElasticWatch:
         the platform's ``capacity`` (nodes the job may use; None: unknown) and the nodes
         being taken away."""
         cfg, size = self.config, len(nodes)
-        gone = [n for n in nodes if n in set(preempted)]
+        taken = set(preempted)
+        gone = [n for n in nodes if n in taken]
         if gone or (capacity is not None and capacity < size):
             self._ample_since = None
             room = size - len(gone) if capacity is None else min(capacity, size - len(gone))

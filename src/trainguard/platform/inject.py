@@ -134,9 +134,7 @@ def parse_injection(text: str) -> Injection:
     if rest.count("@") != 1:
         raise bad(f"expected one '@' between target and trigger, e.g. {kind}:{key}=1@step=10")
     target, trigger = rest.split("@")
-    if kind == "capacity":
-        target = f"count={code}"
-    else:
+    if kind != "capacity":  # capacity's target is already count=K
         target, code = _xid_code(kind, target, bad)
     name, equals, value = target.partition("=")
     if not equals or name != key:
