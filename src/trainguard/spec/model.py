@@ -14,12 +14,13 @@ a replica's pod `template`, which is a Kubernetes object and is preserved as giv
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal
+from typing import Final, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from trainguard.monitor.regex import compile_regex
 from trainguard.spec.checkpointing import Checkpointing
+from trainguard.spec.elastic import ElasticPolicy
 from trainguard.spec.fields import (
     DNS_LABEL_HELP,
     FIELD_PROBLEM,
@@ -42,7 +43,6 @@ from trainguard.spec.kube import (
 )
 from trainguard.spec.limits import (
     MAX_DATA_POINTS,
-    MAX_DISCRETE_VALUES,
     MAX_DURATION_SECONDS,
     MAX_GRACE_SECONDS,
     MAX_HOT_SPARES,
@@ -243,49 +243,6 @@ class RunPolicy(SpecModel):
                 raise ValueError(f"duplicate rule name {rule.name!r}")
             seen.add(rule.name)
         return rules
-
-
-class ElasticPolicy(SpecModel):
-    """Elastic scaling: the job runs between minReplicas and maxReplicas nodes, scaling
-    down when nodes are taken away and up when capacity comes back (a restart at the new
-    WORLD_SIZE; locally, the capacity is `trainguard scale` / `--inject`)."""
-
-    min_replicas: int | None = Field(default=None, ge=1, le=MAX_NODES, description="Fewest nodes.")
-    max_replicas: int | None = Field(default=None, ge=1, le=MAX_NODES, description="Most nodes.")
-    replica_increment_step: int | None = Field(
-        default=None, ge=1, le=MAX_NODES, description="Scale in steps of this many nodes."
-    )
-    replica_discrete_values: list[Annotated[int, Field(ge=1, le=MAX_NODES)]] | None = Field(
-        default=None,
-        min_length=1,
-        max_length=MAX_DISCRETE_VALUES,
-        description="Allowed node counts.",
-    )
-    scaling_timeout_in_seconds: NonNegativeSeconds | None = Field(
-        default=None, description="Wait for new nodes this long before scaling."
-    )
-    graceful_shutdown_timeout_in_seconds: NonNegativeSeconds | None = Field(
-        default=None, description="Graceful stop time before a scaling event."
-    )
-    faulty_scale_down_timeout_in_seconds: NonNegativeSeconds | None = Field(
-        default=None, description="Wait this long for a replacement before scaling down."
-    )
-
-    @model_validator(mode="after")
-    def _consistent(self) -> ElasticPolicy:
-        lo, hi = self.min_replicas, self.max_replicas
-        if lo is not None and hi is not None and lo > hi:
-            raise field_problem("minReplicas", f"must be <= maxReplicas ({hi})")
-        if self.replica_increment_step is not None and self.replica_discrete_values is not None:
-            raise field_problem(
-                "replicaDiscreteValues", "mutually exclusive with replicaIncrementStep"
-            )
-        for value in self.replica_discrete_values or []:
-            if (lo is not None and value < lo) or (hi is not None and value > hi):
-                raise field_problem(
-                    "replicaDiscreteValues", f"{value} is outside minReplicas..maxReplicas"
-                )
-        return self
 
 
 class TrainguardOptions(SpecModel):
