@@ -177,7 +177,7 @@ class LocalRunner:
             memory_root=self.memory_root,
             injector=self.injector,
             hooks_root=self.job_dir / "health",
-            preempt_grace=self._preempt_grace(),
+            preempt_grace=self._open_capacity_pool(),
             say=self._say,
             pump=self._pump,
             interrupted=lambda: self._interrupts > 0,
@@ -245,9 +245,10 @@ class LocalRunner:
         server.shutdown()
         server.server_close()
 
-    def _preempt_grace(self) -> float | None:
-        """An elastic job's gracefulShutdownTimeoutInSeconds (None: not elastic); its
-        capacity starts at its size unless `trainguard scale` set it."""
+    def _open_capacity_pool(self) -> float | None:
+        """An elastic job's pool of node slots: it starts at the job's size unless
+        `trainguard scale` set it already. Returns the grace of a preempted node
+        (gracefulShutdownTimeoutInSeconds; None: the job is not elastic, no pool)."""
         policy = self.config.elastic
         if policy is None:
             return None
