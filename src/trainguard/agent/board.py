@@ -96,10 +96,14 @@ class Board:
             self.reason = reason
         if workers is not None:
             self.workers = workers
-        self.seq += 1
-        self.updated_at = time.time()
+        self.changed()
         if news:
             self.on_news()
+
+    def changed(self) -> None:
+        """Something the status carries changed: a new ``seq`` (with ``lock`` held)."""
+        self.seq += 1
+        self.updated_at = time.time()
 
     def busy(self) -> bool:
         """Workers may be alive: a new attempt must not start."""

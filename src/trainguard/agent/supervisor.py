@@ -169,8 +169,7 @@ class Supervisor:
         """The node's health changed (a check finished, a monitor found something):
         a new status, pushed at once."""
         with self.board.lock:
-            self.board.seq += 1
-            self.board.updated_at = time.time()
+            self.board.changed()
         self._reporter.nudge()
 
     def is_alive(self) -> bool:
