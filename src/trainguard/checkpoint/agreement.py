@@ -6,7 +6,9 @@ with a missing or foreign shard on any rank is never restored. After fetching an
 verifying its shard of that step, each rank reports success; if any rank failed (say
 a checksum mismatch), every rank drops that step and they agree again.
 
-Without ``torch.distributed`` initialised only a world of one can agree.
+Without ``torch.distributed`` initialised only a world of one can agree. The collectives
+move CPU tensors over gloo (:func:`trainguard.collectives.control_group`), whatever the
+training loop's backend.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+
+from trainguard.collectives import control_group
 
 __all__ = ["agree_on_step", "all_ranks_succeeded", "newest_common_step"]
 
@@ -46,14 +50,6 @@ def _group_size(world_size: int) -> int:
     return size
 
 
-def _device() -> torch.device:
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def agree_on_step(offer: Sequence[int], world_size: int, limit: int) -> int | None:
     """The newest step every rank offers (an all_gather of each rank's newest ``limit``)."""
     newest = sorted(set(offer), reverse=True)[:limit]
@@ -61,11 +57,11 @@ def agree_on_step(offer: Sequence[int], world_size: int, limit: int) -> int | No
         return newest_common_step([newest])
     import torch.distributed as dist
 
-    mine = torch.full((limit,), -1, dtype=torch.int64, device=_device())
+    mine = torch.full((limit,), -1, dtype=torch.int64)
     if newest:
         mine[: len(newest)] = torch.tensor(newest, dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine)
+    dist.all_gather(gathered, mine, group=control_group())
     return newest_common_step([t.tolist() for t in gathered])
 
 
@@ -75,6 +71,6 @@ def all_ranks_succeeded(ok: bool, world_size: int) -> bool:
         return ok
     import torch.distributed as dist
 
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control_group())
     return bool(flag.item())

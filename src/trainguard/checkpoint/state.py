@@ -152,11 +152,20 @@ def flatten(state: Any) -> tuple[Layout, list[torch.Tensor]]:
     return Layout(entries, offset, tree), tensors
 
 
-def restore(state: Any, layout: Layout, buffer: torch.Tensor) -> None:
+def restore(
+    state: Any,
+    layout: Layout,
+    buffer: torch.Tensor,
+    devices: list[torch.device] | None = None,
+    non_blocking: bool = False,
+) -> None:
     """Restore ``state`` in place from ``buffer`` (flat uint8) laid out by ``layout``.
 
     Tensors are ``copy_``-ed into the existing tensors (references stay valid); plain
-    values, tuples and anything the state lacks are put into their containers. Every
+    values, tuples and anything the state lacks are put into their containers (a new
+    tensor on ``buffer``'s device, or on ``devices[i]`` for the i-th entry when given).
+    ``non_blocking`` copies asynchronously where the devices allow it: the caller then
+    synchronises before it uses the state or changes the buffer. Every
     mismatch (shape, dtype, container type, list length, a tensor of ``state`` the
     checkpoint lacks) is found before anything is changed and raised as
     :class:`StateMismatch` naming the key.
@@ -170,7 +179,10 @@ def restore(state: Any, layout: Layout, buffer: torch.Tensor) -> None:
         """A fresh object for ``node`` (no target to restore into)."""
         kind, value = _node(node, path)
         if kind == "t":
-            return entries[value].view(buffer).clone()
+            view = entries[value].view(buffer)
+            if devices is None:
+                return view.clone()
+            return view.to(devices[value], copy=True)
         if kind == "v":
             return value
         if kind == "d":
@@ -192,7 +204,7 @@ def restore(state: Any, layout: Layout, buffer: torch.Tensor) -> None:
                     f"{format_path(path)}: checkpoint has {entry.dtype}{list(entry.shape)}, "
                     f"state has {_dtype_name(target.dtype)}{list(target.shape)}"
                 )
-            actions.append(lambda: _copy(target, entry.view(buffer)))
+            actions.append(lambda: target.copy_(entry.view(buffer), non_blocking=non_blocking))
             return target
         if _holds_tensor(target) and kind == "v":
             raise StateMismatch(f"{format_path(path)}: checkpoint has {value!r}, not a tensor")
@@ -267,7 +279,3 @@ def _setter(container: Any, key: PathKey, value: Any) -> Callable[[], None]:
         container[key] = value
 
     return apply
-
-
-def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
-    target.copy_(source)

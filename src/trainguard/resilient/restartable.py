@@ -26,8 +26,10 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
+from trainguard.collectives import backend_string, resolve_choice
 from trainguard.monitor import worker_events
 from trainguard.resilient.config import ResilientConfig
+from trainguard.resilient.cuda_check import EXIT_CUDA_UNHEALTHY, check_cuda
 from trainguard.resilient.group import (
     AttemptGroup,
     AttemptInterrupted,
@@ -82,21 +84,24 @@ def restartable(
             if control_dir:
                 _Supervisor(Path(control_dir), train, state, fallback, settings).run()
             else:
-                _run_once(train, state, fallback)
+                _run_once(train, state, fallback, settings)
 
         return wrapper
 
     return decorate
 
 
-def _run_once(train: TrainFunction, state: Stateful, fallback: Fallback | None) -> None:
+def _run_once(
+    train: TrainFunction, state: Stateful, fallback: Fallback | None, config: ResilientConfig
+) -> None:
     """Plain torchrun: one attempt on the ``env://`` group, no restarts."""
     owns_group = not dist.is_initialized()
     if owns_group:
+        backend = backend_string(resolve_choice(config.backend))
         if "RANK" in os.environ:
-            dist.init_process_group()
+            dist.init_process_group(backend)
         else:
-            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     progress = Progress()
     source, _ = synchronise(state, progress, fallback)
     train(
@@ -132,7 +137,11 @@ class _Supervisor:
         self.state = state
         self.fallback = fallback
         self.config = config
-        self.group = AttemptGroup(config.join_poll_interval, config.collective_timeout)
+        self.group = AttemptGroup(
+            config.join_poll_interval,
+            config.collective_timeout,
+            backend_string(resolve_choice(config.backend)),
+        )
         self.progress = Progress()
         self.rank = -1
 
@@ -185,6 +194,7 @@ class _Supervisor:
                 return
             failed_at, fault_time, reason = fault
             gc.collect()  # the failed step's frames may keep the old group (or a DDP) alive
+            self._exit_if_cuda_broken(attempt.attempt)
             _say(
                 f"attempt {attempt.attempt} failed at step {self.progress.steps}: {reason}; "
                 "waiting for the next attempt"
@@ -259,6 +269,17 @@ class _Supervisor:
                 interrupted=lambda: self.watcher.newer_than(attempt.attempt),
             )
         )
+
+    def _exit_if_cuda_broken(self, attempt: int) -> None:
+        """A survivor whose CUDA context is broken exits, to be restarted (never rejoins)."""
+        problem = check_cuda(self.config.cuda_check_timeout)
+        if problem is None:
+            return
+        reason = f"rank {self.rank} left attempt {attempt} with a broken CUDA context: {problem}"
+        _say(f"{reason}; exiting with {EXIT_CUDA_UNHEALTHY} for a process restart")
+        worker_events.emit("CudaUnhealthy", reason, attempt=attempt)
+        sys.stdout.flush()
+        os._exit(EXIT_CUDA_UNHEALTHY)  # no atexit: CUDA and NCCL teardown can hang
 
     def _await_attempt(self, last: int, deadline: float) -> Attempt:
         """The first attempt newer than ``last``; gives up at ``deadline``."""
