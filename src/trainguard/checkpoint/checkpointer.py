@@ -1,32 +1,35 @@
 """The :class:`Checkpointer`: snapshots into the memory tier, persistence in the background.
 
-One background thread per Checkpointer takes each snapshot's checksum, commits its
-memory meta, and (when due) writes the shard to the durable tier; rank 0 then commits
-the step there once every rank's shard is present, and prunes old steps. ``save()`` is
-called from one thread (the training loop).
+One background thread per Checkpointer (:mod:`.background`) takes each snapshot's
+checksum, commits its memory meta, and (when due) writes the shard to the durable tier;
+rank 0 then commits the step there once every rank's shard is present, and prunes old
+steps. ``save()`` is called from one thread (the training loop).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import queue
-import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainguard.checkpoint.agreement import agree_on_step, all_ranks_succeeded
+from trainguard.checkpoint.background import Background, CheckpointError, Prepare, Snapshot
 from trainguard.checkpoint.config import CheckpointConfig, writer_attempt
+from trainguard.checkpoint.copying import (
+    copy_to_host,
+    has_cuda,
+    synchronize_devices,
+)
 from trainguard.checkpoint.memory import MemoryShard, MemoryTier
 from trainguard.checkpoint.save_times import SaveTimes
 from trainguard.checkpoint.shard import (
     ShardInvalid,
-    checksum,
     make_meta,
     unchecked_refusal,
     verify,
@@ -43,14 +46,6 @@ log = logging.getLogger(__name__)
 
 MAX_CANDIDATES = 32
 """Newest steps each rank offers when the ranks agree on the step to restore."""
-COMMIT_POLL_INTERVAL = 0.5
-"""Seconds between rank 0's checks for the other ranks' durable shards."""
-SLOW_SLOT_WAIT = 0.1
-"""A save() that waits longer than this for its slot logs a warning."""
-
-
-class CheckpointError(RuntimeError):
-    """Background checkpoint work failed (raised from the next ``save()`` or ``wait()``)."""
 
 
 @dataclass(frozen=True)
@@ -60,14 +55,6 @@ class Restore:
     step: int
     tier: str  # "memory" or "durable"
     seconds: float
-
-
-@dataclass(frozen=True)
-class _Task:
-    step: int
-    slot: int
-    meta: dict[str, Any]
-    durable: bool
 
 
 class Checkpointer:
@@ -122,42 +109,46 @@ class Checkpointer:
         self.last_restore: Restore | None = None
         self._save_times = SaveTimes(enabled=cfg.rank == 0)
         self._durable: DurableTier | None = None
-        self._queue: queue.Queue[_Task | None] = queue.Queue()
-        self._cond = threading.Condition()
-        self._busy: dict[int, int] = {}  # slot -> background tasks still reading it
-        self._pending = 0  # tasks queued or running
-        self._commits: dict[int, float] = {}  # rank 0: step -> deadline of its durable commit
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._background = Background(self.memory, cfg, self._durable_tier)
         self._closed = False
+        self._cuda_device: int | None = None  # where the state's CUDA tensors are, once seen
         seconds = cfg.durable_every_seconds
         self._durable_bucket = int(time.time() // seconds) if seconds else 0
 
     # -- saving ---------------------------------------------------------------------------
 
-    def save(self, step: int, state: Any, force: bool = False) -> bool:
+    def save(self, step: int, state: Any, force: bool = False, *, blocking: bool = True) -> bool:
         """Snapshot ``state`` into the memory tier if ``step`` is due (or ``force``).
 
         Returns once the copy is done and committed as *copy-complete* (so a crash from
         here on still restores this step on this node); the checksum and the durable
         write (if due, or ``force``) go on in the background. Returns whether it saved.
+
+        CUDA tensors are copied on a side stream into page-locked memory. With
+        ``blocking=False`` save() returns once those copies are queued: the caller's
+        current stream is ordered after them (a later step cannot change a tensor before
+        it is copied), and the snapshot is committed in the background when they finish.
+
+        The first save pre-faults its own slot; the other slots are then prepared in the
+        background, so that every later save runs at copy speed.
         """
         if self._closed:
             raise RuntimeError("Checkpointer.save() after close()")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"Checkpointer.save: step must be an int >= 0, got {step!r}")
-        self._raise_background_error()
+        self._background.raise_error()
         if not force and step % self.config.memory_every_steps:
             return False
         started = time.perf_counter()
         layout, tensors = flatten(state)
+        cuda = has_cuda(tensors)
         slot = self.memory.choose_slot(step)
-        self._wait_for_slot(slot, step)
-        buffer = self.memory.begin(slot, layout.nbytes)
-        with torch.no_grad():
-            for entry, tensor in zip(layout.entries, tensors, strict=True):
-                if entry.nbytes:
-                    entry.view(buffer).copy_(tensor)
+        self._background.wait_for_slot(slot, step)
+        buffer, prepared = self.memory.begin(slot, layout.nbytes, pin=cuda)
+        copy = copy_to_host(buffer, layout.entries, tensors)
+        self._cuda_device = copy.device if copy.device is not None else self._cuda_device
+        if blocking:
+            copy.wait()
         cfg = self.config
         meta = make_meta(
             layout, job_id=cfg.job_id, step=step, rank=cfg.rank, world_size=cfg.world_size,
@@ -170,13 +161,15 @@ class Checkpointer:
             every = cfg.durable_every_steps
             meta["persist"] = force or bool(every and step % every == 0)
             durable = False
-        self.memory.commit(slot, meta)
-        task = _Task(step, slot, meta, durable)
-        with self._cond:
-            self._busy[slot] = self._busy.get(slot, 0) + 1
-            self._pending += 1
-        self._ensure_thread()
-        self._queue.put(task)
+        if blocking:
+            self.memory.commit(slot, meta)
+        else:  # committed in the background; the next save must not choose this slot
+            self.memory.reserve(slot, step)
+        self._background.submit(Snapshot(step, slot, meta, durable, None if blocking else copy))
+        if prepared:  # a new size: ready the other slots before the saves that use them
+            others = tuple(s for s in self.memory.unready(layout.nbytes, cuda) if s != slot)
+            if others:
+                self._background.submit(Prepare(others, layout.nbytes, cuda, copy.device))
         self._save_times.add(step, time.perf_counter() - started)
         return True
 
@@ -198,29 +191,10 @@ class Checkpointer:
                 self._durable_bucket = bucket
         return due
 
-    def _wait_for_slot(self, slot: int, step: int) -> None:
-        start = time.monotonic()
-        with self._cond:
-            while self._busy.get(slot, 0) and self._error is None:
-                self._cond.wait()
-        waited = time.monotonic() - start
-        if waited > SLOW_SLOT_WAIT:
-            log.warning(
-                "Checkpointer.save(%d) waited %.2f s for background work on its memory slot; "
-                "checkpoint less often or keep more memory snapshots", step, waited,
-            )  # fmt: skip
-        self._raise_background_error()
-
     def wait(self, timeout: float | None = None) -> None:
         """Block until background work for every saved step is done (``TimeoutError``
         after ``timeout`` seconds); re-raises a background failure as CheckpointError."""
-        with self._cond:
-            done = self._cond.wait_for(
-                lambda: self._pending == 0 and not self._commits, timeout=timeout
-            )
-        self._raise_background_error()
-        if not done:
-            raise TimeoutError(f"Checkpointer.wait: background work not done after {timeout} s")
+        self._background.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Finish background work (see :meth:`wait`), stop the thread, unmap the slots."""
@@ -231,9 +205,9 @@ class Checkpointer:
             self.wait(timeout)
         finally:
             self._closed = True
-            if self._thread is not None:
-                self._queue.put(None)
-                self._thread.join(timeout)
+            self._background.stop(timeout)
+            if self._cuda_device is not None:  # no copy may still write into a slot
+                torch.cuda.synchronize(self._cuda_device)
             self.memory.close()
 
     def __enter__(self) -> Checkpointer:
@@ -241,12 +215,6 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _raise_background_error(self) -> None:
-        with self._cond:
-            error, self._error = self._error, None
-        if error is not None:
-            raise CheckpointError(f"checkpoint background work failed: {error}") from error
 
     # -- restoring -----------------------------------------------------------------------
 
@@ -258,9 +226,10 @@ class Checkpointer:
         missing shard is logged and skipped, and the ranks fall back to an older step.
         A memory shard whose checksum the writer never added is loaded only by its writer
         (this rank, within this attempt); for any other it is skipped the same way.
-        Also pre-faults the memory slots for ``state``, so the first save() is fast.
+        Also pre-faults (for CUDA state, page-locks) the memory slots for ``state``, so the
+        first save() runs at copy speed too.
         """
-        if self._thread is not None:
+        if self._background.started:
             self.wait()
         started = time.perf_counter()
         cfg = self.config
@@ -283,17 +252,22 @@ class Checkpointer:
                 break
             offer.discard(step)
             loaded = None
+        own, tensors = flatten(state)
+        cuda = has_cuda(tensors)
         if step is None or loaded is None:
             log.info("no checkpoint to restore (rank %d offered %s)", cfg.rank, sorted(offer))
-            self.memory.prepare(flatten(state)[0].nbytes)
+            self.memory.prepare(own.nbytes, pin=cuda)
             return None
         tier, layout, buffer = loaded
-        restore(state, layout, buffer)
+        if cuda and tier == "memory":  # page-locked: the host-to-device copies run at DMA speed
+            self.memory.prepare_slot(memory[step].slot, layout.nbytes, pin=True)
+        restore(state, layout, buffer, non_blocking=cuda)
+        synchronize_devices(tensors)
         seconds = time.perf_counter() - started
         self.last_restore = Restore(step, tier, seconds)
         del buffer, loaded
         self.memory.drop_newer_than(step)
-        self.memory.prepare(layout.nbytes)
+        self.memory.prepare(layout.nbytes, pin=cuda)
         log.info("rank %d restored step %d from %s in %.3f s", cfg.rank, step, tier, seconds)
         worker_events.emit(
             "CheckpointRestored",
@@ -359,93 +333,6 @@ class Checkpointer:
             except Exception as exc:
                 self._skipped("durable", step, str(cfg.durable_url), exc)
         return None
-
-    # -- the background thread ------------------------------------------------------------
-
-    def _ensure_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._work, name=f"trainguard-checkpoint-rank{self.config.rank}", daemon=True
-            )
-            self._thread.start()
-
-    def _work(self) -> None:
-        while True:
-            try:
-                task = self._queue.get(timeout=COMMIT_POLL_INTERVAL if self._commits else None)
-            except queue.Empty:
-                self._guarded(self._retry_commits)
-                continue
-            if task is None:
-                return
-            try:
-                self._guarded(functools.partial(self._persist, task))
-            finally:
-                with self._cond:
-                    self._busy[task.slot] -= 1
-                    self._pending -= 1
-                    self._cond.notify_all()
-            self._guarded(self._retry_commits)
-
-    def _guarded(self, work: Callable[[], None]) -> None:
-        try:
-            work()
-        except Exception as exc:
-            log.error("checkpoint background work failed: %s", exc, exc_info=True)
-            with self._cond:
-                self._error = exc
-                self._cond.notify_all()
-
-    def _persist(self, task: _Task) -> None:
-        with self.memory.data(task.slot, task.meta["nbytes"]) as data:
-            meta = {**task.meta, "checksum": checksum(data)}
-            self.memory.commit(task.slot, meta)
-            if not task.durable:
-                return
-            started = time.monotonic()
-            self._durable_tier().write_shard(task.step, self.config.rank, data, meta)
-        log.info(
-            "checkpoint step %d: rank %d's shard (%d bytes) written to %s in %.2f s",
-            task.step, self.config.rank, meta["nbytes"], self.config.durable_url,
-            time.monotonic() - started,
-        )  # fmt: skip
-        if self.config.rank == 0:
-            with self._cond:
-                self._commits[task.step] = time.monotonic() + self.config.commit_timeout
-
-    def _retry_commits(self) -> None:
-        """Rank 0: commit durable steps whose every shard is present; prune; give up late."""
-        for step in sorted(self._commits):
-            tier = self._durable_tier()
-            try:
-                committed = tier.commit(step, self.config.world_size)
-                if committed:
-                    log.info("checkpoint step %d committed to %s", step, self.config.durable_url)
-                    worker_events.emit(
-                        "CheckpointCommitted",
-                        f"step {step} committed to durable storage",
-                        step=step,
-                        url=self.config.durable_url,
-                    )
-                    pruned = tier.prune(self.config.durable_keep)
-                    if pruned:
-                        log.info("pruned durable checkpoint steps %s", pruned)
-                elif time.monotonic() > self._commits[step]:
-                    log.warning(
-                        "checkpoint step %d not committed to %s: not every rank's shard arrived "
-                        "within %.0f s", step, self.config.durable_url, self.config.commit_timeout,
-                    )  # fmt: skip
-                    committed = True  # give up on it
-            except Exception as exc:
-                committed = True  # not retried
-                with self._cond:
-                    self._error = exc  # before the commit leaves the pending set
-                raise
-            finally:
-                if committed:
-                    with self._cond:
-                        self._commits.pop(step, None)
-                        self._cond.notify_all()
 
     def _durable_tier(self) -> DurableTier:
         if self._durable is None:

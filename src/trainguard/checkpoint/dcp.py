@@ -65,6 +65,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.copying import PinnedStaging
 from trainguard.checkpoint.dcp_metadata import Location, metadata_from_json, metadata_to_json
 from trainguard.checkpoint.durable import DurableError, DurableTier
 from trainguard.checkpoint.shard import FORMAT, ShardInvalid, check_identity, checksum
@@ -180,6 +181,7 @@ class TieredStorageWriter(StorageWriter):  # type: ignore[misc]  # torch's is An
         super().__init__()
         self.step = None if step is None else _parse_step(step)
         self._tiers = _Tiers(overrides, durable, memory_keep)
+        self._staging = PinnedStaging()
         self.rank = 0
         self.save_id = uuid.uuid4().hex
 
@@ -243,16 +245,18 @@ class TieredStorageWriter(StorageWriter):  # type: ignore[misc]  # torch's is An
             os.unlink(os.path.join(step_dir, f"rank-{rank}.json"))
         results: list[WriteResult] = []
         tmp = f"{data_path}.tmp-{os.getpid()}"
+        resolved = [planner.resolve_data(item) for item in plan.items]
+        staged = self._staging.stage([d for d in resolved if isinstance(d, torch.Tensor)])
         with open(tmp, "wb") as file:
-            for item in plan.items:
+            for item, data in zip(plan.items, resolved, strict=True):
                 start = file.tell()
-                data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     assert isinstance(data, io.BytesIO)
                     file.write(data.getbuffer())
                 else:
                     assert isinstance(data, torch.Tensor)
-                    flat = data.detach().cpu().contiguous().reshape(-1)
+                    host = staged.get(id(data))
+                    flat = host if host is not None else data.detach().contiguous().reshape(-1)
                     if flat.numel():
                         file.write(memoryview(flat.view(torch.uint8).numpy()))
                 location = Location(rank, start, file.tell() - start)

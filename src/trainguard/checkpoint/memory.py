@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from trainguard.checkpoint import host_memory
 from trainguard.checkpoint.files import hold_from
 from trainguard.checkpoint.shard import ShardInvalid, check_identity, layout_of
 from trainguard.checkpoint.state import Layout
@@ -55,7 +56,6 @@ __all__ = ["MemoryShard", "MemoryTier", "default_memory_dir"]
 
 log = logging.getLogger(__name__)
 
-MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by Python 3.11's mmap module
 GROWTH = 1.0625
 """A slot that must grow gets this much headroom beyond the size asked for."""
 MIN_SLOT_BYTES = 1 << 16
@@ -77,7 +77,11 @@ class MemoryShard:
 
 
 class _Slot:
-    """One slot file, mapped read-write for the life of the tier."""
+    """One slot file, mapped read-write for the life of the tier.
+
+    ``pinned``: the mapping is page-locked for CUDA copies (:mod:`.host_memory`); it is
+    unregistered before it is unmapped, and a slot that grows is registered again.
+    """
 
     def __init__(self, data_path: str) -> None:
         self.data_path = data_path
@@ -85,36 +89,51 @@ class _Slot:
         self.capacity = os.fstat(self.fd).st_size
         self.map: mmap.mmap | None = None
         self.buffer: torch.Tensor | None = None
+        self.pinned = False
+        self.pin_failed = False  # page-locking this mapping failed: not tried again
         if self.capacity:
-            self._map(populate=True)
+            self._map()
 
-    def ensure(self, nbytes: int) -> None:
-        """Grow (and pre-fault) the slot to hold ``nbytes``."""
-        if self.capacity >= nbytes and self.map is not None:
-            return
-        size = max(MIN_SLOT_BYTES, int(nbytes * GROWTH) // 4096 * 4096 + 4096)
-        self._unmap()
-        try:
-            os.posix_fallocate(self.fd, 0, size)  # ENOSPC here, not SIGBUS during a copy
-        except OSError as exc:
-            raise OSError(
-                exc.errno, f"cannot allocate {size} bytes for memory slot {self.data_path}"
-            ) from exc
-        self.capacity = size
-        self._map(populate=True)
+    def ready(self, nbytes: int, pin: bool) -> bool:
+        """Whether the slot holds ``nbytes`` pre-faulted (and page-locked, if ``pin``)."""
+        locked = self.pinned or self.pin_failed or not pin
+        return self.capacity >= nbytes and self.map is not None and locked
 
-    def _map(self, populate: bool) -> None:
-        self.map = mmap.mmap(self.fd, self.capacity, flags=mmap.MAP_SHARED)
-        if populate:
+    def ensure(self, nbytes: int, pin: bool = False) -> bool:
+        """Grow (and pre-fault) the slot to hold ``nbytes``, page-lock it if ``pin``;
+        returns whether it did anything."""
+        if self.ready(nbytes, pin):
+            return False
+        if self.capacity < nbytes or self.map is None:
+            size = max(MIN_SLOT_BYTES, int(nbytes * GROWTH) // 4096 * 4096 + 4096)
+            self._unmap()
             try:
-                self.map.madvise(MADV_POPULATE_WRITE)
-            except OSError:  # older kernel: pre-fault at map time instead
-                self.map.close()
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                self.map = mmap.mmap(self.fd, self.capacity, flags=flags)
+                os.posix_fallocate(self.fd, 0, size)  # ENOSPC here, not SIGBUS during a copy
+            except OSError as exc:
+                raise OSError(
+                    exc.errno, f"cannot allocate {size} bytes for memory slot {self.data_path}"
+                ) from exc
+            self.capacity = size
+            self._map()
+        if pin and not self.pinned and self.buffer is not None:
+            self.pinned = host_memory.register(self.buffer.data_ptr(), self.capacity)
+            self.pin_failed = not self.pinned
+        return True
+
+    def _map(self) -> None:
+        self.map = mmap.mmap(self.fd, self.capacity, flags=mmap.MAP_SHARED)
         self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
+        if not host_memory.populate(self.buffer.data_ptr(), self.capacity):
+            self.buffer = None  # older kernel: pre-fault at map time instead
+            self.map.close()
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.map = mmap.mmap(self.fd, self.capacity, flags=flags)
+            self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
 
     def _unmap(self) -> None:
+        if self.pinned and self.buffer is not None:
+            host_memory.unregister(self.buffer.data_ptr())
+        self.pinned = self.pin_failed = False
         self.buffer = None
         if self.map is not None:
             # Views of the mapping still alive (a caller's tensor or memoryview) keep it
@@ -274,24 +293,47 @@ class MemoryTier:
         flagged = [(held, slot) for slot, held in steps.items() if self._flagged.get(slot)]
         return max(flagged)[1] if flagged else None
 
-    def begin(self, slot: int, nbytes: int) -> torch.Tensor:
-        """Uncommit ``slot`` and make it hold ``nbytes``; returns its buffer to copy into."""
+    def begin(self, slot: int, nbytes: int, pin: bool = False) -> tuple[torch.Tensor, bool]:
+        """Uncommit ``slot`` and make it hold ``nbytes`` (page-locked if ``pin``); returns
+        its buffer to copy into, and whether the slot had to be prepared first."""
         self.drop(slot)
         mapped = self._slot(slot)
-        mapped.ensure(nbytes)
+        prepared = mapped.ensure(nbytes, pin)
         assert mapped.buffer is not None
-        return mapped.buffer
+        return mapped.buffer, prepared
 
-    def prepare(self, nbytes: int) -> None:
-        """Allocate and pre-fault every slot to ``nbytes`` ahead of the first save.
+    def unready(self, nbytes: int, pin: bool = False) -> list[int]:
+        """The slots that would need preparing for ``nbytes``; those that must grow are
+        uncommitted now (their data is about to be replaced).
+
+        The main thread calls this; :meth:`prepare_slot` of each may then run in the
+        background, as long as nothing else uses those slots meanwhile.
+        """
+        unready = []
+        for slot in range(self.slots):
+            mapped = self._slot(slot)
+            if not mapped.ready(nbytes, pin):
+                if mapped.capacity < nbytes or mapped.map is None:
+                    self.drop(slot)
+                unready.append(slot)
+        return unready
+
+    def prepare_slot(self, slot: int, nbytes: int, pin: bool = False) -> None:
+        """Allocate, pre-fault (and page-lock) one slot listed by :meth:`unready`."""
+        self._slots[slot].ensure(nbytes, pin)
+
+    def prepare(self, nbytes: int, pin: bool = False) -> None:
+        """Allocate and pre-fault (and page-lock) every slot to ``nbytes`` now.
 
         Keeps committed slots: a slot that must grow is uncommitted first.
         """
-        for slot in range(self.slots):
-            mapped = self._slot(slot)
-            if mapped.capacity < nbytes or mapped.map is None:
-                self.drop(slot)
-                mapped.ensure(nbytes)
+        for slot in self.unready(nbytes, pin):
+            self.prepare_slot(slot, nbytes, pin)
+
+    def reserve(self, slot: int, step: int) -> None:
+        """Count ``slot`` as holding ``step`` (its commit is on the way) when choosing slots."""
+        if self._steps is not None:
+            self._steps[slot] = step
 
     def commit(self, slot: int, meta: dict[str, Any]) -> None:
         """Make ``slot`` loadable with ``meta`` (tmp file + rename)."""
