@@ -15,6 +15,30 @@ For each size (MiB of float32 state in 4 tensors), in one process and one run:
 - ``baseline_memcpy_s``: ``dst.copy_(src)`` into pre-allocated, pre-faulted tensors, and
   the copy bandwidth of ``save()`` against it.
 
+``spaced`` (one size, ``--spaced-size``): saves spaced like training steps, by a
+Checkpointer that never called ``load_latest`` (its first save faults its own slot in,
+and the other slots are prepared in the background). Each of ``--spaced-saves`` rounds
+idles ``--spacing`` seconds, times one ``save()`` (never waiting for its background
+work), idles again and times a plain copy of the same bytes into pre-faulted tensors.
+``spaced_first_save_s`` is the first save; ``spaced_save_s`` the saves after it;
+``ratio_spaced_save_vs_memcpy`` their median over the copies' (the goal,
+``goal_ratio_spaced_save_vs_memcpy``: at most 1.2).
+
+``cuda`` (each of ``--cuda-sizes``, only with a CUDA device; otherwise the string
+``"no CUDA device"``): the state as 4 float32 CUDA tensors, slots pinned by
+``load_latest`` and one warm-up save, then per repetition, interleaved, and each timer
+started after ``torch.cuda.synchronize()``:
+
+- ``cuda_save_s``: blocking ``save()`` (then ``wait()``, untimed);
+- ``cuda_save_nonblocking_s``: ``save(blocking=False)`` until it returns, and
+  ``cuda_save_nonblocking_complete_s`` until ``torch.cuda.synchronize()`` returns;
+- ``baseline_pinned_copy_s`` / ``baseline_pageable_copy_s``: ``copy_(non_blocking=True)``
+  into pre-allocated ``pin_memory`` / plain pre-faulted CPU tensors, then synchronize;
+- ``baseline_torch_save_s``: ``torch.save`` of the CUDA state to local disk, once;
+- ``cuda_restore_s``: ``load_latest`` into the (zeroed) CUDA state by a new Checkpointer
+  on the same memory directory, and ``cuda_restore_identical``: whether every restored
+  tensor equals, bit for bit, what was saved.
+
 Times are median, min and max over the repetitions; ``ratio_*`` are trainguard over the
 baseline (medians). ``python -m bench`` runs this as its ``checkpoint`` scenario.
 """
@@ -23,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import shutil
@@ -30,6 +55,7 @@ import socket
 import statistics
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +63,9 @@ from typing import Any
 import torch
 
 TENSORS = 4
+SPACED_GOAL = 1.2
+"""Every save after the first blocks at most this many times a plain pre-faulted copy."""
+NO_CUDA = "no CUDA device"
 
 
 def _stats(times: list[float]) -> dict[str, float]:
@@ -56,9 +85,25 @@ def _timed(
     return times
 
 
-def _state(mib: int) -> dict[str, Any]:
+def _state(mib: int, device: str = "cpu") -> dict[str, Any]:
     numel = (mib << 20) // 4 // TENSORS
-    return {f"layer{i}": torch.randn(numel) for i in range(TENSORS)} | {"step": 0}
+    return {f"layer{i}": torch.randn(numel, device=device) for i in range(TENSORS)} | {"step": 0}
+
+
+def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _nbytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(state).values())
+
+
+def _prefaulted_like(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Plain CPU tensors shaped like ``state``'s, every page written once."""
+    dst = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in _tensors(state).items()}
+    for t in dst.values():
+        t.zero_()
+    return dst
 
 
 def _init_gloo() -> None:
@@ -77,18 +122,14 @@ def bench_size(mib: int, repeats: int, disk_dir: Path, shm_dir: Path) -> dict[st
     from trainguard.checkpoint import Checkpointer
 
     state = _state(mib)
-    nbytes = sum(
-        t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor)
-    )
+    nbytes = _nbytes(state)
     result: dict[str, Any] = {"bytes": nbytes}
 
     # trainguard (memory tier only; load_latest pre-faults the slots, as in training) and a
     # plain memcpy into pre-faulted tensors, interleaved so both see the same machine.
     ckpt = Checkpointer(memory_dir=str(shm_dir / f"{mib}"), job_id="bench", environ={})
     ckpt.load_latest(state)
-    dst = {k: torch.empty_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
-    for t in dst.values():
-        t.zero_()
+    dst = _prefaulted_like(state)
 
     def memcpy() -> None:
         for k, t in dst.items():
@@ -135,19 +176,244 @@ def bench_size(mib: int, repeats: int, disk_dir: Path, shm_dir: Path) -> dict[st
     return result
 
 
+def bench_spaced(mib: int, saves: int, spacing: float, shm_dir: Path) -> dict[str, Any]:
+    """Saves spaced like training steps by a Checkpointer that never called load_latest,
+    each round's save and plain copy both after ``spacing`` seconds idle."""
+    from trainguard.checkpoint import Checkpointer
+
+    if saves < 2:
+        raise ValueError(f"--spaced-saves must be at least 2, got {saves}")
+    state = _state(mib)
+    nbytes = _nbytes(state)
+    dst = _prefaulted_like(state)
+
+    def memcpy() -> None:
+        for k, t in dst.items():
+            t.copy_(state[k])
+
+    directory = shm_dir / f"spaced-{mib}"
+    ckpt = Checkpointer(memory_dir=str(directory), job_id="bench-spaced", environ={})
+    save_times: list[float] = []
+    copy_times: list[float] = []
+    try:
+        for step in range(1, saves + 1):
+            time.sleep(spacing)
+            start = time.perf_counter()
+            saved = ckpt.save(step, state)
+            save_times.append(time.perf_counter() - start)
+            if not saved:
+                raise RuntimeError(f"Checkpointer.save({step}) did not save")
+            time.sleep(spacing)
+            copy_times += _timed(memcpy, 1)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+        dst.clear()
+        shutil.rmtree(directory, ignore_errors=True)
+    copy_med = statistics.median(copy_times)
+    later = _stats(save_times[1:])
+    return {
+        "size": f"{mib}MiB",
+        "bytes": nbytes,
+        "saves": saves,
+        "spacing_s": spacing,
+        "spaced_first_save_s": save_times[0],
+        "spaced_save_s": later,
+        "spaced_memcpy_s": _stats(copy_times),
+        "spaced_save_times_s": save_times,
+        "ratio_spaced_save_vs_memcpy": later["median"] / copy_med,
+        "ratio_first_save_vs_memcpy": save_times[0] / copy_med,
+        "goal_ratio_spaced_save_vs_memcpy": SPACED_GOAL,
+    }
+
+
+def _synced(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn`` takes, started once the device is idle."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _empty_host_cache() -> None:
+    """Give the caching host allocator's page-locked blocks back (when torch can)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
+def bench_cuda_size(mib: int, repeats: int, disk_dir: Path, shm_dir: Path) -> dict[str, Any]:
+    """A CUDA state's save (blocking, non-blocking), against device-to-host copies into
+    pinned and into pageable memory and torch.save, and its restore from the memory tier."""
+    from trainguard.checkpoint import Checkpointer
+
+    state = _state(mib, device="cuda")
+    tensors = _tensors(state)
+    nbytes = _nbytes(state)
+    result: dict[str, Any] = {"bytes": nbytes, "device": torch.cuda.get_device_name()}
+    directory = shm_dir / f"cuda-{mib}"
+    job_id = "bench-cuda"
+    pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in tensors.items()}
+    pageable = _prefaulted_like(state)
+    reference = {k: t.clone() for k, t in tensors.items()}  # what every save copies
+
+    def copy_into(dst: dict[str, torch.Tensor]) -> None:
+        for k, t in dst.items():
+            t.copy_(tensors[k], non_blocking=True)
+        torch.cuda.synchronize()
+
+    save_s: list[float] = []
+    nonblocking_s: list[float] = []
+    complete_s: list[float] = []
+    pinned_s: list[float] = []
+    pageable_s: list[float] = []
+    step = 0
+    ckpt = Checkpointer(memory_dir=str(directory), job_id=job_id, environ={})
+    try:
+        ckpt.load_latest(state)  # nothing to restore: prepares (and pins) every slot
+        ckpt.save(step, state)  # warm-up: the side stream, the first event
+        ckpt.wait()
+        copy_into(pinned)
+        copy_into(pageable)
+        for _ in range(repeats):
+            step += 1
+            save_s.append(_synced(functools.partial(ckpt.save, step, state)))
+            ckpt.wait()
+
+            step += 1
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            ckpt.save(step, state, blocking=False)
+            nonblocking_s.append(time.perf_counter() - start)
+            torch.cuda.synchronize()
+            complete_s.append(time.perf_counter() - start)
+            ckpt.wait()
+
+            pinned_s.append(_synced(functools.partial(copy_into, pinned)))
+            pageable_s.append(_synced(functools.partial(copy_into, pageable)))
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    saved_step = step
+    result["cuda_save_s"] = _stats(save_s)
+    result["cuda_save_nonblocking_s"] = _stats(nonblocking_s)
+    result["cuda_save_nonblocking_complete_s"] = _stats(complete_s)
+    result["baseline_pinned_copy_s"] = _stats(pinned_s)
+    result["baseline_pageable_copy_s"] = _stats(pageable_s)
+    del pinned
+    _empty_host_cache()
+
+    path = disk_dir / f"cuda-state-{mib}.pt"
+    try:
+        result["baseline_torch_save_s"] = _stats([_synced(lambda: torch.save(state, path))])
+    finally:
+        path.unlink(missing_ok=True)
+
+    # Restore: a new Checkpointer on the same directory (as a restarted worker would),
+    # into the zeroed state, checked against ``reference`` (the state never changed).
+    restore_s: list[float] = []
+    inside_s: list[float] = []
+    identical = True
+    tiers: set[str] = set()
+    try:
+        for _ in range(repeats):
+            for t in tensors.values():
+                t.zero_()
+            loader = Checkpointer(memory_dir=str(directory), job_id=job_id, environ={})
+            try:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                restored = loader.load_latest(state)
+                restore_s.append(time.perf_counter() - start)
+                if loader.last_restore is not None:
+                    inside_s.append(loader.last_restore.seconds)
+                    tiers.add(loader.last_restore.tier)
+            finally:
+                loader.close()
+            identical = identical and restored == saved_step
+            identical = identical and all(torch.equal(t, reference[k]) for k, t in tensors.items())
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    result["cuda_restore_s"] = _stats(restore_s)
+    if inside_s:
+        result["cuda_restore_until_restored_s"] = _stats(inside_s)
+    result["cuda_restore_tier"] = ",".join(sorted(tiers)) or None
+    result["cuda_restore_identical"] = identical
+
+    save_med = result["cuda_save_s"]["median"]
+    pinned_med = result["baseline_pinned_copy_s"]["median"]
+    pageable_med = result["baseline_pageable_copy_s"]["median"]
+    result["cuda_save_bandwidth_gbps"] = nbytes / save_med / 1e9
+    result["baseline_pinned_copy_bandwidth_gbps"] = nbytes / pinned_med / 1e9
+    result["baseline_pageable_copy_bandwidth_gbps"] = nbytes / pageable_med / 1e9
+    result["cuda_restore_bandwidth_gbps"] = nbytes / result["cuda_restore_s"]["median"] / 1e9
+    result["ratio_cuda_save_vs_pinned_copy"] = save_med / pinned_med
+    result["ratio_cuda_save_vs_pageable_copy"] = save_med / pageable_med
+    result["ratio_cuda_save_vs_torch_save"] = save_med / result["baseline_torch_save_s"]["median"]
+    result["ratio_cuda_save_nonblocking_vs_pinned_copy"] = (
+        result["cuda_save_nonblocking_s"]["median"] / pinned_med
+    )
+    result["ratio_cuda_save_nonblocking_complete_vs_pinned_copy"] = (
+        result["cuda_save_nonblocking_complete_s"]["median"] / pinned_med
+    )
+    return result
+
+
+def bench_cuda(
+    sizes: list[int], repeats: int, disk_dir: Path, shm_dir: Path
+) -> dict[str, Any] | str:
+    """Every size's CUDA figures; a string saying why when there are none."""
+    if not torch.cuda.is_available():
+        return NO_CUDA
+    if not sizes:
+        return "not requested (--cuda-sizes is empty)"
+    results: dict[str, Any] = {}
+    for mib in sizes:
+        try:
+            results[f"{mib}MiB"] = bench_cuda_size(mib, repeats, disk_dir, shm_dir)
+        except Exception as exc:  # keep the other figures; the error is in the results
+            traceback.print_exc()
+            results[f"{mib}MiB"] = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            shutil.rmtree(shm_dir / f"cuda-{mib}", ignore_errors=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+            _empty_host_cache()
+    return results
+
+
+def _sizes(text: str) -> list[int]:
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="256,1024", help="MiB of state, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--spaced-size", type=int, default=256, help="MiB of state for the spaced saves"
+    )
+    parser.add_argument("--spaced-saves", type=int, default=8, help="saves in the spaced run")
+    parser.add_argument(
+        "--spacing",
+        type=float,
+        default=0.5,
+        help="seconds idle before each spaced save and each spaced copy",
+    )
+    parser.add_argument(
+        "--cuda-sizes", default="1024,4096", help="MiB of CUDA state, comma-separated"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-    results: dict[str, dict[str, Any]] = {}
+    sizes = _sizes(args.sizes)
+    results: dict[str, Any] = {}
     disk_dir = Path(tempfile.mkdtemp(prefix="tg-bench-", dir=os.environ.get("TMPDIR", "/var/tmp")))
     shm_dir = Path(tempfile.mkdtemp(prefix="tg-bench-", dir="/dev/shm"))
     try:
         for mib in sizes:
             results[f"{mib}MiB"] = bench_size(mib, args.repeats, disk_dir, shm_dir)
+        results["spaced"] = bench_spaced(args.spaced_size, args.spaced_saves, args.spacing, shm_dir)
+        results["cuda"] = bench_cuda(_sizes(args.cuda_sizes), args.repeats, disk_dir, shm_dir)
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)

@@ -59,6 +59,12 @@ class Settings:
     goodput_interval: float = 30.0
     checkpoint_sizes: tuple[int, ...] = (256, 1024)
     checkpoint_repeats: int = 3
+    # Saves spaced like training steps (each save and each plain copy after this idle
+    # time): the first faults its slot in, the later ones run at copy speed.
+    checkpoint_spaced_size: int = 256
+    checkpoint_spaced_saves: int = 8
+    checkpoint_spacing: float = 0.5
+    checkpoint_cuda_sizes: tuple[int, ...] = (1024, 4096)  # only with a CUDA device
     scale_nodes: tuple[int, ...] = (256, 1024, 4096, 16384)
     agent_repeats: int = 5
     run_timeout: float = 300.0
@@ -77,6 +83,10 @@ QUICK = replace(
     goodput_interval=20.0,
     checkpoint_sizes=(64,),
     checkpoint_repeats=2,
+    checkpoint_spaced_size=64,
+    checkpoint_spaced_saves=3,
+    checkpoint_spacing=0.1,
+    checkpoint_cuda_sizes=(256,),
     scale_nodes=(16, 64),
     agent_repeats=3,
 )
@@ -275,11 +285,26 @@ def goodput(ctx: Context) -> dict[str, Any]:
 
 
 def checkpoint(ctx: Context) -> dict[str, Any]:
-    """``bench/checkpoint.py`` in its own process (gigabytes of state, a gloo group)."""
+    """``bench/checkpoint.py`` in its own process (gigabytes of state, a gloo group); its
+    CUDA figures only where there is a CUDA device."""
     s = ctx.settings
     out = ctx.workdir / "checkpoint.json"
-    sizes = ",".join(str(n) for n in s.checkpoint_sizes)
-    argv = ["--sizes", sizes, "--repeats", str(s.checkpoint_repeats), "--out", str(out)]
+    argv = [
+        "--sizes",
+        ",".join(str(n) for n in s.checkpoint_sizes),
+        "--repeats",
+        str(s.checkpoint_repeats),
+        "--spaced-size",
+        str(s.checkpoint_spaced_size),
+        "--spaced-saves",
+        str(s.checkpoint_spaced_saves),
+        "--spacing",
+        str(s.checkpoint_spacing),
+        "--cuda-sizes",
+        ",".join(str(n) for n in s.checkpoint_cuda_sizes),
+        "--out",
+        str(out),
+    ]
     _python_module("bench.checkpoint", argv)
     data: dict[str, Any] = json.loads(out.read_text())
     return data

@@ -226,6 +226,127 @@ def checkpoint_rows(res: dict[str, Any]) -> list[Row]:
                 verdict(x, False),
             )
         )
+    rows += spaced_rows(res.get("spaced"))
+    rows += cuda_checkpoint_rows(res.get("cuda"))
+    return rows
+
+
+def times(v: float) -> str:
+    return f"{v:.2f}x"
+
+
+def fine_millis(v: float) -> str:
+    """Milliseconds, with a decimal below 10 ms (a non-blocking save returns in less)."""
+    return f"{v * 1e3:.1f} ms" if v < 0.01 else millis(v)
+
+
+def spaced_rows(r: Any) -> list[Row]:
+    """Saves spaced like training steps, each against a plain copy into pre-faulted memory."""
+    if not isinstance(r, dict) or "spaced_save_s" not in r:
+        return []
+    size, copy = r["size"], cell(r["spaced_memcpy_s"], fine_millis)
+    spacing = f"{r['saves']} saves, {r['spacing_s']:g} s idle before each"
+    x_first = r["ratio_first_save_vs_memcpy"]
+    x_later = r["ratio_spaced_save_vs_memcpy"]
+    rows = [
+        Row(
+            "checkpoint",
+            f"{size}: first save() blocking, no load_latest ({spacing})",
+            fine_millis(r["spaced_first_save_s"]),
+            "memcpy (pre-faulted)",
+            copy,
+            _x(x_first),
+            verdict(x_first, True),
+        ),
+        Row(
+            "checkpoint",
+            f"{size}: later save() blocking, no load_latest ({spacing})",
+            cell(r["spaced_save_s"], fine_millis),
+            "memcpy (pre-faulted)",
+            copy,
+            _x(x_later),
+            verdict(x_later, True),
+        ),
+    ]
+    goal = r.get("goal_ratio_spaced_save_vs_memcpy")
+    if goal is not None:
+        metric = f"{size}: later save() / memcpy (pre-faulted), spaced"
+        rows.append(goal_row("checkpoint", metric, x_later, goal, times))
+    return rows
+
+
+def cuda_checkpoint_rows(res: Any) -> list[Row]:
+    """The CUDA state's saves against device-to-host copies and torch.save; its restore."""
+    if isinstance(res, str):
+        return [Row("checkpoint", "CUDA state", "—", "—", "—", "—", f"not measured: {res}")]
+    rows: list[Row] = []
+    for size, r in (res or {}).items():
+        if not isinstance(r, dict):
+            continue
+        if "error" in r:
+            rows.append(Row("checkpoint", f"{size} CUDA", "—", "—", "—", "—", r["error"]))
+            continue
+        if "cuda_save_s" not in r:
+            continue
+        ours = cell(r["cuda_save_s"], fine_millis)
+        for name, label in (
+            ("pinned_copy", "D2H copy into pinned memory"),
+            ("pageable_copy", "D2H copy into pageable memory"),
+            ("torch_save", "torch.save (1 run)"),
+        ):
+            x = r.get(f"ratio_cuda_save_vs_{name}")
+            rows.append(
+                Row(
+                    "checkpoint",
+                    f"{size} CUDA: save() blocking",
+                    ours,
+                    label,
+                    cell(r.get(f"baseline_{name}_s"), fine_millis),
+                    _x(x),
+                    verdict(x, True),
+                )
+            )
+        pinned = cell(r["baseline_pinned_copy_s"], fine_millis)
+        for key, label in (
+            ("nonblocking", "save(blocking=False) until it returns"),
+            ("nonblocking_complete", "save(blocking=False) until the copy is done"),
+        ):
+            x = r.get(f"ratio_cuda_save_{key}_vs_pinned_copy")
+            rows.append(
+                Row(
+                    "checkpoint",
+                    f"{size} CUDA: {label}",
+                    cell(r.get(f"cuda_save_{key}_s"), fine_millis),
+                    "D2H copy into pinned memory",
+                    pinned,
+                    _x(x),
+                    verdict(x, True),
+                )
+            )
+        x = r["cuda_save_bandwidth_gbps"] / r["baseline_pinned_copy_bandwidth_gbps"]
+        rows.append(
+            Row(
+                "checkpoint",
+                f"{size} CUDA: copy bandwidth",
+                gbps(r["cuda_save_bandwidth_gbps"]),
+                "D2H copy into pinned memory",
+                gbps(r["baseline_pinned_copy_bandwidth_gbps"]),
+                _x(x),
+                verdict(x, False),
+            )
+        )
+        identical = r.get("cuda_restore_identical")
+        rows.append(
+            Row(
+                "checkpoint",
+                f"{size} CUDA: restore from memory (load_latest, new Checkpointer)",
+                cell(r.get("cuda_restore_s"), fine_millis),
+                "—",
+                "—",
+                "—",
+                "bit-identical" if identical else "**restored tensors differ**",
+            )
+        )
     return rows
 
 

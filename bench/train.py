@@ -1,4 +1,4 @@
-"""The benchmarks' training script: a small MLP with DDP on gloo, CPU only.
+"""The benchmarks' training script: a small MLP with DDP, on CUDA where it is available.
 
 The same file runs under torchrun and under trainguard; only ``--ckpt`` differs:
 
@@ -11,6 +11,13 @@ The same file runs under torchrun and under trainguard; only ``--ckpt`` differs:
   place and takes its state from a peer; the memory tier (``Checkpointer``) is the
   fallback when no rank holds state;
 - ``none``: no checkpoint.
+
+``--device`` (auto: CUDA where available) and ``--backend`` (auto, gloo, nccl; default
+``$TRAINGUARD_BACKEND``, else auto) pick where it trains: on CUDA each rank uses
+``cuda:LOCAL_RANK``, or ``cuda:LOCAL_RANK % <visible GPUs>`` with ``--backend gloo`` (ranks
+sharing a GPU, which NCCL refuses); the process group is
+``trainguard.collectives.backend_string``'s (gloo on the CPU). The data are made on the
+CPU and moved, so a run is the same on either device up to float rounding.
 
 It is deterministic: the data of (step, rank) comes from a generator seeded by both.
 Rank 0 appends one line per completed step to ``<out>/steps.txt``::
@@ -35,11 +42,44 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from trainguard.collectives import BACKEND_CHOICES, backend_string, resolve_choice
+
 BATCH = 32
 FEATURES = 64
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
-def parse_args() -> argparse.Namespace:
+def choose_device(requested: str, local_rank: int, backend: str, cuda_count: int) -> torch.device:
+    """The device of the rank with ``local_rank`` (as examples/gpt/train.py picks it).
+
+    ``auto`` is CUDA where a GPU is visible; a CUDA rank uses ``cuda:LOCAL_RANK``, or with
+    ``backend`` gloo ``cuda:LOCAL_RANK % cuda_count`` (ranks share GPUs; NCCL refuses
+    that). ValueError for a combination that cannot work (nccl without CUDA).
+    """
+    if requested not in DEVICE_CHOICES:
+        raise ValueError(f"--device={requested!r}: must be one of {', '.join(DEVICE_CHOICES)}")
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"--backend={backend!r}: must be one of {', '.join(BACKEND_CHOICES)}")
+    if local_rank < 0:
+        raise ValueError(f"LOCAL_RANK={local_rank} is negative")
+    if requested == "cpu" or (requested == "auto" and cuda_count < 1):
+        if backend == "nccl":
+            why = "--device cpu" if requested == "cpu" else "no CUDA device is visible"
+            raise ValueError(f"--backend nccl needs CUDA tensors, but {why}")
+        return torch.device("cpu")
+    if cuda_count < 1:
+        raise ValueError("--device cuda: no CUDA device is visible")
+    if local_rank < cuda_count:
+        return torch.device("cuda", local_rank)
+    if backend == "gloo":
+        return torch.device("cuda", local_rank % cuda_count)
+    raise ValueError(
+        f"LOCAL_RANK={local_rank} has no GPU of its own ({cuda_count} visible) and NCCL "
+        "refuses two ranks on one GPU: pass --backend gloo to share the GPUs, or --device cpu"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--step-sleep", type=float, default=0.0, help="simulated compute, s")
@@ -55,7 +95,25 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="every rank prints a `Step N` line (rank 0 always prints its Batch line)",
     )
-    return parser.parse_args()
+    parser.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default="auto",
+        help="auto: cuda:LOCAL_RANK where CUDA is available, else cpu",
+    )
+    parser.add_argument(
+        "--backend",
+        type=str.lower,
+        choices=BACKEND_CHOICES,
+        default=None,
+        help="process-group backend (default: $TRAINGUARD_BACKEND, else auto)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        args.backend = resolve_choice(args.backend)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
 
 
 def publish(path: Path, data: dict[str, Any]) -> None:
@@ -64,8 +122,24 @@ def publish(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, argparse.Namespace]:
-    args = parse_args()
+def pick_device(args: argparse.Namespace) -> torch.device:
+    """This rank's device (the current CUDA device, when it is one); exits on a bad choice."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        device = choose_device(args.device, local_rank, args.backend, cuda_count)
+    except ValueError as exc:
+        raise SystemExit(f"train.py: error: {exc}") from None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL and the final barrier use the current device
+    return device
+
+
+def build(
+    argv: list[str] | None = None,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, argparse.Namespace, torch.device]:
+    args = parse_args(argv)
+    device = pick_device(args)
     torch.manual_seed(0)
     net = torch.nn.Sequential(
         torch.nn.Linear(FEATURES, args.hidden),
@@ -73,18 +147,25 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, argparse.Namespace]
         torch.nn.Linear(args.hidden, args.hidden),
         torch.nn.ReLU(),
         torch.nn.Linear(args.hidden, 1),
-    )
-    return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9), args
+    ).to(device)
+    return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9), args, device
 
 
 class Recorder:
     """Rank 0's step records and log line; every rank's pid file."""
 
     def __init__(
-        self, out: Path, rank: int, world: int, incarnation: str, log_all_ranks: bool = False
+        self,
+        out: Path,
+        rank: int,
+        world: int,
+        incarnation: str,
+        log_all_ranks: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         self.rank, self.world, self.incarnation = rank, world, incarnation
         self.log_all_ranks = log_all_ranks
+        self.device = device or torch.device("cpu")
         (out / "pids").mkdir(parents=True, exist_ok=True)
         publish(out / "pids" / f"rank{rank}.json", {"pid": os.getpid(), "inc": incarnation})
         path = out / "steps.txt" if rank == 0 else Path(os.devnull)
@@ -100,13 +181,15 @@ class Recorder:
         """One training step (its data comes from (step, rank)), recorded."""
         t0 = time.time()
         gen = torch.Generator().manual_seed(step * self.world + self.rank)
-        x = torch.randn(BATCH, FEATURES, generator=gen)
+        x = torch.randn(BATCH, FEATURES, generator=gen).to(self.device)
         if step_sleep:
             time.sleep(step_sleep)
         loss = model(x).pow(2).mean()
         optim.zero_grad()
         loss.backward()
         optim.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's end, not its kernels' launch
         t1 = time.time()
         self.file.write(f"{self.incarnation} {step} {t0:.6f} {t1:.6f}\n")
         self.file.flush()
@@ -121,19 +204,19 @@ class Recorder:
         self.file.close()
 
 
-def main() -> None:
-    net, optim, args = build()
+def main(argv: list[str] | None = None) -> None:
+    net, optim, args, device = build(argv)
     if args.ckpt == "resilient":
-        main_resilient(net, optim, args)
+        main_resilient(net, optim, args, device)
         return
-    dist.init_process_group("gloo")
+    dist.init_process_group(backend_string(args.backend, cuda=device.type == "cuda"))
     rank, world = dist.get_rank(), dist.get_world_size()
     incarnation = (
         f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}."
         f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     )
-    recorder = Recorder(args.out, rank, world, incarnation, args.log_all_ranks)
-    model = DistributedDataParallel(net)
+    recorder = Recorder(args.out, rank, world, incarnation, args.log_all_ranks, device)
+    model = DistributedDataParallel(net, device_ids=device_ids(device))
 
     def state(step: int) -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
@@ -151,7 +234,7 @@ def main() -> None:
             optim.load_state_dict(restored_state["optim"])
             start = restored + 1
     elif args.ckpt == "torch" and ckpt_file.exists():
-        saved = torch.load(ckpt_file, weights_only=True)
+        saved = torch.load(ckpt_file, map_location=device, weights_only=True)
         model.load_state_dict(saved["model"])
         optim.load_state_dict(saved["optim"])
         start = int(saved["step"]) + 1
@@ -176,7 +259,14 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def main_resilient(net: torch.nn.Module, optim: torch.optim.Optimizer, args: Any) -> None:
+def device_ids(device: torch.device) -> list[int] | None:
+    """DDP's ``device_ids`` for a model on ``device``."""
+    return [device.index] if device.type == "cuda" and device.index is not None else None
+
+
+def main_resilient(
+    net: torch.nn.Module, optim: torch.optim.Optimizer, args: Any, device: torch.device
+) -> None:
     """``--ckpt resilient``: the same steps in ``@restartable``; an attempt is an incarnation."""
     import trainguard.resilient as resilient
     from trainguard.checkpoint import Checkpointer
@@ -199,13 +289,23 @@ def main_resilient(net: torch.nn.Module, optim: torch.optim.Optimizer, args: Any
             optim.load_state_dict(saved["optim"])
         return steps
 
-    @resilient.restartable(resilient.TrainState(net, optim), fallback=from_checkpoint)
+    @resilient.restartable(
+        resilient.TrainState(net, optim),
+        fallback=from_checkpoint,
+        config=resilient.ResilientConfig(backend=args.backend),
+    )
     def train(run: resilient.Run) -> None:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         recorder = Recorder(
-            args.out, run.rank, run.world_size, f"{run_id}.{run.attempt}", args.log_all_ranks
+            args.out,
+            run.rank,
+            run.world_size,
+            f"{run_id}.{run.attempt}",
+            args.log_all_ranks,
+            device,
         )
-        model = DistributedDataParallel(net)  # a new one per attempt: a new process group
+        # A new DDP per attempt: a new process group.
+        model = DistributedDataParallel(net, device_ids=device_ids(device))
         try:
             for completed in range(run.start_step, args.steps):
                 step = completed + 1  # steps are numbered from 1 here, from 0 in run

@@ -26,6 +26,7 @@ def job_spec(tmp_path: Path, retries: int = 3, **restart_policy: Any) -> Path:
     command = [
         "python",
         "examples/gpt/train.py",
+        *("--device", "cpu"),  # 2 simulated nodes on one host: a GPU box would share a GPU
         "--steps",
         str(STEPS),
         "--ckpt-every",

@@ -30,6 +30,7 @@ def spec(tmp_path: Path, name: str) -> tuple[Path, Path]:
         "python",
         "examples/gpt/train.py",
         "--resilient",
+        *("--device", "cpu"),  # 2 simulated nodes on one host: a GPU box would share a GPU
         *("--steps", str(STEPS), "--memory-ckpt-every", "10", "--step-sleep", "0.05"),
         *("--data-dir", str(tmp_path / "data"), "--save-final", str(final)),
     ]

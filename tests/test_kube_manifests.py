@@ -286,6 +286,8 @@ def test_job_pods_service_and_secret_are_valid_kubernetes() -> None:
         "python",
         "-u",
         "examples/gpt/train.py",
+        "--backend",
+        "gloo",
         "--steps",
         "400",
         "--ckpt-every",

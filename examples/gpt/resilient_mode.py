@@ -6,6 +6,9 @@ state from a healthy peer, and training goes on at the step that was interrupted
 peer holding state (the first start, a full restart) it falls back to trainguard's tiered
 checkpoints. Batches depend on (step, rank) only, so the run is the same with or without
 faults. Needs trainguard (the default mode of train.py does not).
+
+``device`` is train.py's choice (``cuda:LOCAL_RANK``, current already, or the CPU); the
+wrapper's process groups use ``--backend`` (:class:`trainguard.resilient.ResilientConfig`).
 """
 
 from __future__ import annotations
@@ -69,17 +72,22 @@ def run_resilient(args: argparse.Namespace, local_rank: int, device: torch.devic
             optimizer.load_state_dict(saved["optim"])
         return steps
 
-    @resilient.restartable(state, fallback=from_checkpoint)
+    config = resilient.ResilientConfig(backend=args.backend)
+
+    @resilient.restartable(state, fallback=from_checkpoint, config=config)
     def train(run: resilient.Run) -> None:
         topo = Topology(run.rank, run.local_rank, run.world_size, distributed=True)
         ranks[:] = [run.rank]
-        ddp = DistributedDataParallel(model)  # a new one per attempt: a new process group
+        ddp = DistributedDataParallel(  # a new one per attempt: a new process group
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
         ddp.register_comm_hook(None, ordered_allreduce_hook)
         ddp.train()
         if run.rank == 0:
             print(
                 f"Attempt {run.attempt}: training from step {run.start_step} "
-                f"(state from {run.state_source})",
+                f"(state from {run.state_source}), world_size {run.world_size}, "
+                f"device {device.type}",
                 flush=True,
             )
         for completed in range(run.start_step, args.steps):

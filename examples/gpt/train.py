@@ -4,6 +4,9 @@ Runs under torchrun (`torchrun --standalone --nproc-per-node 4 examples/gpt/trai
 under trainguard, or as a single process (`python examples/gpt/train.py`). It checkpoints
 and resumes by itself, and with the same flags and world size it is bit-for-bit
 deterministic, also across an interruption followed by a resume from a checkpoint.
+
+On a CUDA machine each worker trains on ``cuda:LOCAL_RANK`` (``--device``, ``--backend``:
+see :func:`choose_device`); elsewhere on the CPU.
 """
 
 import argparse
@@ -35,6 +38,9 @@ CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_FORMAT = 1
 CHECKPOINT_KEYS = ("format", "step", "loss", "model_config", "model", "optimizer", "rng")
 DEFAULT_TIMEOUT_SECONDS = 300.0
+BACKEND_CHOICES = ("auto", "gloo", "nccl")
+BACKEND_ENV = "TRAINGUARD_BACKEND"  # the default of --backend, as in trainguard.collectives
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
 GRAD_CLIP = 1.0
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
 
@@ -69,6 +75,62 @@ def read_topology(env: Mapping[str, str] = os.environ) -> Topology:
         raise SystemExit(f"train.py: error: env RANK={rank} outside WORLD_SIZE={world_size}")
     distributed = world_size > 1 or ("MASTER_ADDR" in env and "WORLD_SIZE" in env)
     return Topology(rank, num("LOCAL_RANK", 0), world_size, distributed)
+
+
+def resolve_backend(flag: str | None, env: Mapping[str, str] = os.environ) -> str:
+    """``--backend``, else ``$TRAINGUARD_BACKEND``, else ``auto``; ValueError if unknown."""
+    value = flag if flag is not None else env.get(BACKEND_ENV, "auto")
+    value = value.strip().lower()
+    if value not in BACKEND_CHOICES:
+        where = "--backend" if flag is not None else f"env {BACKEND_ENV}"
+        raise ValueError(f"{where}={value!r}: must be one of {', '.join(BACKEND_CHOICES)}")
+    return value
+
+
+def choose_device(requested: str, local_rank: int, backend: str, cuda_count: int) -> torch.device:
+    """The device of the worker with ``local_rank``, given ``--device``, ``--backend`` and
+    the number of visible GPUs; ValueError for a combination that cannot work.
+
+    ``auto`` is CUDA where a GPU is visible. A CUDA worker uses ``cuda:LOCAL_RANK``; a
+    node with more local ranks than GPUs needs ``--backend gloo``, and its ranks then
+    share the GPUs (``cuda:LOCAL_RANK % cuda_count``): NCCL refuses two ranks on one GPU.
+    ``--backend nccl`` needs CUDA.
+    """
+    if requested not in DEVICE_CHOICES:
+        raise ValueError(f"--device={requested!r}: must be one of {', '.join(DEVICE_CHOICES)}")
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"--backend={backend!r}: must be one of {', '.join(BACKEND_CHOICES)}")
+    if local_rank < 0:
+        raise ValueError(f"LOCAL_RANK={local_rank} is negative")
+    if requested == "cpu" or (requested == "auto" and cuda_count < 1):
+        if backend == "nccl":
+            why = "--device cpu" if requested == "cpu" else "no CUDA device is visible"
+            raise ValueError(f"--backend nccl needs CUDA tensors, but {why}")
+        return torch.device("cpu")
+    if cuda_count < 1:
+        raise ValueError("--device cuda: no CUDA device is visible")
+    if local_rank < cuda_count:
+        return torch.device("cuda", local_rank)
+    if backend == "gloo":
+        return torch.device("cuda", local_rank % cuda_count)
+    raise ValueError(
+        f"LOCAL_RANK={local_rank} has no GPU of its own ({cuda_count} visible) and NCCL "
+        "refuses two ranks on one GPU: pass --backend gloo to share the GPUs, or --device cpu"
+    )
+
+
+def group_backend(choice: str, device: torch.device) -> str:
+    """The ``init_process_group`` backend of ``--backend`` for tensors on ``device``:
+    trainguard's rule (``trainguard.collectives.backend_string``), also without trainguard.
+    """
+    cuda = device.type == "cuda"
+    try:
+        from trainguard.collectives import backend_string, resolve_choice
+    except ImportError:  # the default mode needs torch only: the same rule
+        if choice == "nccl" and not cuda:
+            raise ValueError("backend nccl: no CUDA device is visible to this process") from None
+        return "cpu:gloo,cuda:nccl" if cuda and choice != "gloo" else "gloo"
+    return backend_string(resolve_choice(choice), cuda=cuda)
 
 
 def default_data_dir() -> Path:
@@ -122,6 +184,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="process-group collective timeout and data wait, in seconds",
     )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default="auto",
+        help="auto: cuda:LOCAL_RANK where CUDA is available, else cpu",
+    )
+    p.add_argument(
+        "--backend",
+        type=str.lower,
+        choices=BACKEND_CHOICES,
+        default=None,
+        help=f"process-group backend (default: ${BACKEND_ENV}, else auto): auto is "
+        "cpu:gloo,cuda:nccl with CUDA, else gloo; gloo for CPU and CUDA tensors (ranks "
+        "may share a GPU); nccl is auto that fails without CUDA",
+    )
     p.add_argument("--vocab-size", type=int, default=GPTConfig.vocab_size)
     p.add_argument("--block-size", type=int, default=GPTConfig.block_size)
     p.add_argument("--n-layer", type=int, default=GPTConfig.n_layer)
@@ -150,6 +227,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--data-tokens must be at least twice --block-size + 1")
     if not 0.0 <= args.dropout < 1.0:
         p.error("--dropout must be in [0, 1)")
+    try:
+        args.backend = resolve_backend(args.backend)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -187,12 +268,21 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
 
 def checkpoint_state(
-    step: int, loss: float, cfg: GPTConfig, model: nn.Module, optimizer: torch.optim.Optimizer
+    step: int,
+    loss: float,
+    cfg: GPTConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
 ) -> dict[str, Any]:
-    """Only tensors and plain containers, so `torch.load(weights_only=True)` reads it."""
+    """Only tensors and plain containers, so `torch.load(weights_only=True)` reads it.
+
+    The CUDA RNG state is the training device's only: touching every GPU would make a
+    CUDA context on each, from every rank that saves or loads.
+    """
     rng: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
     return {
         "format": CHECKPOINT_FORMAT,
         "step": step,
@@ -344,8 +434,9 @@ def train(args: argparse.Namespace, topo: Topology, device: torch.device) -> Non
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"])
-        if device.type == "cuda" and state["rng"].get("cuda"):
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        cuda_rng = state["rng"].get("cuda")
+        if device.type == "cuda" and isinstance(cuda_rng, torch.Tensor):
+            torch.cuda.set_rng_state(cuda_rng, device)
         step, last_loss = int(state["step"]), float(state["loss"])
         del state
     agree_on_step(step, topo, device)
@@ -388,7 +479,8 @@ def train(args: argparse.Namespace, topo: Topology, device: torch.device) -> Non
             interval_start, interval_steps = now, 0
 
         if args.ckpt_every and step % args.ckpt_every == 0 and topo.rank == 0:
-            save_checkpoint(ckpt_path, checkpoint_state(step, last_loss, cfg, model, optimizer))
+            saved = checkpoint_state(step, last_loss, cfg, model, optimizer, device)
+            save_checkpoint(ckpt_path, saved)
             log0(topo, f"Completed checkpoint at step {step}")
 
     if args.save_final is not None and topo.rank == 0:
@@ -397,24 +489,33 @@ def train(args: argparse.Namespace, topo: Topology, device: torch.device) -> Non
     if topo.distributed:
         # All ranks done before any tears its group down: gloo (torch 2.13) sometimes
         # aborts a rank at exit otherwise ("terminate called without an active exception").
+        # On CUDA the device is set (main), so an NCCL barrier would use this rank's GPU.
         dist.barrier()
+
+
+def cuda_device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     topo = read_topology()
-    cuda = torch.cuda.is_available()
-    set_determinism(args.threads, cuda)
-    device = torch.device("cuda", topo.local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    try:
+        device = choose_device(args.device, topo.local_rank, args.backend, cuda_device_count())
+        backend = group_backend(args.backend, device)
+    except ValueError as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    set_determinism(args.threads, device.type == "cuda")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any collective: NCCL uses the current device
     if args.resilient:  # the wrapper makes the process group, once per attempt
         from resilient_mode import run_resilient
 
         run_resilient(args, topo.local_rank, device)
         return 0
     if topo.distributed:
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
         train(args, topo, device)
     except (CheckpointError, DataError) as exc:
