@@ -6,7 +6,7 @@ TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install demo test unit e2e lint format bench clean
+.PHONY: install demo test unit e2e lint format bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +38,18 @@ e2e: install
 # and bench/results.md (see README). BENCH_ARGS="--only recovery,hang" or "--quick" to develop.
 bench: install
 	$(PY) -m bench $(BENCH_ARGS)
+
+# The GPU lane, on a machine with a GPU (README, "GPUs"): the gpu-marked tests, then the
+# checkpoint figures with CUDA state. GPU_PY: an interpreter that has torch and
+# trainguard's dependencies (default: the venv, installed first), e.g.
+# `make gpu-check GPU_PY=python3` with PYTHONPATH=src on a machine without network.
+GPU_PY ?= $(PY)
+GPU_BENCH_ARGS ?= --sizes 256 --cuda-sizes 1024,4096 --repeats 3
+gpu-check: $(if $(filter $(PY),$(GPU_PY)),install)
+	$(GPU_PY) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else 'gpu-check: no CUDA device')"
+	$(GPU_PY) -m pytest -q -m gpu -p no:cacheprovider $(PYTEST_ARGS) tests/test_gpu_*.py
+	mkdir -p bench/out
+	$(GPU_PY) -m bench.checkpoint $(GPU_BENCH_ARGS) --out bench/out/gpu-checkpoint.json
 
 lint: install
 	$(VENV)/bin/ruff check src tests examples bench
