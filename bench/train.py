@@ -42,41 +42,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from trainguard.collectives import BACKEND_CHOICES, backend_string, resolve_choice
+from trainguard.collectives import (
+    BACKEND_CHOICES,
+    DEVICE_CHOICES,
+    backend_string,
+    choose_device,
+    resolve_choice,
+)
 
 BATCH = 32
 FEATURES = 64
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
-
-
-def choose_device(requested: str, local_rank: int, backend: str, cuda_count: int) -> torch.device:
-    """The device of the rank with ``local_rank`` (as examples/gpt/train.py picks it).
-
-    ``auto`` is CUDA where a GPU is visible; a CUDA rank uses ``cuda:LOCAL_RANK``, or with
-    ``backend`` gloo ``cuda:LOCAL_RANK % cuda_count`` (ranks share GPUs; NCCL refuses
-    that). ValueError for a combination that cannot work (nccl without CUDA).
-    """
-    if requested not in DEVICE_CHOICES:
-        raise ValueError(f"--device={requested!r}: must be one of {', '.join(DEVICE_CHOICES)}")
-    if backend not in BACKEND_CHOICES:
-        raise ValueError(f"--backend={backend!r}: must be one of {', '.join(BACKEND_CHOICES)}")
-    if local_rank < 0:
-        raise ValueError(f"LOCAL_RANK={local_rank} is negative")
-    if requested == "cpu" or (requested == "auto" and cuda_count < 1):
-        if backend == "nccl":
-            why = "--device cpu" if requested == "cpu" else "no CUDA device is visible"
-            raise ValueError(f"--backend nccl needs CUDA tensors, but {why}")
-        return torch.device("cpu")
-    if cuda_count < 1:
-        raise ValueError("--device cuda: no CUDA device is visible")
-    if local_rank < cuda_count:
-        return torch.device("cuda", local_rank)
-    if backend == "gloo":
-        return torch.device("cuda", local_rank % cuda_count)
-    raise ValueError(
-        f"LOCAL_RANK={local_rank} has no GPU of its own ({cuda_count} visible) and NCCL "
-        "refuses two ranks on one GPU: pass --backend gloo to share the GPUs, or --device cpu"
-    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

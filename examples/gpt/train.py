@@ -94,7 +94,9 @@ def choose_device(requested: str, local_rank: int, backend: str, cuda_count: int
     ``auto`` is CUDA where a GPU is visible. A CUDA worker uses ``cuda:LOCAL_RANK``; a
     node with more local ranks than GPUs needs ``--backend gloo``, and its ranks then
     share the GPUs (``cuda:LOCAL_RANK % cuda_count``): NCCL refuses two ranks on one GPU.
-    ``--backend nccl`` needs CUDA.
+    ``--backend nccl`` needs CUDA. A copy of ``trainguard.collectives.choose_device``, so
+    that this script runs with torch alone; tests/test_example_backend.py holds both to
+    the same answers.
     """
     if requested not in DEVICE_CHOICES:
         raise ValueError(f"--device={requested!r}: must be one of {', '.join(DEVICE_CHOICES)}")

@@ -11,6 +11,9 @@ trainguard's control collectives (state-sync offers and headers, the checkpoint
 agreement) move a few integers on CPU, always over gloo: :func:`control_group` is the
 default group when it has gloo for CPU tensors, else a gloo group of the same ranks made
 once per default group (a user's ``init_process_group("nccl")``).
+
+:func:`choose_device` is the device contract of a worker: ``cuda:LOCAL_RANK``, shared GPUs
+only over gloo.
 """
 
 from __future__ import annotations
@@ -24,17 +27,19 @@ import torch.distributed as dist
 __all__ = [
     "BACKEND_CHOICES",
     "BACKEND_ENV",
+    "DEVICE_CHOICES",
     "BackendChoice",
     "backend_string",
+    "choose_device",
     "control_group",
     "device_backends",
     "forget_control_group",
     "resolve_choice",
-    "set_control_group",
 ]
 
 BackendChoice = Literal["auto", "gloo", "nccl"]
 BACKEND_CHOICES: Final[tuple[BackendChoice, ...]] = ("auto", "gloo", "nccl")
+DEVICE_CHOICES: Final = ("auto", "cpu", "cuda")
 BACKEND_ENV: Final = "TRAINGUARD_BACKEND"
 """The backend of the groups trainguard makes, when the code does not name one."""
 
@@ -78,11 +83,6 @@ def device_backends(group: dist.ProcessGroup | None = None) -> dict[str, str]:
     return {device.strip(): backend.strip() for device, backend in pairs}
 
 
-def set_control_group(group: dist.ProcessGroup | None) -> None:
-    """The control group of the current default group (None: the default group itself)."""
-    _control[:] = [(dist.distributed_c10d._get_default_group(), group)]
-
-
 def forget_control_group() -> None:
     """Drop the cached groups (the default group is being destroyed or aborted)."""
     _control.clear()
@@ -99,3 +99,34 @@ def control_group() -> dist.ProcessGroup | None:
         cpu = device_backends().get("cpu")
         _control[:] = [(default, None if cpu == "gloo" else dist.new_group(backend="gloo"))]
     return _control[0][1]
+
+
+def choose_device(requested: str, local_rank: int, backend: str, cuda_count: int) -> torch.device:
+    """The device of the worker with ``local_rank``: the contract of trainguard's scripts
+    (``bench/train.py``; ``examples/gpt/train.py`` keeps a copy, to run without trainguard).
+
+    ``auto`` is CUDA where a GPU is visible; a CUDA rank uses ``cuda:LOCAL_RANK``, or with
+    ``backend`` gloo ``cuda:LOCAL_RANK % cuda_count`` (ranks share GPUs; NCCL refuses
+    that). ValueError for a combination that cannot work (nccl without CUDA).
+    """
+    if requested not in DEVICE_CHOICES:
+        raise ValueError(f"--device={requested!r}: must be one of {', '.join(DEVICE_CHOICES)}")
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"--backend={backend!r}: must be one of {', '.join(BACKEND_CHOICES)}")
+    if local_rank < 0:
+        raise ValueError(f"LOCAL_RANK={local_rank} is negative")
+    if requested == "cpu" or (requested == "auto" and cuda_count < 1):
+        if backend == "nccl":
+            why = "--device cpu" if requested == "cpu" else "no CUDA device is visible"
+            raise ValueError(f"--backend nccl needs CUDA tensors, but {why}")
+        return torch.device("cpu")
+    if cuda_count < 1:
+        raise ValueError("--device cuda: no CUDA device is visible")
+    if local_rank < cuda_count:
+        return torch.device("cuda", local_rank)
+    if backend == "gloo":
+        return torch.device("cuda", local_rank % cuda_count)
+    raise ValueError(
+        f"LOCAL_RANK={local_rank} has no GPU of its own ({cuda_count} visible) and NCCL "
+        "refuses two ranks on one GPU: pass --backend gloo to share the GPUs, or --device cpu"
+    )

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from trainguard.collectives import control_group, forget_control_group, set_control_group
+from trainguard.collectives import control_group, forget_control_group
 from trainguard.resilient.protocol import Attempt
 from trainguard.resilient.sockets import Connections, open_sockets
 
@@ -168,7 +168,6 @@ class AttemptGroup:
                 sys.excepthook = hook
             self._hooked = True
             distributed_c10d._set_pg_timeout(self._collective_timeout)
-            set_control_group(None)  # the default group has gloo for CPU tensors
             self._joined = attempt.attempt
             self._retired.clear()  # their worker threads are idle by now
 

@@ -86,9 +86,9 @@ def exchange_offers(offer: Offer) -> list[Offer]:
 def data_device(tensors: Sequence[torch.Tensor]) -> torch.device:
     """Where the sync buffer lives: the GPU of the first CUDA tensor when the default
     group moves CUDA tensors over NCCL, else host memory."""
-    for tensor in tensors:
-        if tensor.is_cuda and device_backends().get("cuda") == "nccl":
-            return tensor.device
+    first = next((tensor for tensor in tensors if tensor.is_cuda), None)
+    if first is not None and device_backends().get("cuda") == "nccl":
+        return first.device
     return torch.device("cpu")
 
 
