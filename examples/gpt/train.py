@@ -32,15 +32,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import DataError, MarkovSpec, ensure_token_file, get_batch, open_tokens
 
 # isort: split
+from devices import (
+    BACKEND_CHOICES,
+    BACKEND_ENV,
+    DEVICE_CHOICES,
+    choose_device,
+    cuda_device_count,
+    group_backend,
+    resolve_backend,
+)
 from model import GPT, GPTConfig
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_FORMAT = 1
 CHECKPOINT_KEYS = ("format", "step", "loss", "model_config", "model", "optimizer", "rng")
 DEFAULT_TIMEOUT_SECONDS = 300.0
-BACKEND_CHOICES = ("auto", "gloo", "nccl")
-BACKEND_ENV = "TRAINGUARD_BACKEND"  # the default of --backend, as in trainguard.collectives
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
 GRAD_CLIP = 1.0
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
 
@@ -75,64 +81,6 @@ def read_topology(env: Mapping[str, str] = os.environ) -> Topology:
         raise SystemExit(f"train.py: error: env RANK={rank} outside WORLD_SIZE={world_size}")
     distributed = world_size > 1 or ("MASTER_ADDR" in env and "WORLD_SIZE" in env)
     return Topology(rank, num("LOCAL_RANK", 0), world_size, distributed)
-
-
-def resolve_backend(flag: str | None, env: Mapping[str, str] = os.environ) -> str:
-    """``--backend``, else ``$TRAINGUARD_BACKEND``, else ``auto``; ValueError if unknown."""
-    value = flag if flag is not None else env.get(BACKEND_ENV, "auto")
-    value = value.strip().lower()
-    if value not in BACKEND_CHOICES:
-        where = "--backend" if flag is not None else f"env {BACKEND_ENV}"
-        raise ValueError(f"{where}={value!r}: must be one of {', '.join(BACKEND_CHOICES)}")
-    return value
-
-
-def choose_device(requested: str, local_rank: int, backend: str, cuda_count: int) -> torch.device:
-    """The device of the worker with ``local_rank``, given ``--device``, ``--backend`` and
-    the number of visible GPUs; ValueError for a combination that cannot work.
-
-    ``auto`` is CUDA where a GPU is visible. A CUDA worker uses ``cuda:LOCAL_RANK``; a
-    node with more local ranks than GPUs needs ``--backend gloo``, and its ranks then
-    share the GPUs (``cuda:LOCAL_RANK % cuda_count``): NCCL refuses two ranks on one GPU.
-    ``--backend nccl`` needs CUDA. A copy of ``trainguard.collectives.choose_device``, so
-    that this script runs with torch alone; tests/test_example_backend.py holds both to
-    the same answers.
-    """
-    if requested not in DEVICE_CHOICES:
-        raise ValueError(f"--device={requested!r}: must be one of {', '.join(DEVICE_CHOICES)}")
-    if backend not in BACKEND_CHOICES:
-        raise ValueError(f"--backend={backend!r}: must be one of {', '.join(BACKEND_CHOICES)}")
-    if local_rank < 0:
-        raise ValueError(f"LOCAL_RANK={local_rank} is negative")
-    if requested == "cpu" or (requested == "auto" and cuda_count < 1):
-        if backend == "nccl":
-            why = "--device cpu" if requested == "cpu" else "no CUDA device is visible"
-            raise ValueError(f"--backend nccl needs CUDA tensors, but {why}")
-        return torch.device("cpu")
-    if cuda_count < 1:
-        raise ValueError("--device cuda: no CUDA device is visible")
-    if local_rank < cuda_count:
-        return torch.device("cuda", local_rank)
-    if backend == "gloo":
-        return torch.device("cuda", local_rank % cuda_count)
-    raise ValueError(
-        f"LOCAL_RANK={local_rank} has no GPU of its own ({cuda_count} visible) and NCCL "
-        "refuses two ranks on one GPU: pass --backend gloo to share the GPUs, or --device cpu"
-    )
-
-
-def group_backend(choice: str, device: torch.device) -> str:
-    """The ``init_process_group`` backend of ``--backend`` for tensors on ``device``:
-    trainguard's rule (``trainguard.collectives.backend_string``), also without trainguard.
-    """
-    cuda = device.type == "cuda"
-    try:
-        from trainguard.collectives import backend_string, resolve_choice
-    except ImportError:  # the default mode needs torch only: the same rule
-        if choice == "nccl" and not cuda:
-            raise ValueError("backend nccl: no CUDA device is visible to this process") from None
-        return "cpu:gloo,cuda:nccl" if cuda and choice != "gloo" else "gloo"
-    return backend_string(resolve_choice(choice), cuda=cuda)
 
 
 def default_data_dir() -> Path:
@@ -493,10 +441,6 @@ def train(args: argparse.Namespace, topo: Topology, device: torch.device) -> Non
         # aborts a rank at exit otherwise ("terminate called without an active exception").
         # On CUDA the device is set (main), so an NCCL barrier would use this rank's GPU.
         dist.barrier()
-
-
-def cuda_device_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def main(argv: list[str] | None = None) -> int:
