@@ -31,8 +31,10 @@ def job_spec(tmp_path: Path, retries: int = 3, **restart_policy: Any) -> Path:
         str(STEPS),
         "--ckpt-every",
         "10",
+        # Longer than the slow injection's 0.1 s run window (platform/actuate.py): a
+        # throttled rank never completes a whole step between two stops.
         "--step-sleep",
-        "0.05",
+        "0.1",
         "--data-dir",
         str(tmp_path / "data"),
     ]
@@ -45,7 +47,7 @@ def job_spec(tmp_path: Path, retries: int = 3, **restart_policy: Any) -> Path:
                 "logPattern": ".*Loss:.*",
                 "expectedRecurringFrequencyInSeconds": HANG_SECONDS,
             },
-            # Unthrottled this job logs ~300 samples/sec here; a throttled rank ~65.
+            # Unthrottled this job logs ~230 samples/sec here; a throttled rank ~65.
             {
                 "name": "Throughput",
                 "logPattern": r".*Speed: ([0-9.]+) samples/sec.*",
