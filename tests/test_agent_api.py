@@ -89,6 +89,7 @@ def test_status_has_exactly_the_documented_fields(agent: AgentProcess) -> None:
         "checkpoint",
         "injected",
         "hot_spares",
+        "warming",
         "health",
     }
     assert reply["node_id"] == "node-0" and reply["pid"] == agent.proc.pid

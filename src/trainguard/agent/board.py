@@ -147,8 +147,13 @@ class Board:
         if attempt is not None and assignment.attempt <= attempt:
             raise Refused(f"attempt {assignment.attempt} is not after {attempt}")
         self.monitor = None  # the new attempt's comes with the rejoin; none of the old one's
-        self.set(NodeState.RUNNING, attempt=assignment.attempt, reason=None)
-        self.ranks = list(assignment.global_ranks)
+        ranks = assignment.global_ranks  # renumbered by an elastic scaling in place
+        workers = {
+            local: w.model_copy(update={"rank": ranks[local]}) if local < len(ranks) else w
+            for local, w in self.workers.items()
+        }
+        self.set(NodeState.RUNNING, attempt=assignment.attempt, reason=None, workers=workers)
+        self.ranks = list(ranks)
         return True
 
     def admit_replace(self, request: ReplaceRequest) -> None:

@@ -129,8 +129,12 @@ class ResilientGroup(WorkerGroup):
         return sorted(self._exitcodes)
 
     def rejoin(self, assignment: NodeAssignment) -> Replaced:
-        """Start ``assignment``'s attempt in place; returns the replaced local ranks."""
+        """Start ``assignment``'s attempt in place; returns the replaced local ranks.
+
+        An elastic scaling in place may renumber this node's ranks (the job lost a node
+        before this one): the workers learn theirs from ``attempt.json``."""
         self.assignment = assignment
+        self.ranks = dict(enumerate(assignment.global_ranks))
         write_attempt(self.control_dir, self._attempt_file(assignment))
         replaced = {local: self._replace(local) for local in self.dead()}
         self._replenish_at = assignment.attempt
@@ -218,6 +222,7 @@ class ResilientGroup(WorkerGroup):
             master_port=a.master_port,
             world_size=a.world_size,
             barrier_timeout_seconds=a.barrier_timeout,
+            ranks=tuple(a.global_ranks),
         )
 
     def _env(self, a: NodeAssignment) -> dict[str, str]:

@@ -196,6 +196,16 @@ class LogTailer:
                 for stream in STREAMS
             ]
 
+    def relabel(self, ranks: Mapping[int, int]) -> None:
+        """The workers' global ranks changed (``ranks``: local -> global; an elastic
+        scaling in place): their next lines are labelled, and logged, as the new ones."""
+        with self._lock:
+            for rank in ranks.values():
+                if rank not in self._combined:
+                    self._combined[rank] = RotatingFile(self._layout.combined(rank), self._limits)
+            for followed in self._followed:
+                followed.rank = ranks.get(followed.local_rank, followed.rank)
+
     def _spool(self, path: Path) -> Spool:
         cap = self._limits.max_bytes_per_rank
         return Spool(path, trim=max(_READ_CHUNK, cap // 8), max_unread=cap // 4, tail=cap // 16)

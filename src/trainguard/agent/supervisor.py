@@ -182,6 +182,9 @@ class Supervisor:
             update["injected"] = injected
         if self.health is not None:
             update["health"] = self.health.report()
+        spawner = self._spawner
+        if spawner is None or spawner.warming:  # None: the template is not started yet
+            update["warming"] = True
         return status.model_copy(update=update) if update else status
 
     def request_start(self, request: AttemptRequest) -> None:
@@ -393,7 +396,18 @@ class Supervisor:
         monitor = build_monitor(assignment.monitor, on_detection=self._reporter.nudge)
         with self.board.lock:
             self.board.monitor = monitor
-        self._took_over(group, group.rejoin(assignment))
+        before = dict(group.ranks)
+        replaced = group.rejoin(assignment)
+        if group.ranks != before:  # an elastic scaling in place renumbered them
+            logger.info("attempt %d: ranks %s are now %s", assignment.attempt,
+                        sorted(before.values()), sorted(group.ranks.values()))  # fmt: skip
+            if self._tailer is not None:
+                self._tailer.relabel(group.ranks)
+            self._injector.attempt(
+                assignment.monitor.progress_pattern,
+                {group.ranks[local]: pid for local, pid in group.pids().items()},
+            )
+        self._took_over(group, replaced)
 
     def _replace(self, request: ReplaceRequest) -> None:
         group = self._group

@@ -155,6 +155,11 @@ class WorkerTemplate:
     def pid(self) -> int:
         return self._proc.pid
 
+    @property
+    def importing(self) -> bool:
+        """Still importing: a worker asked for now waits for it."""
+        return not self._ready.is_set()
+
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> bool:
         """Whether the template serves forks (waits for its imports, at most ``timeout``)."""
         if not self._ready.wait(timeout):
@@ -329,6 +334,11 @@ class Spawner:
         except OSError as exc:
             logger.warning("%s; starting the worker fresh", exc)
             return None
+
+    @property
+    def warming(self) -> bool:
+        """The template is still importing: a worker started now would wait for it."""
+        return self.template is not None and self.template.importing
 
     def close(self) -> None:
         if self.template is not None:

@@ -41,6 +41,10 @@ class Attempt:
     # scale-up attempt brings up (control/elastic.py).
     scale: Scale | None = None
     growing: tuple[str, ...] = ()
+    # A scale-up in place (control/rescale.py): the nodes coming up while this attempt
+    # trains on, and when they are late.
+    growing_in_place: tuple[str, ...] = ()
+    growth_deadline: float | None = None
     # Lost nodes restarting fresh, and when the job scales down without them if they are
     # not up by then (faultyScaleDownTimeoutInSeconds).
     replacing: tuple[str, ...] = ()

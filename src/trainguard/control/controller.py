@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainguard.control import recovery
+from trainguard.control import recovery, rescale
 from trainguard.control.actions import (
     Action,
     AttemptPhase,
@@ -367,23 +367,18 @@ class JobController:
         if faults:
             for fault in faults:
                 self._record_fault(now, attempt, fault)
+            actions = rescale.abandon_growth(self, now, attempt, faults[0].message)
             if recovery.can_restart_in_place(self, attempt, reports):
-                return [recovery.restart_in_place(self, now, attempt, reports)]
+                return [*actions, recovery.restart_in_place(self, now, attempt, reports)]
             capture = any(f.type.is_hang for f in faults)
-            return [self._stop(now, attempt, "process", faults[0].message, capture)]
+            return [*actions, self._stop(now, attempt, "process", faults[0].message, capture)]
         actions += self._plan_checkpoints(now, attempt, reports)
         if len(current) == len(attempt.assignments) and all(
             status.state is NodeState.COMPLETED for _, status in current
         ):
             return self._complete(now, attempt, reports, actions)
         if self.elastic is not None and attempt.rejoin is None and self._cancel is None:
-            scale = self.elastic.observe(
-                now, attempt.nodes, self.capacity, self.preempted, attempt.started_at
-            )
-            if scale is not None:
-                attempt.scale = scale
-                self._event(now, "ScalingRequested", scale.reason, attempt=attempt.number)
-                return [*actions, self._stop(now, attempt, "graceful", scale.reason)]
+            actions += rescale.look(self, now, attempt, reports)  # in place, or a stop
         return actions
 
     def _stragglers(

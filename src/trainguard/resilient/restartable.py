@@ -144,12 +144,13 @@ class _Supervisor:
         )
         self.progress = Progress()
         self.rank = -1
+        self.local_rank = 0
 
     def run(self) -> None:
         if not self.control_dir.is_dir():
             raise ValueError(f"{CONTROL_DIR_ENV}={self.control_dir}: not a directory")
         identity = resolve_identity(self.control_dir, self.config.poll_interval)
-        self.rank = identity.rank
+        self.rank, self.local_rank = identity.rank, identity.local_rank
         if identity.spare_id is not None:
             _say(f"spare {identity.spare_id} takes over rank {identity.rank}")
         self.watcher = AttemptWatcher(self.control_dir, self.config.poll_interval, self.group.abort)
@@ -165,6 +166,7 @@ class _Supervisor:
         while True:
             attempt = self._await_attempt(last, wait_deadline)
             last = attempt.attempt
+            self._take_rank(attempt)
             joined = time.monotonic()
             join_deadline = joined + attempt.barrier_timeout_seconds
             try:
@@ -269,6 +271,17 @@ class _Supervisor:
                 interrupted=lambda: self.watcher.newer_than(attempt.attempt),
             )
         )
+
+    def _take_rank(self, attempt: Attempt) -> None:
+        """This process's rank in ``attempt``: an elastic scaling in place renumbers the
+        ranks after a node that left (the attempt file names each local rank's)."""
+        if self.local_rank >= len(attempt.ranks) or attempt.ranks[self.local_rank] == self.rank:
+            return
+        new = attempt.ranks[self.local_rank]
+        _say(f"is rank {new} from attempt {attempt.attempt} (world {attempt.world_size})")
+        self.rank = new
+        for name in ("RANK", "ROLE_RANK"):
+            os.environ[name] = str(new)
 
     def _exit_if_cuda_broken(self, attempt: int) -> None:
         """A survivor whose CUDA context is broken exits, to be restarted (never rejoins)."""

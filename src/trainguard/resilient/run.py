@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trainguard.elastic.batch import BatchSplit, batch_split
+from trainguard.elastic.data import EpochShard, shard_indices
 from trainguard.resilient.group import AttemptInterrupted
 from trainguard.resilient.protocol import StateSource
 
@@ -26,6 +28,11 @@ class Run:
     ... and calls :meth:`completed` right after each step's optimizer update. The data
     position is a function of the step (and the rank): a loader that picks step ``s``'s
     samples from ``s`` alone resumes sample-exact.
+
+    An elastic job's attempts may differ in ``world_size`` (and a rank in ``rank``): with
+    a fixed global batch, :meth:`batch_split` and :meth:`shard` give this attempt's
+    per-rank batch, accumulation steps and samples, so the job takes every sample of
+    the epoch once at any size.
     """
 
     def __init__(
@@ -49,6 +56,26 @@ class Run:
         """The first step to run (the number of steps the state has completed)."""
         self._progress = progress
         self._interrupted = interrupted
+
+    def batch_split(self, global_batch: int, max_per_rank: int | None = None) -> BatchSplit:
+        """This attempt's split of ``global_batch`` (:func:`trainguard.elastic.batch_split`
+        at ``world_size``): per-rank micro-batch and accumulation steps."""
+        return batch_split(global_batch, self.world_size, max_per_rank)
+
+    def shard(self, epoch_len: int, split: BatchSplit, *, seed: int | None = None) -> EpochShard:
+        """This rank's micro-batches for the rest of a one-epoch run whose every step took
+        ``split.global_batch`` samples: from sample ``start_step * global_batch`` on
+        (:func:`trainguard.elastic.shard_indices`). Step ``start_step + i`` takes
+        micro-batches ``i * accumulation_steps`` to ``(i + 1) * accumulation_steps - 1``."""
+        if split.world_size != self.world_size:
+            raise ValueError(
+                f"Run.shard: the split is for world size {split.world_size}, "
+                f"this attempt has {self.world_size}"
+            )
+        consumed = self.start_step * split.global_batch
+        return shard_indices(
+            epoch_len, consumed, self.rank, self.world_size, split.per_rank, seed=seed
+        )
 
     def completed(self, step: int) -> None:
         """Step ``step`` is done and the state is consistent (every rank holds the same).

@@ -6,7 +6,8 @@ in-process attempts). Every file is JSON and written atomically (a temporary fil
 
 - ``attempt.json`` (agent -> workers), :class:`Attempt`: the attempt to join. A larger
   ``attempt`` than a worker's current one means "rejoin now": abort the process group
-  and join the new one (rank 0 hosts the TCPStore on ``master_port``).
+  and join the new one (rank 0 hosts the TCPStore on ``master_port``), as the rank
+  ``ranks`` gives its local rank (an elastic scaling in place renumbers the ranks).
 - ``spare-<k>.json`` (agent -> the hot spare started with ``TRAINGUARD_SPARE_ID=<k>``),
   :class:`SpareAssignment`: the identity the spare takes over.
 - ``ack-rank-<R>.json`` (worker -> agent), :class:`Ack`: rank R joined ``attempt`` and
@@ -77,6 +78,8 @@ class Attempt(Wire):
     master_port: int = Field(ge=1, le=65535)
     world_size: int = Field(ge=1)
     barrier_timeout_seconds: float = Field(gt=0, allow_inf_nan=False)
+    ranks: tuple[int, ...] = ()
+    """This node's global ranks by local rank in this attempt (empty: as they were)."""
 
 
 class SpareAssignment(Wire):

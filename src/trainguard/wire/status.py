@@ -237,6 +237,9 @@ class NodeStatus(Wire):
     checkpoint: CheckpointStatus = CheckpointStatus()
     injected: tuple[InjectedFault, ...] = ()  # step injections carried out (rehearsals)
     hot_spares: int = Field(default=0, ge=0)  # idle hot spare processes, ready to take a rank
+    # The worker template is still importing (a start now waits for it): a node an
+    # elastic scale-up brings up joins once it is warm, while the job trains on.
+    warming: bool = False
     health: HealthReport = HealthReport()  # deep checks and monitors' findings (wire/health.py)
 
     @property

@@ -1,0 +1,212 @@
+"""Elastic scalings in place: a resilient job changes size without restarting its ranks.
+
+For a job whose workers run :mod:`trainguard.resilient` (``inProcessRestart``),
+:class:`~trainguard.control.elastic.ElasticWatch` decides when and to which size as for
+any elastic job, and the scaling does not stop the attempt:
+
+- **down**: the survivors get the next attempt at the smaller size (``/rejoin``; the
+  ranks of the nodes after a dropped one are renumbered) and the dropped nodes are
+  retired. No process restarts and no checkpoint is read: each survivor keeps its model,
+  optimizer and data in memory, and a step cut short is redone from the state of the
+  rank that got furthest;
+- **up**: the new nodes are launched while the attempt trains on. Once every one of them
+  answers, idle, the survivors rejoin the next attempt at the larger size and the new
+  nodes start it (``/start``): their fresh workers take the state from a peer. New nodes
+  not up within ``node_start_timeout`` are retired, the attempt goes on, and the next
+  scale-up waits longer (as after any failed scale-up); a fault, or nodes taken away,
+  while they come up retires them too.
+
+The ranks must all be running the attempt (every survivor's agent up, its workers
+running); otherwise, and for jobs without in-process restarts, a scaling stops the job
+and restarts it at the new size from its checkpoint (:func:`recovery.rescale`). Neither
+counts against ``jobMaxRetryCount``.
+
+Functions over a :class:`~trainguard.control.controller.JobController`, pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from trainguard.control.actions import (
+    Action,
+    AttemptPhase,
+    JobPhase,
+    LaunchNodes,
+    RejoinNodes,
+    RetireNodes,
+    StartNodes,
+)
+from trainguard.control.attempt import Attempt
+from trainguard.control.contact import Contact, contact, launch_verdict
+from trainguard.control.elastic import Scale
+from trainguard.control.inprocess import Rejoin
+from trainguard.control.policy import RestartScope
+from trainguard.control.reports import NodeReport
+from trainguard.wire.status import NodeState, WorkerState
+
+if TYPE_CHECKING:
+    from trainguard.control.controller import JobController
+
+__all__ = ["abandon_growth", "look"]
+
+
+def look(
+    c: JobController, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
+) -> list[Action]:
+    """One look at an elastic job's running attempt: what its size needs now (nothing,
+    nodes to bring up, a scaling in place, or a stop to restart at the new size)."""
+    assert c.elastic is not None
+    actions: list[Action] = []
+    if attempt.growing_in_place:
+        if not _taking_away(c, attempt):
+            return _watch_growth(c, now, attempt, reports)
+        actions += abandon_growth(c, now, attempt, "nodes are being taken away")
+    scale = c.elastic.observe(now, attempt.nodes, c.capacity, c.preempted, attempt.started_at)
+    if scale is None:
+        return actions
+    keep = [n for n in attempt.nodes if n not in scale.drop]
+    if not _running(c, attempt, keep, reports):
+        attempt.scale = scale
+        c._event(now, "ScalingRequested", scale.reason, attempt=attempt.number)
+        return [*actions, c._stop(now, attempt, "graceful", scale.reason)]
+    if scale.down:
+        return [*actions, *_reform(c, now, attempt, tuple(keep), (), scale.drop, scale.reason)]
+    return [*actions, *_launch_growth(c, now, attempt, scale)]
+
+
+def abandon_growth(c: JobController, now: float, attempt: Attempt, why: str) -> list[Action]:
+    """Retire the nodes a scale-up in place is bringing up (the attempt ends, or shrinks);
+    their ids go back to the pool to grow onto."""
+    added = attempt.growing_in_place
+    if not added:
+        return []
+    attempt.growing_in_place, attempt.growth_deadline = (), None
+    c.growth = (*added, *c.growth)
+    c._event(
+        now,
+        "ElasticScalingFailed",
+        f"scale up given up: {why}; retiring {', '.join(added)}",
+        attempt=attempt.number,
+        data={"lost": list(added), "failures": c.elastic.failures if c.elastic else 0},
+    )
+    return [RetireNodes(added)]
+
+
+def _taking_away(c: JobController, attempt: Attempt) -> bool:
+    size = len(attempt.nodes)
+    return bool(set(c.preempted) & set(attempt.nodes)) or (
+        c.capacity is not None and c.capacity < size + len(attempt.growing_in_place)
+    )
+
+
+def _running(
+    c: JobController, attempt: Attempt, nodes: Sequence[str], reports: Mapping[str, NodeReport]
+) -> bool:
+    """Whether a scaling may be made in place: in-process restarts on, and every node
+    that stays up with its workers running the attempt."""
+    if not c.config.in_process:
+        return False
+    for node_id in nodes:
+        report = reports.get(node_id)
+        if report is None or contact(report, c.config.unreachable_after) is not Contact.UP:
+            return False
+        status = report.about(attempt.number)
+        if status is None or status.state is not NodeState.RUNNING:
+            return False
+        if not status.workers or any(w.state is not WorkerState.RUNNING for w in status.workers):
+            return False
+    return True
+
+
+def _warming(report: NodeReport | None) -> bool:
+    status = report.status if report is not None else None
+    return status is not None and status.warming
+
+
+def _launch_growth(c: JobController, now: float, attempt: Attempt, scale: Scale) -> list[Action]:
+    added = c.growth[: max(0, scale.size - len(c.nodes))]
+    if not added:
+        return []
+    c.growth = c.growth[len(added) :]
+    attempt.growing_in_place = added
+    attempt.growth_deadline = now + c.config.node_start_timeout
+    c._event(
+        now,
+        "ScalingRequested",
+        f"{scale.reason}; bringing up {', '.join(added)} while the job trains on",
+        attempt=attempt.number,
+        data={"added": list(added), "in_place": True},
+    )
+    return [LaunchNodes(added, attempt.number, c.avoid_hosts)]
+
+
+def _watch_growth(
+    c: JobController, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
+) -> list[Action]:
+    assert c.elastic is not None and attempt.growth_deadline is not None
+    added = attempt.growing_in_place
+    lost, waiting = launch_verdict(
+        added,
+        reports,
+        c.config.unreachable_after,
+        now >= attempt.growth_deadline,
+        c.config.node_start_timeout,
+    )
+    if lost:
+        c.elastic.outcome(False)
+        return abandon_growth(c, now, attempt, "; ".join(why for _, why in lost))
+    if waiting or any(c.health.checking(reports.get(n)) or _warming(reports.get(n)) for n in added):
+        return []  # (a warming node joins once its workers can start at once)
+    if not _running(c, attempt, attempt.nodes, reports):
+        return []  # a rank is not running: its fault, if any, ends the attempt first
+    c.elastic.outcome(True)
+    attempt.growing_in_place, attempt.growth_deadline = (), None
+    before = len(attempt.nodes)
+    reason = f"scale up {before} -> {before + len(added)} nodes: {', '.join(added)} up"
+    return _reform(c, now, attempt, (*attempt.nodes, *added), added, (), reason)
+
+
+def _reform(
+    c: JobController,
+    now: float,
+    attempt: Attempt,
+    nodes: tuple[str, ...],
+    added: tuple[str, ...],
+    dropped: tuple[str, ...],
+    reason: str,
+) -> list[Action]:
+    """End ``attempt`` and start the next on ``nodes``: the nodes that ran ``attempt``
+    rejoin, ``added`` start, ``dropped`` are retired."""
+    assert c.elastic is not None
+    before = len(attempt.nodes)
+    c.nodes = nodes
+    c.growth = (*dropped, *c.growth)  # dropped ids may come back
+    c.elastic.scaled(now, len(nodes))
+    world = len(nodes) * c.config.nproc_per_node
+    c.checkpoints.world_size = world
+    c._end_attempt(now, attempt, AttemptPhase.STOPPED, reason)
+    c.phase = JobPhase.RESTARTING
+    c._event(
+        now,
+        "ElasticScaling",
+        f"{reason}; in place at WORLD_SIZE {world}: the ranks keep their processes and "
+        "their state (not counted as a restart)",
+        attempt=attempt.number + 1,
+        data={"from": before, "to": len(nodes), "dropped": list(dropped),
+              "added": list(added), "in_place": True},
+    )  # fmt: skip
+    number = len(c.attempts)
+    new = Attempt(number, now, nodes, c._watch(number, now), RestartScope.IN_PROCESS.value)
+    new.rejoin = Rejoin(now, ())  # every rank must join; none is replaced as stuck
+    c.attempts.append(new)
+    started = c._start_attempt(now, new)
+    kept = tuple(a for a in started.assignments if a.node_id not in added)
+    actions: list[Action] = [RejoinNodes(started.attempt, kept)]
+    if added:
+        fresh = tuple(a for a in started.assignments if a.node_id in added)
+        actions.append(StartNodes(started.attempt, fresh, started.scope))
+    if dropped:
+        actions.append(RetireNodes(dropped))
+    return actions

@@ -1,0 +1,147 @@
+"""Elastic scalings in place (control/rescale.py): a resilient job shrinks and grows
+without stopping its ranks, pure."""
+
+from __future__ import annotations
+
+import control_helpers as h
+from trainguard.control.actions import (
+    AttemptPhase,
+    LaunchNodes,
+    RejoinNodes,
+    RetireNodes,
+    StartNodes,
+    StopNodes,
+)
+from trainguard.control.assignment import Endpoint
+from trainguard.control.config import ControlConfig
+from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.elastic import ElasticConfig
+from trainguard.control.policy import PolicyConfig
+from trainguard.control.reports import NodeReport, NodeState
+from trainguard.wire.status import WorkerState
+
+NODES = ("node-0", "node-1", "node-2")
+
+
+def make(capacity: int = 3, *, in_process: bool = True) -> JobController:
+    config = ControlConfig(
+        "job",
+        NODES,
+        2,
+        elastic=ElasticConfig(1, 4, scaling_timeout=1.0),
+        elastic_node_ids=("node-3",),
+        stop_grace_seconds=5,
+        in_process=in_process,
+        node_start_timeout=30.0,
+        policy=PolicyConfig.from_spec(None, 3),
+    )
+    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    h.begin(c)
+    c.set_capacity(capacity)
+    return c
+
+
+def running(nodes: tuple[str, ...], attempt: int) -> dict[str, NodeReport]:
+    return {
+        n: h.report(n, NodeState.RUNNING, attempt, workers=h.workers(i))
+        for i, n in enumerate(nodes)
+    }
+
+
+def test_a_preempted_node_leaves_and_the_survivors_rejoin_renumbered_in_place() -> None:
+    c = make()
+    c.set_capacity(2, ["node-1"])
+    actions = c.observe(1.0, running(NODES, 0))
+    rejoin, retire = actions
+    assert isinstance(rejoin, RejoinNodes) and rejoin.attempt == 1
+    assert [(a.node_id, a.node_rank, a.global_ranks) for a in rejoin.assignments] == [
+        ("node-0", 0, [0, 1]),
+        ("node-2", 1, [2, 3]),  # ranks 4, 5 before: renumbered after the node that left
+    ]
+    assert all(a.nnodes == 2 and a.in_process for a in rejoin.assignments)
+    assert isinstance(retire, RetireNodes) and retire.node_ids == ("node-1",)
+    assert not any(isinstance(a, StopNodes) for a in actions)
+    assert c.restarts == 0 and c.nodes == ("node-0", "node-2") and "node-1" in c.growth
+    assert c.checkpoints.world_size == 4
+    assert c.attempts[0].phase is AttemptPhase.STOPPED
+    assert c.attempts[1].scope == "in-process" and c.attempts[1].rejoin is not None
+    [scaling] = [e for e in c.drain_events() if e.kind == "ElasticScaling"]
+    assert scaling.data["in_place"] is True and scaling.data["dropped"] == ["node-1"]
+    assert (scaling.data["from"], scaling.data["to"]) == (3, 2)
+
+    joined = {
+        n: h.report(
+            n,
+            NodeState.RUNNING,
+            1,
+            workers=tuple(w.model_copy(update={"joined": 1}) for w in h.workers(i)),
+        )
+        for i, n in enumerate(c.nodes)
+    }
+    assert c.observe(2.0, joined) == []
+    assert c.current is not None and c.current.rejoin is None  # every rank joined
+
+
+def test_capacity_back_brings_new_nodes_up_while_the_job_trains_then_they_join() -> None:
+    c = make(capacity=4)
+    now = running(NODES, 0)
+    assert c.observe(1.0, now) == []  # capacity for 4: wait scalingTimeoutInSeconds
+    [launch] = c.observe(2.5, now)
+    assert isinstance(launch, LaunchNodes) and launch.node_ids == ("node-3",)
+    assert c.current is not None and c.current.phase is AttemptPhase.RUNNING
+    assert c.observe(3.0, now) == []  # node-3's agent is starting
+    actions = c.observe(4.0, {**now, **h.ready(("node-3",))})
+    rejoin, start = actions
+    assert isinstance(rejoin, RejoinNodes) and [a.node_id for a in rejoin.assignments] == [*NODES]
+    assert isinstance(start, StartNodes) and [a.node_id for a in start.assignments] == ["node-3"]
+    assert start.attempt == rejoin.attempt == 1 and start.assignments[0].global_ranks == [6, 7]
+    assert all(a.nnodes == 4 for a in (*rejoin.assignments, *start.assignments))
+    assert c.restarts == 0 and c.phase is JobPhase.RUNNING and c.nodes == (*NODES, "node-3")
+    assert c.elastic is not None and c.elastic.failures == 0
+
+
+def test_new_nodes_that_do_not_come_up_are_retired_and_the_attempt_goes_on() -> None:
+    c = make(capacity=4)
+    now = running(NODES, 0)
+    c.observe(1.0, now)
+    [launch] = c.observe(2.5, now)
+    assert isinstance(launch, LaunchNodes)
+    [retire] = c.observe(3.0, {**now, "node-3": h.lost("node-3", "its agent could not start")})
+    assert isinstance(retire, RetireNodes) and retire.node_ids == ("node-3",)
+    assert c.current is not None and c.current.number == 0
+    assert c.current.phase is AttemptPhase.RUNNING
+    assert c.elastic is not None and c.elastic.failures == 1 and "node-3" in c.growth
+    # The next try waits twice as long (2 s).
+    assert c.observe(4.0, now) == [] and c.observe(5.5, now) == []
+    [again] = c.observe(6.1, now)
+    assert isinstance(again, LaunchNodes)
+
+
+def test_a_fault_while_new_nodes_come_up_retires_them_and_restarts_in_place() -> None:
+    c = make(capacity=4)
+    now = running(NODES, 0)
+    c.observe(1.0, now)
+    c.observe(2.5, now)
+    crash = {**now, "node-1": h.crashed("node-1", 3)}
+    retire, rejoin = c.observe(3.0, crash)
+    assert isinstance(retire, RetireNodes) and retire.node_ids == ("node-3",)
+    assert isinstance(rejoin, RejoinNodes) and len(rejoin.assignments) == 3
+    assert c.restarts == 1 and "node-3" in c.growth
+
+
+def test_without_in_process_restarts_or_with_a_rank_down_a_scaling_stops_the_job() -> None:
+    c = make(in_process=False)
+    c.set_capacity(2, ["node-1"])
+    [stop] = c.observe(1.0, running(NODES, 0))
+    assert isinstance(stop, StopNodes) and stop.mode == "graceful"
+
+    c = make()
+    c.set_capacity(2, ["node-1"])
+    starting = {**running(NODES, 0), "node-2": h.report("node-2", NodeState.STARTING, 0)}
+    [stop] = c.observe(1.0, starting)
+    assert isinstance(stop, StopNodes)
+    done = {n: h.report(n, NodeState.STOPPED, 0, workers=h.workers(i, WorkerState.STOPPED))
+            for i, n in enumerate(NODES)}  # fmt: skip
+    retire, start = c.observe(2.0, done)
+    assert isinstance(retire, RetireNodes) and isinstance(start, StartNodes)
+    assert c.restarts == 0 and c.attempts[1].scope == "process"
