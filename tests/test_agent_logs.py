@@ -133,3 +133,19 @@ def test_a_failing_hook_does_not_stop_the_tailer(tmp_path: Path) -> None:
     layout.stdout(0, 0).write_bytes(b"one\ntwo\n")
     assert tailer.stop(timeout=10)
     assert b"".join(stream.writes) == b"[rank0]: one\n[rank0]: two\n"
+
+
+def test_relabelled_ranks_log_their_next_lines_as_the_new_ranks(tmp_path: Path) -> None:
+    # An elastic scaling in place renumbered this node's workers (ranks 4, 5 -> 2, 3).
+    lines: list[tuple[int, str, str]] = []
+    layout, tailer = make_tailer(tmp_path, 0, lines)
+    tailer.start()
+    out = layout.stdout(0, 5)
+    out.write_bytes(b"before\n")
+    eventually(lambda: (5, "stdout", "before") in lines)
+    tailer.relabel({0: 2, 1: 3})
+    with out.open("ab") as f:
+        f.write(b"after\n")
+    assert tailer.stop(timeout=10)
+    assert lines == [(5, "stdout", "before"), (3, "stdout", "after")]
+    assert layout.combined(3).read_text().splitlines() == ["after"]

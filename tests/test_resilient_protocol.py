@@ -196,3 +196,29 @@ raise RuntimeError("boom")
     assert done.returncode == 1
     assert "[rank0]: RuntimeError: boom" in done.stderr, done.stderr
     assert "[rank0]: [rank0]:" not in done.stderr
+
+
+def test_run_splits_the_global_batch_and_deals_the_rest_of_the_epoch() -> None:
+    def run(rank: int, world: int, steps: int) -> Run:
+        progress = Progress(has_state=True, steps=steps)
+        return Run(rank=rank, local_rank=0, world_size=world, attempt=1,
+                   state_source="self", progress=progress, interrupted=lambda: False)  # fmt: skip
+
+    split = run(0, 3, 5).batch_split(12, max_per_rank=2)
+    assert (split.per_rank, split.accumulation_steps) == (2, 2)
+    # Step 5 onwards (60 samples taken at 12 a step): rank 1's micro-batches of step 5.
+    shard = run(1, 3, 5).shard(120, split)
+    assert [shard.batch(0), shard.batch(1)] == [[62, 63], [68, 69]]
+    with pytest.raises(ValueError, match="split is for world size 3, this attempt has 4"):
+        run(0, 4, 5).shard(120, split)
+
+
+def test_an_attempt_file_may_renumber_the_node_ranks(tmp_path: Path) -> None:
+    attempt = Attempt(attempt=3, master_addr="h", master_port=1, world_size=4,
+                      barrier_timeout_seconds=5.0, ranks=(2, 3))  # fmt: skip
+    write_attempt(tmp_path, attempt)
+    assert read_attempt(tmp_path) == attempt
+    old = {"attempt": 1, "master_addr": "h", "master_port": 1, "world_size": 1,
+           "barrier_timeout_seconds": 5.0}  # fmt: skip
+    (tmp_path / "attempt.json").write_text(json.dumps(old))
+    assert read_attempt(tmp_path).ranks == ()  # type: ignore[union-attr]
