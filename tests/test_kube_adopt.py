@@ -5,9 +5,33 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import control_helpers as h
+from test_control_elastic import NODES, stopped
+from test_control_elastic import make as elastic_started
 from test_control_resume import RECORDED, make
-from trainguard.control.resume import adopt
+from trainguard.control.actions import LaunchNodes, StopNodes
+from trainguard.control.assignment import Endpoint
+from trainguard.control.config import ControlConfig
+from trainguard.control.controller import JobController
+from trainguard.control.elastic import ElasticConfig
+from trainguard.control.reports import NodeState
+from trainguard.control.resume import adopt, restart
 from trainguard.kube.adopt import recorded, takeover_record
+
+
+def elastic_make(begin: bool = True) -> JobController:
+    """test_control_elastic's job: 2 nodes, elastic 1..3, node-2 to grow onto."""
+    if begin:
+        return elastic_started()
+    config = ControlConfig(
+        "job",
+        NODES,
+        2,
+        elastic=ElasticConfig(1, 3, scaling_timeout=1.0),
+        elastic_node_ids=("node-2",),
+        stop_grace_seconds=5,
+    )
+    return JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
 
 
 def status_of(record: dict[str, Any], faults: list[dict[str, Any]]) -> dict[str, Any]:
@@ -53,3 +77,30 @@ def test_no_record_or_a_broken_one_means_a_new_start() -> None:
         {**record, "attempts": [{**record["attempts"][0], "rendezvous": {"addr": "a"}}]},
     ):
         assert recorded(status_of(broken, [])) is None, broken
+
+
+def test_an_elastic_job_is_taken_over_at_the_size_it_has_with_its_scaling_memory() -> None:
+    c = elastic_make()
+    c.set_capacity(1, ["node-1"])
+    [stop] = c.observe(1.0, h.reports(NODES, NodeState.RUNNING, 0))
+    assert isinstance(stop, StopNodes)
+    c.observe(2.0, stopped(NODES, 0))  # restarts at 1 node, node-1 goes back to the pool
+    assert c.elastic is not None
+    c.elastic.failures = 2  # as after two scale-ups whose nodes did not come up
+    back = recorded(status_of(takeover_record(c), c.timeline.to_json()))
+    assert back is not None and back.nodes == ("node-0",)
+    assert back.growth is not None and set(back.growth) == {"node-1", "node-2"}
+    assert back.elastic is not None
+    assert (back.elastic.failures, back.elastic.last_scaling, back.elastic.target) == (2, 2.0, 1)
+
+    successor = elastic_make(begin=False)
+    adopt(successor, 10.0, back, list(back.nodes))
+    assert successor.nodes == ("node-0",) and set(successor.growth) == {"node-1", "node-2"}
+    assert successor.current is not None and len(successor.current.assignments) == 1
+    assert successor.elastic is not None and successor.elastic.failures == 2
+    assert successor.elastic.last_scaling == 2.0
+    # A successor that cannot adopt restarts at the recorded size, not the spec's.
+    fresh = elastic_make(begin=False)
+    [launch] = restart(fresh, 10.0, back, "the pods are gone")
+    assert isinstance(launch, LaunchNodes) and launch.node_ids == ("node-0",)
+    assert fresh.checkpoints.world_size == 2  # 1 node x 2 processes

@@ -29,7 +29,7 @@ from trainguard.control.persist import CheckpointPlanner
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.timeline import FaultRecord
 
-__all__ = ["Recorded", "RecordedAttempt", "adopt", "restart"]
+__all__ = ["Recorded", "RecordedAttempt", "RecordedElastic", "adopt", "restart"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,15 @@ class RecordedAttempt:
 
 
 @dataclass(frozen=True)
+class RecordedElastic:
+    """What an elastic job's sizing watch remembers (control/elastic.py)."""
+
+    failures: int = 0
+    last_scaling: float | None = None
+    target: int | None = None
+
+
+@dataclass(frozen=True)
 class Recorded:
     """What the dead controller left behind."""
 
@@ -50,6 +59,11 @@ class Recorded:
     attempts: tuple[RecordedAttempt, ...]
     restarts: tuple[RestartRecord, ...] = ()
     faults: tuple[Mapping[str, Any], ...] = ()  # FaultRecord.to_json() each
+    # Elastic jobs: the nodes of the newest attempt (node-rank order; empty: the spec's),
+    # the ids left to grow onto, and the sizing watch's memory.
+    nodes: tuple[str, ...] = ()
+    growth: tuple[str, ...] | None = None
+    elastic: RecordedElastic | None = None
 
     @property
     def newest(self) -> RecordedAttempt | None:
@@ -82,7 +96,8 @@ def adopt(c: JobController, now: float, recorded: Recorded, nodes: Sequence[str]
 def restart(c: JobController, now: float, recorded: Recorded, why: str) -> list[Action]:
     """Start a new attempt on fresh agents (the old ones are gone: ``why``)."""
     newest = recorded.newest
-    _restore(c, now, recorded, c.nodes, upto=newest.number + 1 if newest else 0)
+    nodes = recorded.nodes or c.nodes  # an elastic job restarts at the size it had
+    _restore(c, now, recorded, nodes, upto=newest.number + 1 if newest else 0)
     c._event(
         now,
         "Resumed",
@@ -99,9 +114,16 @@ def _restore(
     if c.phase is not JobPhase.PENDING:
         raise RuntimeError(f"job already started (phase {c.phase})")
     c.started_at = recorded.started_at
-    c.checkpoints = CheckpointPlanner(c.config.durable, c.config.world_size, now)
     c.nodes = tuple(nodes)
+    world = len(c.nodes) * c.config.nproc_per_node  # an elastic job's, not the spec's
+    c.checkpoints = CheckpointPlanner(c.config.durable, world, now)
     c.spares = tuple(s for s in c.config.spare_node_ids if s not in c.nodes)
+    if recorded.growth is not None:
+        c.growth = tuple(n for n in recorded.growth if n not in c.nodes)
+    if c.elastic is not None and recorded.elastic is not None:
+        c.elastic.failures = recorded.elastic.failures
+        c.elastic.last_scaling = recorded.elastic.last_scaling
+        c.elastic.target = recorded.elastic.target
     c.history = list(recorded.restarts)
     c.record.timeline.records = [_fault_record(f) for f in recorded.faults]
     for r in recorded.attempts:

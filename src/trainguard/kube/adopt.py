@@ -31,7 +31,7 @@ from typing import Any
 from trainguard.control.assignment import Endpoint
 from trainguard.control.controller import JobController
 from trainguard.control.policy import RestartRecord, RestartScope
-from trainguard.control.resume import Recorded, RecordedAttempt
+from trainguard.control.resume import Recorded, RecordedAttempt, RecordedElastic
 from trainguard.kube.api import KubeApi, KubeError
 from trainguard.kube.node import PodNode
 from trainguard.kube.pods import job_selector
@@ -63,6 +63,17 @@ def takeover_record(controller: JobController) -> Obj:
             for a in controller.attempts
         ],
         "restarts": [{"time": r.time, "scope": r.scope.value} for r in controller.history],
+        "nodes": list(controller.nodes),
+        "growth": list(controller.growth),
+        "elastic": (
+            {
+                "failures": controller.elastic.failures,
+                "lastScaling": controller.elastic.last_scaling,
+                "target": controller.elastic.target,
+            }
+            if controller.elastic is not None
+            else None
+        ),
     }
 
 
@@ -91,10 +102,31 @@ def recorded(status: Mapping[str, Any] | None) -> Recorded | None:
             for r in takeover.get("restarts") or []
         )
         faults = tuple(f for f in (status or {}).get("faults") or [] if isinstance(f, Mapping))
-        return Recorded(float(takeover["startedAt"]), attempts, restarts, faults)
+        nodes = tuple(str(n) for n in takeover.get("nodes") or [])
+        growth = takeover.get("growth")
+        return Recorded(
+            float(takeover["startedAt"]),
+            attempts,
+            restarts,
+            faults,
+            nodes,
+            None if growth is None else tuple(str(n) for n in growth),
+            _elastic(takeover.get("elastic")),
+        )
     except (KeyError, TypeError, ValueError) as exc:
         logger.warning("status.takeover cannot be read (%s): the job starts as new", exc)
         return None
+
+
+def _elastic(data: Any) -> RecordedElastic | None:
+    if not isinstance(data, Mapping):
+        return None
+    last, target = data.get("lastScaling"), data.get("target")
+    return RecordedElastic(
+        int(data.get("failures") or 0),
+        None if last is None else float(last),
+        None if target is None else int(target),
+    )
 
 
 def _endpoint(data: Any) -> Endpoint | None:

@@ -236,7 +236,7 @@ class KubeJob:
                 status,
                 token,
                 newest.number,
-                len(controller.nodes),
+                len(record.nodes or controller.nodes),  # an elastic job's size may differ
                 self.settings.agent_port,
             )
             why = reason or why
