@@ -145,3 +145,24 @@ def test_without_in_process_restarts_or_with_a_rank_down_a_scaling_stops_the_job
     retire, start = c.observe(2.0, done)
     assert isinstance(retire, RetireNodes) and isinstance(start, StartNodes)
     assert c.restarts == 0 and c.attempts[1].scope == "process"
+
+
+def test_a_node_taken_without_notice_is_a_scale_down_in_place_not_a_fault() -> None:
+    c = make()
+    c.set_capacity(2, ["node-1"])
+    evicted = {**running(NODES, 0), "node-1": h.lost("node-1", "pod evicted")}
+    rejoin, retire = c.observe(1.0, evicted)
+    assert isinstance(rejoin, RejoinNodes) and len(rejoin.assignments) == 2
+    assert isinstance(retire, RetireNodes) and retire.node_ids == ("node-1",)
+    assert c.restarts == 0 and c.attempts[0].faults == [] and c.timeline.to_json() == []
+    kinds = [e.kind for e in c.drain_events()]
+    assert "NodePreempted" in kinds and "ElasticScaling" in kinds
+
+    # Under minReplicas there is no scaling: the lost node is a fault like any other.
+    c = make()
+    assert c.elastic is not None
+    c.elastic = type(c.elastic)(ElasticConfig(3, 4))
+    c.set_capacity(2, ["node-1"])
+    [stop] = c.observe(1.0, {**running(NODES, 0), "node-1": h.lost("node-1", "pod evicted")})
+    assert isinstance(stop, StopNodes) and stop.mode == "process"
+    assert [f.type.value for f in c.attempts[0].faults] == ["NodeLost"]

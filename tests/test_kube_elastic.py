@@ -335,6 +335,7 @@ def test_evicted_pods_scale_the_job_down_and_a_patched_replica_count_scales_it_u
     assert any("scale down 3 -> 2 nodes: node-2 preempted" in m for m in scalings), scalings
     assert "RestartScheduled" not in [e["reason"] for e in events]
     assert status["restartCount"] == 0, status
+    assert status.get("faults", []) == [], status["faults"]  # taken away, not failed
     scaled = status["elasticScalingStatus"]
     assert scaled["podsScaled"] == 1 and scaled["lastRestartTime"] and scaled["lastUpdated"]
 

@@ -364,6 +364,9 @@ class JobController:
             replace, faults = recovery.watch_rejoin(self, now, attempt, attempt.rejoin, reports)
             actions += replace
         self.record.progress(now, attempt)
+        scaled = rescale.preempted_lost(self, now, attempt, faults, reports)
+        if scaled is not None:
+            return [*actions, *scaled]
         if faults:
             for fault in faults:
                 self._record_fault(now, attempt, fault)
@@ -434,13 +437,15 @@ class JobController:
             # Every node has been asked by now (the loop sends before it looks again): the
             # time the nodes get to stop counts from here, however long the asking took.
             attempt.stop_deadline = now + attempt.stop_allowance
-        waiting = [n for n in attempt.nodes if not self._stopped(reports.get(n))]
+        # The nodes a scaling drops are taken away: their loss is not a fault.
+        nodes = [n for n in attempt.nodes if attempt.scale is None or n not in attempt.scale.drop]
+        waiting = [n for n in nodes if not self._stopped(reports.get(n))]
         if waiting and now < attempt.stop_deadline:
             return []
         self.record.attach_stacks(attempt, reports)
         limit = self.config.unreachable_after
         for fault in stop_faults(
-            now, attempt.number, attempt.nodes, attempt.faults, waiting, reports, limit
+            now, attempt.number, nodes, attempt.faults, waiting, reports, limit
         ):
             self._record_fault(now, attempt, fault)
         outcome = AttemptPhase.FAILED if attempt.faults else AttemptPhase.STOPPED

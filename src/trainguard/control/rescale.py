@@ -41,6 +41,7 @@ from trainguard.control.actions import (
 from trainguard.control.attempt import Attempt
 from trainguard.control.contact import Contact, contact, launch_verdict
 from trainguard.control.elastic import Scale
+from trainguard.control.events import Fault, FaultType
 from trainguard.control.inprocess import Rejoin
 from trainguard.control.policy import RestartScope
 from trainguard.control.reports import NodeReport
@@ -49,7 +50,7 @@ from trainguard.wire.status import NodeState, WorkerState
 if TYPE_CHECKING:
     from trainguard.control.controller import JobController
 
-__all__ = ["abandon_growth", "look"]
+__all__ = ["abandon_growth", "look", "preempted_lost"]
 
 
 def look(
@@ -66,14 +67,47 @@ def look(
     scale = c.elastic.observe(now, attempt.nodes, c.capacity, c.preempted, attempt.started_at)
     if scale is None:
         return actions
+    return [*actions, *_scale(c, now, attempt, scale, reports)]
+
+
+def preempted_lost(
+    c: JobController,
+    now: float,
+    attempt: Attempt,
+    faults: Sequence[Fault],
+    reports: Mapping[str, NodeReport],
+) -> list[Action] | None:
+    """``faults`` are only preempted nodes lost before the job gave them up (taken without
+    notice): a scale-down without them, in place where it can be, and no fault. None:
+    not that case (other faults, or the rest is under ``minReplicas``)."""
+    if c.elastic is None or not faults or attempt.rejoin is not None:
+        return None
+    lost = {f.node for f in faults}
+    taken = set(c.preempted)
+    if any(f.type is not FaultType.NODE_LOST or f.node not in taken for f in faults):
+        return None
+    scale = c.elastic.observe(now, attempt.nodes, c.capacity, c.preempted, attempt.started_at)
+    if scale is None or not lost <= set(scale.drop):
+        return None
+    for fault in faults:
+        c._event(now, "NodePreempted", f"{fault.message} (preempted: a scale-down, not a fault)",
+                 attempt=attempt.number, node=fault.node)  # fmt: skip
+    actions = abandon_growth(c, now, attempt, "nodes are being taken away")
+    return [*actions, *_scale(c, now, attempt, scale, reports)]
+
+
+def _scale(
+    c: JobController, now: float, attempt: Attempt, scale: Scale, reports: Mapping[str, NodeReport]
+) -> list[Action]:
+    """Carry ``scale`` out: in place where every remaining rank runs, else by a stop."""
     keep = [n for n in attempt.nodes if n not in scale.drop]
     if not _running(c, attempt, keep, reports):
         attempt.scale = scale
         c._event(now, "ScalingRequested", scale.reason, attempt=attempt.number)
-        return [*actions, c._stop(now, attempt, "graceful", scale.reason)]
+        return [c._stop(now, attempt, "graceful", scale.reason)]
     if scale.down:
-        return [*actions, *_reform(c, now, attempt, tuple(keep), (), scale.drop, scale.reason)]
-    return [*actions, *_launch_growth(c, now, attempt, scale)]
+        return _reform(c, now, attempt, tuple(keep), (), scale.drop, scale.reason)
+    return _launch_growth(c, now, attempt, scale)
 
 
 def abandon_growth(c: JobController, now: float, attempt: Attempt, why: str) -> list[Action]:
