@@ -396,6 +396,8 @@ class LocalPlatform:
             if f.injection.kind == "preempt" and f.node is not None:
                 self.store.set_capacity(self.job_id, -1, delta=True)
                 self._preempted[by_rank[f.node]] = now + (self.preempt_grace or 0.0)
+            if f.injection.kind in ("capacity", "preempt"):
+                self.book.wake()  # the capacity changed: look again now, not a poll later
             if f.injection.kind == "node-kill" and f.node is not None:
                 # A lost node loses its RAM: its memory tier goes with it.
                 shutil.rmtree(self.memory_root / by_rank[f.node], ignore_errors=True)

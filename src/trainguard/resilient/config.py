@@ -13,8 +13,9 @@ __all__ = ["ResilientConfig"]
 class ResilientConfig:
     """How the wrapper polls, waits and times out (seconds)."""
 
-    poll_interval: float = 0.1
-    """How often the watcher thread reads ``attempt.json`` while training."""
+    poll_interval: float = 0.05
+    """How often the watcher thread reads ``attempt.json`` while training (a newer
+    attempt is seen within this long: half of it on average)."""
     join_poll_interval: float = 0.02
     """How often a joining rank checks the attempt's barrier (and for a newer attempt)."""
     barrier_timeout: float = 300.0
