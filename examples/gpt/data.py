@@ -124,6 +124,25 @@ def batch_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + 17) % (2**63 - 1)
 
 
+def batch_starts(
+    tokens: torch.Tensor, *, step: int, count: int, block_size: int, seed: int
+) -> torch.Tensor:
+    """The start offsets of step `step`'s `count` windows, drawn from a generator seeded by
+    (seed, step): the global batch of that step, in window order."""
+    n_windows = tokens.numel() - block_size - 1
+    g = torch.Generator().manual_seed(batch_seed(seed, step))
+    return torch.randint(0, n_windows, (count,), generator=g)
+
+
+def windows_at(
+    tokens: torch.Tensor, starts: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets (int64, shape (len(starts), block_size))."""
+    idx = starts[:, None] + torch.arange(block_size + 1)
+    window = tokens[idx].long()
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
 def get_batch(
     tokens: torch.Tensor,
     *,
@@ -139,10 +158,7 @@ def get_batch(
     The global batch of step `step` is `batch_size * world_size` windows at offsets drawn
     from a generator seeded by (seed, step); rank `rank` takes its own contiguous slice.
     """
-    n_windows = tokens.numel() - block_size - 1
-    g = torch.Generator().manual_seed(batch_seed(seed, step))
-    starts = torch.randint(0, n_windows, (batch_size * world_size,), generator=g)
-    mine = starts[rank * batch_size : (rank + 1) * batch_size]
-    idx = mine[:, None] + torch.arange(block_size + 1)
-    window = tokens[idx].long()
-    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+    starts = batch_starts(
+        tokens, step=step, count=batch_size * world_size, block_size=block_size, seed=seed
+    )
+    return windows_at(tokens, starts[rank * batch_size : (rank + 1) * batch_size], block_size)

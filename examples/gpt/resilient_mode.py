@@ -7,6 +7,10 @@ peer holding state (the first start, a full restart) it falls back to trainguard
 checkpoints. Batches depend on (step, rank) only, so the run is the same with or without
 faults. Needs trainguard (the default mode of train.py does not).
 
+With ``--global-batch G`` the job may change size between attempts (an elastic job that
+trainguard scales in place): each attempt splits G over its world and takes its share of
+the run's samples (:mod:`elastic_batches`), so every step averages the same G samples.
+
 ``device`` is train.py's choice (``cuda:LOCAL_RANK``, current already, or the CPU); the
 wrapper's process groups use ``--backend`` (:class:`trainguard.resilient.ResilientConfig`).
 """
@@ -14,6 +18,8 @@ wrapper's process groups use ``--backend`` (:class:`trainguard.resilient.Resilie
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from typing import Any
 
@@ -26,11 +32,21 @@ from trainguard.checkpoint import Checkpointer
 
 # Beside this file (train.py puts this directory on sys.path).
 # isort: split
+from elastic_batches import (
+    ElasticBatchError,
+    ElasticPlan,
+    elastic_line,
+    elastic_step,
+    plan_attempt,
+    samples_line,
+)
 from model import GPT, GPTConfig
 from train import (
+    GRAD_CLIP,
     Topology,
     default_data_dir,
     global_mean,
+    lr_at,
     ordered_allreduce_hook,
     save_checkpoint,
     train_step,
@@ -56,8 +72,14 @@ def run_resilient(args: argparse.Namespace, local_rank: int, device: torch.devic
     ranks: list[int] = []
 
     def checkpointer() -> Checkpointer:
+        """The memory tier's writer for this rank in this world (an elastic scaling in
+        place changes both: the wrapper updates RANK and WORLD_SIZE)."""
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        current = checkpoints[0].config if checkpoints else None
+        if current is not None and (current.rank, current.world_size) != (rank, world):
+            checkpoints.pop().close()
         if not checkpoints:
-            checkpoints.append(Checkpointer())
+            checkpoints.append(Checkpointer(rank=rank, world_size=world))
         return checkpoints[0]
 
     def snapshot(steps: int) -> dict[str, Any]:
@@ -78,6 +100,9 @@ def run_resilient(args: argparse.Namespace, local_rank: int, device: torch.devic
     def train(run: resilient.Run) -> None:
         topo = Topology(run.rank, run.local_rank, run.world_size, distributed=True)
         ranks[:] = [run.rank]
+        plan: ElasticPlan | None = None
+        if args.global_batch is not None:
+            plan = plan_attempt(run, args.global_batch, args.batch_size, args.steps)
         ddp = DistributedDataParallel(  # a new one per attempt: a new process group
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
@@ -90,9 +115,19 @@ def run_resilient(args: argparse.Namespace, local_rank: int, device: torch.devic
                 f"device {device.type}",
                 flush=True,
             )
+            if plan is not None:
+                print(elastic_line(plan.split), flush=True)
         for completed in range(run.start_step, args.steps):
             step = completed + 1  # train.py numbers steps from 1
-            lr, loss = train_step(args, step, topo, tokens, ddp, model, optimizer, device)
+            if plan is None:
+                lr, loss = train_step(args, step, topo, tokens, ddp, model, optimizer, device)
+            else:
+                lr = lr_at(step, args)
+                loss, samples = elastic_step(
+                    args, step, plan, tokens, ddp, optimizer, device, lr=lr, grad_clip=GRAD_CLIP
+                )
+                if args.log_samples:  # before completed(), which may end the attempt
+                    print(samples_line(step, plan.split, run.rank, samples), flush=True)
             run.completed(completed)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
@@ -104,7 +139,16 @@ def run_resilient(args: argparse.Namespace, local_rank: int, device: torch.devic
                 checkpointer().save(step, snapshot(step))
         dist.barrier()  # all ranks done before the group goes (gloo aborts a rank otherwise)
 
-    train()
+    try:
+        train()
+    except ElasticBatchError as exc:  # every rank of the attempt, before any collective
+        print(f"train.py: error (rank {ranks[0]}): {exc}", file=sys.stderr, flush=True)
+        if dist.is_initialized():  # plain torchrun's group (trainguard's is dropped already)
+            dist.barrier()  # gloo aborts a rank whose peers left first
+            dist.destroy_process_group()
+        if checkpoints:
+            checkpoints[0].close()
+        raise SystemExit(2) from None
     rank = ranks[0]
     if args.save_final is not None and rank == 0:
         save_checkpoint(args.save_final, model.state_dict())

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import DataError, MarkovSpec, ensure_token_file, get_batch, open_tokens
 
 # isort: split
+import elastic_batches
 from devices import (
     BACKEND_CHOICES,
     BACKEND_ENV,
@@ -155,7 +156,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=GPTConfig.n_head)
     p.add_argument("--d-model", type=int, default=GPTConfig.d_model)
     p.add_argument("--dropout", type=float, default=GPTConfig.dropout)
+    elastic_batches.add_flags(p)  # --global-batch, --log-samples
     args = p.parse_args(argv)
+    elastic_batches.check_flags(p, args)
 
     positive = ["steps", "batch_size", "log_every", "data_tokens", "branching", "threads"]
     positive += ["vocab_size", "block_size", "n_layer", "n_head", "d_model"]

@@ -1,0 +1,120 @@
+"""The elastic GPT example (examples/gpt/job-elastic.yaml), 4 nodes x 1 process, in place.
+
+One node is preempted with no spare: the job goes on with 3 nodes, its survivors in
+their processes; capacity comes back: it grows to 4 again. Every step's global batch is
+12 at every size, every sample of the run is taken once (``--log-samples``), no step is
+run twice, and the final loss is within 2% of a fixed-size run (one process, the same
+global batch, without faults).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import Trainguard
+
+REPO = Path(__file__).resolve().parents[1]
+GPT_DIR = REPO / "examples" / "gpt"
+if str(GPT_DIR) not in sys.path:
+    sys.path.insert(0, str(GPT_DIR))
+
+import elastic_batches as eb  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 400
+GLOBAL_BATCH = 12
+ELASTIC_LINE = re.compile(
+    r"^Elastic: world (\d+), global batch (\d+) = (\d+) per rank x (\d+) accumulation"
+)
+LOSS_LINE = re.compile(rf"^Batch {STEPS} Loss: ([0-9.]+)")
+
+
+def job_file(tmp_path: Path) -> Path:
+    job = yaml.safe_load((GPT_DIR / "job-elastic.yaml").read_text())
+    container = job["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]
+    container["command"] = [
+        "python", str(GPT_DIR / "train.py"), "--backend", "gloo", "--device", "cpu"
+    ]  # fmt: skip
+    args = container["args"]
+    args[args.index("--steps") + 1] = str(STEPS)
+    args += ["--data-dir", str(tmp_path / "data")]
+    job["spec"]["trainguard"]["pollIntervalSeconds"] = 0.3
+    path = tmp_path / "job-elastic.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def fixed_size_loss(tmp_path: Path) -> float:
+    """The same training at one fixed size: one process, global batch 12, no faults."""
+    done = subprocess.run(
+        [sys.executable, str(GPT_DIR / "train.py"), "--resilient", "--device", "cpu",
+         "--global-batch", str(GLOBAL_BATCH), "--batch-size", "12", "--steps", str(STEPS),
+         "--log-every", str(STEPS), "--data-dir", str(tmp_path / "data")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    [loss] = [
+        float(m.group(1)) for line in done.stdout.splitlines() if (m := LOSS_LINE.match(line))
+    ]
+    return loss
+
+
+def test_gpt_scales_down_and_up_in_place_global_batch_kept_every_sample_once(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    done = tg.run(
+        "run", "-f", str(job_file(tmp_path)),
+        "--inject", "preempt:node=2@8s", "--inject", "capacity:+1@14s",
+        timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    job = tg.only_job()
+    assert job["restarts"] == 0 and job["faults"] == []
+    started = [e["data"] for e in job["events"] if e["kind"] == "AttemptStarted"]
+    assert [(len(s["nodes"]), s["scope"]) for s in started] == [
+        (4, "process"), (3, "in-process"), (4, "in-process")
+    ]  # fmt: skip
+    scalings = [e["data"] for e in job["events"] if e["kind"] == "ElasticScaling"]
+    assert [(s["from"], s["to"], s["in_place"]) for s in scalings] == [(4, 3, True), (3, 4, True)]
+
+    logs = Path(job["logs_dir"])
+    lines = [line for f in sorted(logs.glob("rank-*.log")) for line in f.read_text().splitlines()]
+    # The global batch, as logged at the start of every attempt.
+    splits = [tuple(map(int, m.groups())) for line in lines if (m := ELASTIC_LINE.match(line))]
+    assert [world for world, *_ in splits] == [4, 3, 4]
+    for world, batch, per_rank, accumulation in splits:
+        assert batch == GLOBAL_BATCH == per_rank * accumulation * world
+    # Every sample once: each step's ranks took exactly its slice of the run's samples.
+    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for line in lines:
+        if m := eb.SAMPLES_LINE.match(line):
+            by_step[int(m["step"])].append(
+                {
+                    "world": int(m["world"]),
+                    "first": int(m["first"]),
+                    "end": int(m["end"]),
+                    "rank": int(m["rank"]),
+                    "samples": eb.parse_ranges(m["ranges"]),
+                }
+            )
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    for step, taken in by_step.items():
+        world = taken[0]["world"]
+        assert sorted(t["rank"] for t in taken) == list(range(world)), step  # once per rank
+        first, end = (step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH
+        assert {(t["world"], t["first"], t["end"]) for t in taken} == {(world, first, end)}
+        assert sorted(k for t in taken for k in t["samples"]) == list(range(first, end))
+    assert {taken[0]["world"] for taken in by_step.values()} == {3, 4}
+    # The loss, against the same training at one fixed size.
+    [loss] = [float(m.group(1)) for line in lines if (m := LOSS_LINE.match(line))]
+    reference = fixed_size_loss(tmp_path)
+    assert abs(loss - reference) <= 0.02 * reference, (loss, reference)
