@@ -21,6 +21,8 @@ from typing import Any
 
 from bench import agent_cost
 from bench.clean import CLEAN_VARIANTS, LIKE_FOR_LIKE, CleanRecord
+from bench.elastic import ElasticPlan
+from bench.elastic import scenario as elastic_scenario
 from bench.goodput import GOODPUT_VARIANTS, GoodputSetup
 from bench.layout import ratio_key, sides
 from bench.recovery import (
@@ -67,6 +69,8 @@ class Settings:
     checkpoint_cuda_sizes: tuple[int, ...] = (1024, 4096)  # only with a CUDA device
     scale_nodes: tuple[int, ...] = (256, 1024, 4096, 16384)
     agent_repeats: int = 5
+    # A node preempted, then capacity given back (bench/elastic.py); `repeats` times.
+    elastic: ElasticPlan = field(default_factory=ElasticPlan)
     run_timeout: float = 300.0
 
     def to_json(self) -> dict[str, Any]:
@@ -407,6 +411,12 @@ def agent(ctx: Context) -> dict[str, Any]:
     return result
 
 
+def elastic(ctx: Context) -> dict[str, Any]:
+    """In-process scalings against checkpoint-restart (:mod:`bench.elastic`), interleaved."""
+    s = ctx.settings
+    return elastic_scenario(s.elastic, s.repeats, ctx.workdir / "elastic", ctx.log)
+
+
 def agent_figures(costs: Sequence[agent_cost.Cost]) -> dict[str, Any]:
     """Summaries of one side's repetitions, and the runs."""
     figures: dict[str, Any] = {
@@ -425,6 +435,7 @@ SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "scale": scale,
     "startup": startup,
     "agent": agent,
+    "elastic": elastic,
 }
 
 

@@ -523,11 +523,16 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
         "startup",
         "agent",
         "scale",
+        "elastic",
     ):
         res = results.get(scenario)
         if not res:
             continue
-        if scenario in _FAULT_METRICS:
+        if scenario == "elastic":  # its rows are in bench/elastic_rows.py (imports this)
+            from bench.elastic_rows import elastic_rows
+
+            rows += elastic_rows(res)
+        elif scenario in _FAULT_METRICS:
             rows += fault_rows(scenario, res)
         elif scenario == "checkpoint":
             rows += checkpoint_rows(res)

@@ -12,6 +12,17 @@ The same file runs under torchrun and under trainguard; only ``--ckpt`` differs:
   fallback when no rank holds state;
 - ``none``: no checkpoint.
 
+``--elastic`` (an elastic job, ``bench/elastic.py``): every rank appends
+``<incarnation> <rank> <world size> <pid> <time>`` to ``<out>/worlds.txt`` when an
+incarnation starts, so the figures know each step's world size and whether the ranks
+kept their processes; outside ``resilient`` mode every rank also asks
+``trainguard.elastic.scale_requested()`` after each step and, when a scaling is
+requested, rank 0 saves (``--ckpt torch``: ``torch.save`` into ``--ckpt-dir``) and every
+rank returns, to be restarted at the new size (HyperPod's way). In ``resilient`` mode
+the controller re-forms the group itself (or, failing that, restarts the job).
+``--global-batch G`` keeps the global batch at G samples at any world size (per rank:
+``trainguard.elastic.batch_split``); without it every rank takes ``BATCH``.
+
 ``--device`` (auto: CUDA where available) and ``--backend`` (auto, gloo, nccl; default
 ``$TRAINGUARD_BACKEND``, else auto) pick where it trains: on CUDA each rank uses
 ``cuda:LOCAL_RANK``, or ``cuda:LOCAL_RANK % <visible GPUs>`` with ``--backend gloo`` (ranks
@@ -49,6 +60,7 @@ from trainguard.collectives import (
     choose_device,
     resolve_choice,
 )
+from trainguard.elastic import batch_split, scale_requested
 
 BATCH = 32
 FEATURES = 64
@@ -65,6 +77,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--ckpt-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="log each incarnation's world size and pids; save and return on a scale request",
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help=f"samples per step over all ranks (default: {BATCH} per rank)",
+    )
     parser.add_argument(
         "--log-all-ranks",
         action="store_true",
@@ -137,12 +160,18 @@ class Recorder:
         incarnation: str,
         log_all_ranks: bool = False,
         device: torch.device | None = None,
+        batch: int = BATCH,
+        elastic: bool = False,
     ) -> None:
         self.rank, self.world, self.incarnation = rank, world, incarnation
         self.log_all_ranks = log_all_ranks
         self.device = device or torch.device("cpu")
+        self.batch = batch
         (out / "pids").mkdir(parents=True, exist_ok=True)
         publish(out / "pids" / f"rank{rank}.json", {"pid": os.getpid(), "inc": incarnation})
+        if elastic:  # one short O_APPEND write per rank: lines never interleave
+            with open(out / "worlds.txt", "a", encoding="utf-8") as worlds:
+                worlds.write(f"{incarnation} {rank} {world} {os.getpid()} {time.time():.6f}\n")
         path = out / "steps.txt" if rank == 0 else Path(os.devnull)
         self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
 
@@ -156,7 +185,7 @@ class Recorder:
         """One training step (its data comes from (step, rank)), recorded."""
         t0 = time.time()
         gen = torch.Generator().manual_seed(step * self.world + self.rank)
-        x = torch.randn(BATCH, FEATURES, generator=gen).to(self.device)
+        x = torch.randn(self.batch, FEATURES, generator=gen).to(self.device)
         if step_sleep:
             time.sleep(step_sleep)
         loss = model(x).pow(2).mean()
@@ -169,7 +198,7 @@ class Recorder:
         self.file.write(f"{self.incarnation} {step} {t0:.6f} {t1:.6f}\n")
         self.file.flush()
         if self.rank == 0:
-            speed = BATCH * self.world / max(t1 - t0, 1e-9)
+            speed = self.batch * self.world / max(t1 - t0, 1e-9)
             line = f"Batch {step} Loss: {loss.item():.5f}, Speed: {speed:.1f} samples/sec"
             print(line, flush=True)
         elif self.log_all_ranks:
@@ -190,7 +219,16 @@ def main(argv: list[str] | None = None) -> None:
         f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}."
         f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     )
-    recorder = Recorder(args.out, rank, world, incarnation, args.log_all_ranks, device)
+    recorder = Recorder(
+        args.out,
+        rank,
+        world,
+        incarnation,
+        args.log_all_ranks,
+        device,
+        per_rank_batch(args.global_batch, world),
+        args.elastic,
+    )
     model = DistributedDataParallel(net, device_ids=device_ids(device))
 
     def state(step: int) -> dict[str, Any]:
@@ -219,9 +257,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.ckpt == "trainguard":
             ckpt.save(step, state(step))
         elif args.ckpt == "torch" and step % args.ckpt_every == 0 and rank == 0:
-            tmp = ckpt_file.with_name(".checkpoint.pt.tmp")
-            torch.save(state(step), tmp)
-            os.replace(tmp, ckpt_file)
+            save_torch(state(step), ckpt_file)
+        if args.elastic and scale_requested():  # every rank at the same step
+            if args.ckpt == "torch" and rank == 0 and step % args.ckpt_every:
+                save_torch(state(step), ckpt_file)
+            break  # the job restarts at the new size and resumes from the checkpoint
     recorder.close()
     if ckpt is not None:
         ckpt.close()
@@ -232,6 +272,20 @@ def main(argv: list[str] | None = None) -> None:
     dist.barrier()
     time.sleep(0.1)
     dist.destroy_process_group()
+
+
+def save_torch(state: dict[str, Any], ckpt_file: Path) -> None:
+    """Rank 0's checkpoint: a temporary file, then a rename."""
+    tmp = ckpt_file.with_name(".checkpoint.pt.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, ckpt_file)
+
+
+def per_rank_batch(global_batch: int | None, world: int) -> int:
+    """Each rank's samples per step: ``BATCH``, or the global batch split over the world."""
+    if global_batch is None:
+        return BATCH
+    return batch_split(global_batch, world).per_rank
 
 
 def device_ids(device: torch.device) -> list[int] | None:
@@ -249,8 +303,13 @@ def main_resilient(
     checkpointers: list[Checkpointer] = []  # made once the rank is known (a spare learns it late)
 
     def checkpointer() -> Checkpointer:
+        """This rank's, in this world: a scaling in place changes both (RANK, WORLD_SIZE)."""
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        current = checkpointers[0].config if checkpointers else None
+        if current is not None and (current.rank, current.world_size) != (rank, world):
+            checkpointers.pop().close()
         if not checkpointers:
-            checkpointers.append(Checkpointer())
+            checkpointers.append(Checkpointer(rank=rank, world_size=world))
         return checkpointers[0]
 
     def snapshot(steps: int) -> dict[str, Any]:
@@ -278,6 +337,8 @@ def main_resilient(
             f"{run_id}.{run.attempt}",
             args.log_all_ranks,
             device,
+            per_rank_batch(args.global_batch, run.world_size),
+            args.elastic,
         )
         # A new DDP per attempt: a new process group.
         model = DistributedDataParallel(net, device_ids=device_ids(device))
