@@ -64,7 +64,8 @@ def test_scale_up_waits_for_stable_capacity_and_the_snooze_and_backs_off() -> No
     assert again.observe(210.0, nodes, 4, [], last_restart=0.0) is not None
 
 
-def make(capacity: int = 2) -> JobController:
+def make(capacity: int = 2, *, begin: bool = True) -> JobController:
+    """2 nodes, elastic 1..3, node-2 to grow onto; started unless ``begin`` is False."""
     config = ControlConfig(
         "job",
         NODES,
@@ -74,8 +75,9 @@ def make(capacity: int = 2) -> JobController:
         stop_grace_seconds=5,
     )
     c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
-    h.begin(c)
-    c.set_capacity(capacity)
+    if begin:
+        h.begin(c)
+        c.set_capacity(capacity)
     return c
 
 

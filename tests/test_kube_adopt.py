@@ -7,31 +7,12 @@ from typing import Any
 
 import control_helpers as h
 from test_control_elastic import NODES, stopped
-from test_control_elastic import make as elastic_started
+from test_control_elastic import make as elastic_make
 from test_control_resume import RECORDED, make
 from trainguard.control.actions import LaunchNodes, StopNodes
-from trainguard.control.assignment import Endpoint
-from trainguard.control.config import ControlConfig
-from trainguard.control.controller import JobController
-from trainguard.control.elastic import ElasticConfig
 from trainguard.control.reports import NodeState
 from trainguard.control.resume import adopt, restart
 from trainguard.kube.adopt import recorded, takeover_record
-
-
-def elastic_make(begin: bool = True) -> JobController:
-    """test_control_elastic's job: 2 nodes, elastic 1..3, node-2 to grow onto."""
-    if begin:
-        return elastic_started()
-    config = ControlConfig(
-        "job",
-        NODES,
-        2,
-        elastic=ElasticConfig(1, 3, scaling_timeout=1.0),
-        elastic_node_ids=("node-2",),
-        stop_grace_seconds=5,
-    )
-    return JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
 
 
 def status_of(record: dict[str, Any], faults: list[dict[str, Any]]) -> dict[str, Any]:
