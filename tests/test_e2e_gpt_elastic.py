@@ -9,6 +9,7 @@ global batch, without faults).
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -58,8 +59,10 @@ def fixed_size_loss(tmp_path: Path) -> float:
     done = subprocess.run(
         [sys.executable, str(GPT_DIR / "train.py"), "--resilient", "--device", "cpu",
          "--global-batch", str(GLOBAL_BATCH), "--batch-size", "12", "--steps", str(STEPS),
-         "--log-every", str(STEPS), "--data-dir", str(tmp_path / "data")],
+         "--log-every", str(STEPS), "--data-dir", str(tmp_path / "data"),
+         "--memory-ckpt-every", "0"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "TRAINGUARD_CHECKPOINT_MEMORY_DIR": str(tmp_path / "memory")},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     [loss] = [

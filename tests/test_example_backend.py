@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -250,6 +251,8 @@ def one_rank_env() -> dict[str, str]:
         if not k.startswith(("TRAINGUARD_", "TORCHELASTIC_")) and k != "LOCAL_RANK"
     }
     env.update(
+        # Its own memory tier: the default (/dev/shm/.../local) is shared by every plain run.
+        TRAINGUARD_CHECKPOINT_MEMORY_DIR=tempfile.mkdtemp(prefix="tg-test-memory-"),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
         WORLD_SIZE="1",

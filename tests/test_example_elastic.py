@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -259,6 +260,8 @@ def plain_env() -> dict[str, str]:
         and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     }
     env["CUDA_VISIBLE_DEVICES"] = ""
+    # Its own memory tier: the default (/dev/shm/.../local) is shared by every plain run.
+    env["TRAINGUARD_CHECKPOINT_MEMORY_DIR"] = tempfile.mkdtemp(prefix="tg-test-memory-")
     return env
 
 
