@@ -298,19 +298,12 @@ def main_resilient(
 ) -> None:
     """``--ckpt resilient``: the same steps in ``@restartable``; an attempt is an incarnation."""
     import trainguard.resilient as resilient
-    from trainguard.checkpoint import Checkpointer
+    from trainguard.checkpoint import RankedCheckpointer
 
-    checkpointers: list[Checkpointer] = []  # made once the rank is known (a spare learns it late)
-
-    def checkpointer() -> Checkpointer:
-        """This rank's, in this world: a scaling in place changes both (RANK, WORLD_SIZE)."""
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        current = checkpointers[0].config if checkpointers else None
-        if current is not None and (current.rank, current.world_size) != (rank, world):
-            checkpointers.pop().close()
-        if not checkpointers:
-            checkpointers.append(Checkpointer(rank=rank, world_size=world))
-        return checkpointers[0]
+    # Made once the rank is known (a spare learns it late), again when a scaling in place
+    # changes the rank or the world size.
+    checkpointers = RankedCheckpointer()
+    checkpointer = checkpointers.get
 
     def snapshot(steps: int) -> dict[str, Any]:
         return {"model": net.state_dict(), "optim": optim.state_dict(), "steps": steps}
@@ -353,8 +346,7 @@ def main_resilient(
         dist.barrier()  # every rank done before any tears its group down
 
     train()
-    if checkpointers:
-        checkpointers[0].close()
+    checkpointers.close()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from trainguard.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
+from trainguard.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    CheckpointError,
+    RankedCheckpointer,
+)
 from trainguard.checkpoint.config import writer_attempt
 
 
@@ -304,3 +309,21 @@ def test_config_from_env_and_overrides() -> None:
         CheckpointConfig.from_env({}, memory_kept=1)
     default = CheckpointConfig.from_env({})
     assert default.memory_dir == f"/dev/shm/trainguard-{os.getuid()}/local"
+
+
+def test_a_ranked_checkpointer_is_made_again_when_rank_or_world_changes(
+    shm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An elastic scaling in place: the wrapper renumbers RANK and changes WORLD_SIZE.
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    ranked = RankedCheckpointer(memory_dir=shm, job_id="job-a", environ={})
+    first = ranked.get()
+    assert ranked.get() is first and (first.config.rank, first.config.world_size) == (2, 3)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    second = ranked.get()
+    assert second is not first and (second.config.rank, second.config.world_size) == (1, 2)
+    assert second.config.memory_dir == shm and second.config.job_id == "job-a"
+    ranked.close()
+    ranked.close()  # nothing left to close

@@ -18,7 +18,6 @@ wrapper's process groups use ``--backend`` (:class:`trainguard.resilient.Resilie
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Any
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import trainguard.resilient as resilient
-from trainguard.checkpoint import Checkpointer
+from trainguard.checkpoint import RankedCheckpointer
 
 # Beside this file (train.py puts this directory on sys.path).
 # isort: split
@@ -68,19 +67,11 @@ def run_resilient(args: argparse.Namespace, local_rank: int, device: torch.devic
     model = GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
     state = resilient.TrainState(model=model, optimizer=optimizer)
-    checkpoints: list[Checkpointer] = []  # made once the rank is known (a spare learns it late)
+    # Made once the rank is known (a spare learns it late), again when an elastic scaling
+    # in place changes the rank or the world size.
+    checkpoints = RankedCheckpointer()
+    checkpointer = checkpoints.get
     ranks: list[int] = []
-
-    def checkpointer() -> Checkpointer:
-        """The memory tier's writer for this rank in this world (an elastic scaling in
-        place changes both: the wrapper updates RANK and WORLD_SIZE)."""
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        current = checkpoints[0].config if checkpoints else None
-        if current is not None and (current.rank, current.world_size) != (rank, world):
-            checkpoints.pop().close()
-        if not checkpoints:
-            checkpoints.append(Checkpointer(rank=rank, world_size=world))
-        return checkpoints[0]
 
     def snapshot(steps: int) -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": optimizer.state_dict(), "steps": steps}
@@ -146,13 +137,11 @@ def run_resilient(args: argparse.Namespace, local_rank: int, device: torch.devic
         if dist.is_initialized():  # plain torchrun's group (trainguard's is dropped already)
             dist.barrier()  # gloo aborts a rank whose peers left first
             dist.destroy_process_group()
-        if checkpoints:
-            checkpoints[0].close()
+        checkpoints.close()
         raise SystemExit(2) from None
     rank = ranks[0]
     if args.save_final is not None and rank == 0:
         save_checkpoint(args.save_final, model.state_dict())
     if rank == 0:
         print(f"Training complete: step {args.steps}", flush=True)
-    if checkpoints:
-        checkpoints[0].close()
+    checkpoints.close()

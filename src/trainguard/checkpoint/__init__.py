@@ -78,6 +78,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainguard.checkpoint.checkpointer import Checkpointer, CheckpointError, Restore
     from trainguard.checkpoint.config import CheckpointConfig
+    from trainguard.checkpoint.ranked import RankedCheckpointer
     from trainguard.checkpoint.shard import ShardInvalid
     from trainguard.checkpoint.state import StateMismatch
 
@@ -85,6 +86,7 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointError",
     "Checkpointer",
+    "RankedCheckpointer",
     "Restore",
     "ShardInvalid",
     "StateMismatch",
@@ -97,6 +99,7 @@ _HOME = {
     "CheckpointError": "checkpointer",
     "Restore": "checkpointer",
     "CheckpointConfig": "config",
+    "RankedCheckpointer": "ranked",
     "ShardInvalid": "shard",
     "StateMismatch": "state",
 }
