@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from conftest import Trainguard
+from test_run_elastic_inplace import scaled_in_place
 
 REPO = Path(__file__).resolve().parents[1]
 GPT_DIR = REPO / "examples" / "gpt"
@@ -74,20 +75,9 @@ def fixed_size_loss(tmp_path: Path) -> float:
 def test_gpt_scales_down_and_up_in_place_global_batch_kept_every_sample_once(
     tg: Trainguard, tmp_path: Path
 ) -> None:
-    done = tg.run(
-        "run", "-f", str(job_file(tmp_path)),
-        "--inject", "preempt:node=2@8s", "--inject", "capacity:+1@14s",
-        timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    job = tg.only_job()
-    assert job["restarts"] == 0 and job["faults"] == []
-    started = [e["data"] for e in job["events"] if e["kind"] == "AttemptStarted"]
-    assert [(len(s["nodes"]), s["scope"]) for s in started] == [
-        (4, "process"), (3, "in-process"), (4, "in-process")
-    ]  # fmt: skip
-    scalings = [e["data"] for e in job["events"] if e["kind"] == "ElasticScaling"]
-    assert [(s["from"], s["to"], s["in_place"]) for s in scalings] == [(4, 3, True), (3, 4, True)]
+    job = scaled_in_place(
+        tg, job_file(tmp_path), "preempt:node=2@8s", "capacity:+1@14s", full=4, timeout=900
+    )
 
     logs = Path(job["logs_dir"])
     lines = [line for f in sorted(logs.glob("rank-*.log")) for line in f.read_text().splitlines()]

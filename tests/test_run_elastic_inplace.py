@@ -49,23 +49,35 @@ def records(out: Path) -> list[dict[str, Any]]:
     return sorted((json.loads(line) for line in lines), key=lambda r: r["time"])
 
 
-@pytest.mark.e2e
-def test_a_resilient_job_scales_down_and_up_in_place(tg: Trainguard, tmp_path: Path) -> None:
-    out = tmp_path / "out"
+def scaled_in_place(
+    tg: Trainguard, job_file: Path, preempt: str, capacity: str, full: int, timeout: float
+) -> dict[str, Any]:
+    """Run ``job_file`` with a node preempted, then capacity back; check the job went
+    ``full`` -> ``full - 1`` -> ``full`` nodes in place, with no restart and no fault."""
     done = tg.run(
-        "run", "-f", str(job_file(tmp_path, out)),
-        "--inject", "preempt:node=1@5s", "--inject", "capacity:+1@11s",
-        timeout=600,
+        "run", "-f", str(job_file), "--inject", preempt, "--inject", capacity, timeout=timeout
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     job = tg.only_job()
     assert job["restarts"] == 0 and job["faults"] == []
     started = [e["data"] for e in job["events"] if e["kind"] == "AttemptStarted"]
     assert [(len(s["nodes"]), s["scope"]) for s in started] == [
-        (3, "process"), (2, "in-process"), (3, "in-process")
+        (full, "process"), (full - 1, "in-process"), (full, "in-process")
     ]  # fmt: skip
     scalings = [e["data"] for e in job["events"] if e["kind"] == "ElasticScaling"]
-    assert [(s["from"], s["to"], s["in_place"]) for s in scalings] == [(3, 2, True), (2, 3, True)]
+    assert [(s["from"], s["to"], s["in_place"]) for s in scalings] == [
+        (full, full - 1, True), (full - 1, full, True)
+    ]  # fmt: skip
+    return job
+
+
+@pytest.mark.e2e
+def test_a_resilient_job_scales_down_and_up_in_place(tg: Trainguard, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = scaled_in_place(
+        tg, job_file(tmp_path, out), "preempt:node=1@5s", "capacity:+1@11s", full=3, timeout=600
+    )
+    scalings = [e["data"] for e in job["events"] if e["kind"] == "ElasticScaling"]
     assert scalings[0]["dropped"] == ["node-1"] and scalings[1]["added"] == ["node-1"]
 
     recs = records(out)
