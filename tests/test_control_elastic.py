@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 import control_helpers as h
-from trainguard.control.actions import LaunchNodes, RetireNodes, StartNodes, StopNodes
+from trainguard.control.actions import (
+    AttemptPhase,
+    Finish,
+    LaunchNodes,
+    RetireNodes,
+    StartNodes,
+    StopNodes,
+)
 from trainguard.control.assignment import Endpoint
 from trainguard.control.config import ControlConfig
 from trainguard.control.controller import JobController, JobPhase
@@ -101,32 +108,52 @@ def test_a_preempted_node_is_given_up_then_capacity_brings_the_job_back_to_three
     assert c.restarts == 0 and c.phase is JobPhase.RUNNING
     assert c.checkpoints.world_size == 2
 
+    # Capacity for 3: the new nodes come up at once, ahead of the scale-up, while the job
+    # trains on; once scalingTimeoutInSeconds has passed and they are up, the job stops
+    # and restarts with them (they are not launched again).
     c.set_capacity(3)
     one = {"node-0": h.report("node-0", NodeState.RUNNING, 1, workers=h.workers(0))}
-    assert c.observe(3.0, one) == []  # capacity for 3: wait scalingTimeoutInSeconds
-    [stop] = c.observe(4.5, one)
-    assert isinstance(stop, StopNodes)
-    stopped_one = {"node-0": h.report("node-0", NodeState.STOPPED, 1, workers=())}
-    [launch] = c.observe(5.0, stopped_one)
+    [launch] = c.observe(3.0, one)
     assert isinstance(launch, LaunchNodes) and set(launch.node_ids) == {"node-2", "node-1"}
-    ready = {**stopped_one, **h.ready(("node-2", "node-1"))}
-    [start] = c.observe(6.0, ready)
+    assert c.current is not None and c.current.number == 1
+    up = {**one, **h.ready(("node-2", "node-1"))}
+    assert c.observe(3.5, up) == []  # up, ahead of the decision
+    [stop] = c.observe(4.5, up)
+    assert isinstance(stop, StopNodes) and stop.node_ids == ("node-0",)
+    stopped_one = {"node-0": h.report("node-0", NodeState.STOPPED, 1, workers=())}
+    [start] = c.observe(5.0, {**stopped_one, **h.ready(("node-2", "node-1"))})
     assert isinstance(start, StartNodes) and len(start.assignments) == 3
-    assert c.restarts == 0
+    assert c.restarts == 0 and c.nodes == ("node-0", "node-1", "node-2")
     kinds = [e.kind for e in c.drain_events()]
     assert kinds.count("ElasticScaling") == 2 and "RestartScheduled" not in kinds
+    assert kinds[kinds.index("ScaleUpPreparing") :].count("ScalingRequested") == 1
 
 
 def test_a_scale_up_whose_nodes_do_not_come_up_goes_on_without_them() -> None:
     c = make(capacity=3)
     running = h.reports(NODES, NodeState.RUNNING, 0)
-    c.observe(1.0, running)
-    [stop] = c.observe(2.5, running)
-    assert isinstance(stop, StopNodes)
-    [launch] = c.observe(3.0, stopped(NODES, 0))
+    [launch] = c.observe(1.0, running)  # ahead of the scale-up
     assert isinstance(launch, LaunchNodes) and launch.node_ids == ("node-2",)
-    late = {**stopped(NODES, 0), "node-2": h.lost("node-2", "its agent could not start")}
-    actions = c.observe(4.0, late)
+    late = {**running, "node-2": h.lost("node-2", "its agent could not start")}
+    [retire] = c.observe(2.5, late)  # the job never stopped
+    assert isinstance(retire, RetireNodes) and retire.node_ids == ("node-2",)
+    assert c.current is not None and c.current.number == 0
+    assert c.elastic is not None and c.elastic.failures == 1
+    assert c.restarts == 0 and "node-2" in c.growth
+    # The next try waits twice as long, and brings the node up only once decided.
+    assert c.observe(3.0, running) == [] and c.observe(4.5, running) == []
+    [again] = c.observe(5.1, running)
+    assert isinstance(again, LaunchNodes) and again.node_ids == ("node-2",)
+
+
+def test_a_scale_up_node_lost_while_the_job_restarts_is_left_out() -> None:
+    c = make(capacity=3)
+    running = h.reports(NODES, NodeState.RUNNING, 0)
+    c.observe(1.0, running)
+    [stop] = c.observe(2.5, {**running, **h.ready(("node-2",))})
+    assert isinstance(stop, StopNodes)
+    late = {**stopped(NODES, 0), "node-2": h.lost("node-2", "its agent exited")}
+    actions = c.observe(3.0, late)
     assert isinstance(actions[0], RetireNodes) and actions[0].node_ids == ("node-2",)
     assert isinstance(actions[-1], StartNodes) and len(actions[-1].assignments) == 2
     assert c.elastic is not None and c.elastic.failures == 1
@@ -182,3 +209,25 @@ def test_a_lost_node_not_back_within_the_faulty_timeout_is_scaled_away() -> None
     assert c.restarts == 1 and c.nodes == ("node-0",)
     [scaling] = [e for e in c.drain_events() if e.kind == "ElasticScaling"]
     assert scaling.data["faulty"] is True and "faultyScaleDownTimeoutInSeconds" in scaling.message
+
+
+def test_ranks_that_finish_their_work_while_a_scaling_stops_them_complete_the_job() -> None:
+    """Exit 0 without agreeing to the scaling (trainguard.elastic) is the end of the
+    work, not a stop for the scaling: no restart at the new size from a checkpoint."""
+    c = make()
+    c.set_capacity(1, ["node-1"])
+    [stop] = c.observe(1.0, h.reports(NODES, NodeState.RUNNING, 0))
+    assert isinstance(stop, StopNodes)
+    done = {
+        n: h.report(n, NodeState.STOPPED, 0, workers=h.workers(i, WorkerState.SUCCEEDED))
+        for i, n in enumerate(NODES)
+    }
+    [finish] = c.observe(2.0, done)
+    assert isinstance(finish, Finish) and finish.phase is JobPhase.SUCCEEDED
+    assert c.attempts[0].phase is AttemptPhase.SUCCEEDED and len(c.attempts) == 1
+    # Stopped for the scaling (they agreed to it, or were signalled): the job restarts.
+    c = make()
+    c.set_capacity(1, ["node-1"])
+    c.observe(1.0, h.reports(NODES, NodeState.RUNNING, 0))
+    _, start = c.observe(2.0, stopped(NODES, 0))
+    assert isinstance(start, StartNodes) and len(c.attempts) == 2

@@ -3,6 +3,8 @@ without stopping its ranks, pure."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import control_helpers as h
 from trainguard.control.actions import (
     AttemptPhase,
@@ -82,15 +84,17 @@ def test_a_preempted_node_leaves_and_the_survivors_rejoin_renumbered_in_place() 
     assert c.current is not None and c.current.rejoin is None  # every rank joined
 
 
-def test_capacity_back_brings_new_nodes_up_while_the_job_trains_then_they_join() -> None:
+def test_capacity_back_brings_new_nodes_up_ahead_and_they_join_once_decided() -> None:
     c = make(capacity=4)
     now = running(NODES, 0)
-    assert c.observe(1.0, now) == []  # capacity for 4: wait scalingTimeoutInSeconds
-    [launch] = c.observe(2.5, now)
+    [launch] = c.observe(1.0, now)  # at once, while scalingTimeoutInSeconds runs
     assert isinstance(launch, LaunchNodes) and launch.node_ids == ("node-3",)
     assert c.current is not None and c.current.phase is AttemptPhase.RUNNING
-    assert c.observe(3.0, now) == []  # node-3's agent is starting
-    actions = c.observe(4.0, {**now, **h.ready(("node-3",))})
+    [preparing] = [e for e in c.drain_events() if e.kind == "ScaleUpPreparing"]
+    assert "ahead of the scale-up" in preparing.message
+    up = {**now, **h.ready(("node-3",))}
+    assert c.observe(1.5, up) == []  # up and idle: the scale-up is not decided yet
+    actions = c.observe(2.0, up)
     rejoin, start = actions
     assert isinstance(rejoin, RejoinNodes) and [a.node_id for a in rejoin.assignments] == [*NODES]
     assert isinstance(start, StartNodes) and [a.node_id for a in start.assignments] == ["node-3"]
@@ -100,28 +104,54 @@ def test_capacity_back_brings_new_nodes_up_while_the_job_trains_then_they_join()
     assert c.elastic is not None and c.elastic.failures == 0
 
 
-def test_new_nodes_that_do_not_come_up_are_retired_and_the_attempt_goes_on() -> None:
+def test_a_decided_scale_up_waits_for_its_nodes_to_be_up_and_warm() -> None:
     c = make(capacity=4)
     now = running(NODES, 0)
     c.observe(1.0, now)
-    [launch] = c.observe(2.5, now)
+    assert c.observe(2.5, now) == []  # decided; node-3's agent is starting
+    idle = h.ready(("node-3",))["node-3"]
+    assert idle.status is not None
+    warming = dataclasses.replace(idle, status=idle.status.model_copy(update={"warming": True}))
+    assert c.observe(3.0, {**now, "node-3": warming}) == []  # its template imports
+    rejoin, start = c.observe(3.5, {**now, **h.ready(("node-3",))})
+    assert isinstance(rejoin, RejoinNodes) and isinstance(start, StartNodes)
+
+
+def test_capacity_taken_back_before_the_decision_retires_the_nodes_up_ahead() -> None:
+    c = make(capacity=4)
+    now = running(NODES, 0)
+    c.observe(1.0, now)
+    c.set_capacity(3)
+    [retire] = c.observe(1.5, {**now, **h.ready(("node-3",))})
+    assert isinstance(retire, RetireNodes) and retire.node_ids == ("node-3",)
+    assert c.current is not None and c.current.number == 0 and c.current.standby == ()
+    assert c.elastic is not None and c.elastic.failures == 0  # not the nodes' fault
+    assert c.growth == ("node-3",)
+    assert c.observe(5.0, now) == []
+
+
+def test_new_nodes_that_do_not_come_up_are_retired_and_the_attempt_goes_on() -> None:
+    c = make(capacity=4)
+    now = running(NODES, 0)
+    [launch] = c.observe(1.0, now)
     assert isinstance(launch, LaunchNodes)
     [retire] = c.observe(3.0, {**now, "node-3": h.lost("node-3", "its agent could not start")})
     assert isinstance(retire, RetireNodes) and retire.node_ids == ("node-3",)
     assert c.current is not None and c.current.number == 0
     assert c.current.phase is AttemptPhase.RUNNING
     assert c.elastic is not None and c.elastic.failures == 1 and "node-3" in c.growth
-    # The next try waits twice as long (2 s).
+    # The next try waits twice as long (2 s), and brings nodes up only once decided.
     assert c.observe(4.0, now) == [] and c.observe(5.5, now) == []
     [again] = c.observe(6.1, now)
     assert isinstance(again, LaunchNodes)
+    *_, requested = [e for e in c.drain_events() if e.kind == "ScalingRequested"]
+    assert "bringing up node-3 while it trains" in requested.message
 
 
 def test_a_fault_while_new_nodes_come_up_retires_them_and_restarts_in_place() -> None:
     c = make(capacity=4)
     now = running(NODES, 0)
     c.observe(1.0, now)
-    c.observe(2.5, now)
     crash = {**now, "node-1": h.crashed("node-1", 3)}
     retire, rejoin = c.observe(3.0, crash)
     assert isinstance(retire, RetireNodes) and retire.node_ids == ("node-3",)

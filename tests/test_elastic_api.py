@@ -274,9 +274,12 @@ def test_the_request_file_is_seen_and_remembered(
     request = tmp_path / "elastic-request"
     monkeypatch.setenv(ELASTIC_FILE_ENV, str(request))
     assert not scale_requested()
+    assert (tmp_path / "elastic-request.armed").exists()  # the agent waits for it to save
+    assert not (tmp_path / "elastic-request.agreed").exists()
     request.write_text("")
     time.sleep(FILE_CHECK_INTERVAL)
     until_requested()
+    assert (tmp_path / "elastic-request.agreed").exists()  # its exit 0 is a stop, not the end
     request.unlink()
     assert scale_requested() and scale_requested()
     clear_scale_request()

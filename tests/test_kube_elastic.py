@@ -307,18 +307,18 @@ def test_evicted_pods_scale_the_job_down_and_a_patched_replica_count_scales_it_u
     assert scaled["targetReplicas"] == 1 and scaled["podsScaled"] == 1, scaled
     assert scaled["lastScalingTime"] and not scaled["isFaultyPodScaleDown"]
 
-    # The replica count patched to 3: after scalingTimeoutInSeconds the job grows to 3
-    # (through 2 if the capacity of 2 it kept had its turn first).
+    # The replica count patched to 3: the new pods come up at once, and after
+    # scalingTimeoutInSeconds the job grows to 3 (through 2 if the capacity of 2 it kept
+    # had its turn first).
     set_replicas(cluster, name, 3)
 
     def grown() -> bool:
         status = cluster.status(name)
-        return status.get("phase") == "Running" and len(status["nodes"]) == 3
+        return status.get("phase") == "Running" and worlds(out, status["attempt"]) == ["3"] * 3
 
     wait_for(grown, JOB_TIMEOUT)
-    attempt = cluster.status(name)["attempt"]
-    wait_for(lambda: worlds(out, attempt) == ["3"] * 3, JOB_TIMEOUT)
     status = cluster.status(name)
+    attempt = status["attempt"]
     assert status["restartCount"] == 0
     assert status["elasticScalingStatus"]["targetReplicas"] == 3
     assert status["elasticScalingStatus"]["consecutiveScalingFailures"] == 0

@@ -133,7 +133,9 @@ def test_a_script_with_trainguard_elastic_saves_and_resumes_every_sample_once(
     path = job_file(tmp_path, 0, {**ELASTIC, "gracefulShutdownTimeoutInSeconds": 30})
     job = json.loads(path.read_text())
     container = job["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]
-    container["command"] = ["python", str(SCRIPTS / "elastic_train.py"), str(out), "1200"]
+    # Long enough to last at WORLD_SIZE 1 until the new nodes are up (two torch imports
+    # on a busy machine) and the job grows: 250 steps of 12 samples.
+    container["command"] = ["python", str(SCRIPTS / "elastic_train.py"), str(out), "3000"]
     path.write_text(json.dumps(job))
     done = tg.run(
         "run", "-f", str(path), "--inject", "preempt:node=1@1s", "--inject", "capacity:+2@4s",
@@ -143,7 +145,7 @@ def test_a_script_with_trainguard_elastic_saves_and_resumes_every_sample_once(
     described = tg.only_job()
     assert sizes(described) == [2, 1, 3] and described["restarts"] == 0
     taken = [int(i) for f in out.glob("samples-rank-*.txt") for i in f.read_text().split()]
-    assert sorted(taken) == list(range(1200))  # every sample of the epoch, exactly once
+    assert sorted(taken) == list(range(3000))  # every sample of the epoch, exactly once
     logs = Path(described["logs_dir"])
     batches = re.findall(
         r"global batch (\d+)", "".join(p.read_text() for p in logs.glob("*/*/stdout.log"))

@@ -37,7 +37,7 @@ from trainguard.agent.replicas import ReplicaPusher, restore_from_peers
 from trainguard.agent.reporter import Reporter
 from trainguard.agent.warm import FRESH_STARTS, Spawner, StartOptions
 from trainguard.agent.workers import WorkerGroup
-from trainguard.elastic.request import ARMED_SUFFIX, ELASTIC_FILE_ENV
+from trainguard.elastic.request import AGREED_SUFFIX, ARMED_SUFFIX, ELASTIC_FILE_ENV
 from trainguard.monitor.heartbeat import HEARTBEAT_DIR_ENV
 from trainguard.monitor.stacks import capture_stacks
 from trainguard.monitor.worker_events import EVENT_DIR_ENV
@@ -505,7 +505,12 @@ class Supervisor:
         deadline = time.monotonic() + notice
         while time.monotonic() < deadline and group.running():
             time.sleep(0.05)
-        self._record_exits(group.poll(), stopped=False)
+        exits = group.poll()
+        # A rank that agreed to the request and exited 0 stopped for the scaling; one
+        # that exited 0 without it had finished its work (the job may be complete).
+        agreed = Path(str(request) + AGREED_SUFFIX).exists()
+        self._record_exits({r: c for r, c in exits.items() if c == 0}, stopped=agreed)
+        self._record_exits({r: c for r, c in exits.items() if c != 0}, stopped=False)
 
     def _shutdown(self, reason: str) -> None:
         logger.info("shutting down: %s", reason)

@@ -41,10 +41,12 @@ class Attempt:
     # scale-up attempt brings up (control/elastic.py).
     scale: Scale | None = None
     growing: tuple[str, ...] = ()
-    # A scale-up in place (control/rescale.py): the nodes coming up while this attempt
-    # trains on, and when they are late.
-    growing_in_place: tuple[str, ...] = ()
-    growth_deadline: float | None = None
+    # A scale-up (control/rescale.py): the nodes brought up while this attempt trains on
+    # (ahead of the decision, or after it), when they are late, and the scale-up once
+    # decided (they join when they are up, warm, and it is).
+    standby: tuple[str, ...] = ()
+    standby_deadline: float | None = None
+    scale_due: Scale | None = None
     # Lost nodes restarting fresh, and when the job scales down without them if they are
     # not up by then (faultyScaleDownTimeoutInSeconds).
     replacing: tuple[str, ...] = ()

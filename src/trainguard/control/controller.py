@@ -43,7 +43,7 @@ from trainguard.control.assignment import Endpoint, assign_attempt
 from trainguard.control.attempt import Attempt
 from trainguard.control.config import ControlConfig
 from trainguard.control.contact import launch_verdict, settled
-from trainguard.control.detect import AttemptWatch, refusal_faults, stop_faults
+from trainguard.control.detect import AttemptWatch, finished, refusal_faults, stop_faults
 from trainguard.control.elastic import ElasticWatch
 from trainguard.control.events import Event, Fault, FaultType
 from trainguard.control.health import HealthBook, HealthNote
@@ -242,9 +242,14 @@ class JobController:
         launch: Sequence[str],
         reports: Mapping[str, NodeReport],
         retire: Sequence[str] = (),
+        growing: Sequence[str] = (),
     ) -> list[Action]:
+        """The next attempt on ``self.nodes``: ``launch`` them first, or start at once if
+        all are up; ``growing``: the nodes a scale-up adds (if they fail to come up, the
+        job goes on without them)."""
         number = len(self.attempts)
         attempt = Attempt(number, now, self.nodes, self._watch(number, now), scope)
+        attempt.growing = tuple(growing)
         self.attempts.append(attempt)
         actions: list[Action] = []
         if retire:
@@ -442,6 +447,8 @@ class JobController:
         waiting = [n for n in nodes if not self._stopped(reports.get(n))]
         if waiting and now < attempt.stop_deadline:
             return []
+        if attempt.scale is not None and not waiting and finished(attempt.number, nodes, reports):
+            return self._complete(now, attempt, reports, [])  # finished before it stopped
         self.record.attach_stacks(attempt, reports)
         limit = self.config.unreachable_after
         for fault in stop_faults(
@@ -455,7 +462,9 @@ class JobController:
             return self._finish(now, phase, reason)
         if attempt.scale is not None and not attempt.faults:
             return recovery.rescale(self, now, attempt, attempt.scale, reports)
-        return recovery.after_failure(self, now, attempt, reports)
+        why = attempt.faults[0].message if attempt.faults else "the attempt stopped"
+        actions = rescale.abandon_growth(self, now, attempt, why)
+        return [*actions, *recovery.after_failure(self, now, attempt, reports)]
 
     def _stop(
         self, now: float, attempt: Attempt, mode: str, reason: str, capture: bool = False

@@ -18,7 +18,14 @@ from trainguard.monitor.hang import HangWatch, HeartbeatWatch
 from trainguard.monitor.rules import LogRuleSpec
 from trainguard.wire.control_files import EXIT_BARRIER_TIMEOUT
 from trainguard.wire.requests import NodeAssignment
-from trainguard.wire.status import Detection, NodeState, NodeStatus, Progress, WorkerStatus
+from trainguard.wire.status import (
+    Detection,
+    NodeState,
+    NodeStatus,
+    Progress,
+    WorkerState,
+    WorkerStatus,
+)
 
 _DETECTION_TYPES = {
     "LogSlow": FaultType.LOG_SLOW,
@@ -61,6 +68,19 @@ def barrier_fault(now: float, attempt: int, node: str, rank: int, timeout: float
         rank=rank,
         message=f"rank {rank} missed the restart barrier of attempt {attempt} within {timeout:g} s",
     )
+
+
+def finished(attempt: int, nodes: Sequence[str], reports: Mapping[str, NodeReport]) -> bool:
+    """After a stop: every rank of ``nodes`` exited 0 on its own (none was stopped, none
+    agreed to a scaling first, ``trainguard.elastic``): their work was done."""
+    for node_id in nodes:
+        report = reports.get(node_id)
+        status = report.about(attempt) if report is not None else None
+        if status is None or not status.workers:
+            return False
+        if any(w.state is not WorkerState.SUCCEEDED for w in status.workers):
+            return False
+    return True
 
 
 def stop_faults(

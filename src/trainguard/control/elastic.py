@@ -16,8 +16,10 @@ HyperPod's ``elasticPolicy`` semantics, as pure decisions:
   that failed (the new nodes did not come up), the wait doubles each time (anti-
   thrashing), and resets once a scaling sticks.
 
+A scale-up's new nodes come up ahead, while the wait runs (:meth:`ElasticWatch.room`).
 A scaling is a restart at the new size (the script resumes from its checkpoint at the
-new ``WORLD_SIZE``), decided by the controller and not counted against
+new ``WORLD_SIZE``), or a change of size in place for resilient workers
+(control/rescale.py), decided by the controller and not counted against
 ``jobMaxRetryCount``: capacity changed, the job's code did not fail.
 """
 
@@ -128,6 +130,15 @@ class ElasticWatch:
             f"scale up {size} -> {target} nodes: capacity for {capacity} nodes "
             f"for {wait:g} s (scalingTimeoutInSeconds)",
         )
+
+    def room(self, size: int, capacity: int | None) -> int | None:
+        """The larger size the capacity fits now, before any wait (None: none): its nodes
+        may come up ahead of the scale-up, while ``scalingTimeoutInSeconds`` runs. None
+        after a failed scale-up too: then nodes come up only once it is decided."""
+        target = self.config.fit(capacity) if capacity is not None else None
+        if self.failures or target is None or target <= size:
+            return None
+        return target
 
     def scaled(self, now: float, target: int) -> None:
         self.last_scaling, self.target = now, target

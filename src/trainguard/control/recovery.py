@@ -70,8 +70,11 @@ def rescale(
     against jobMaxRetryCount): without the dropped nodes, or with new ones."""
     assert c.elastic is not None
     before = len(c.nodes)
-    added = c.growth[: max(0, scale.size - before)]
-    c.growth = (*scale.drop, *c.growth[len(added) :])  # dropped ids may come back
+    up = attempt.standby  # brought up while the attempt trained: not launched again
+    attempt.standby, attempt.standby_deadline, attempt.scale_due = (), None, None
+    fresh = c.growth[: max(0, scale.size - before - len(up))]
+    added = (*up, *fresh)
+    c.growth = (*scale.drop, *c.growth[len(fresh) :])  # dropped ids may come back
     c.nodes = (*(n for n in c.nodes if n not in scale.drop), *added)
     c.elastic.scaled(now, len(c.nodes))
     c.checkpoints.world_size = len(c.nodes) * c.config.nproc_per_node
@@ -85,9 +88,8 @@ def rescale(
         data={"from": before, "to": len(c.nodes), "dropped": list(scale.drop),
               "added": list(added)},
     )  # fmt: skip
-    actions = c._new_attempt(now, RestartScope.PROCESS.value, added, reports, retire=scale.drop)
-    c.attempts[-1].growing = tuple(added)
-    return actions
+    scope = RestartScope.PROCESS.value
+    return c._new_attempt(now, scope, fresh, reports, retire=scale.drop, growing=added)
 
 
 def after_failure(

@@ -1,22 +1,25 @@
-"""Elastic scalings in place: a resilient job changes size without restarting its ranks.
+"""Elastic scalings while the job trains: nodes come up ahead, ranks change size in place.
 
-For a job whose workers run :mod:`trainguard.resilient` (``inProcessRestart``),
-:class:`~trainguard.control.elastic.ElasticWatch` decides when and to which size as for
-any elastic job, and the scaling does not stop the attempt:
+:class:`~trainguard.control.elastic.ElasticWatch` decides when and to which size, as for
+any elastic job. Carrying the decision out:
 
+- **up**: once the capacity fits a larger size, the new nodes are launched at once,
+  while the job trains on and ``scalingTimeoutInSeconds`` runs (after a failed
+  scale-up, only once the next one is decided). When they answer idle with their worker
+  template warm and the scale-up is decided, they join: in place for a job whose
+  workers run :mod:`trainguard.resilient` (``inProcessRestart``: the ranks rejoin the
+  next attempt at the larger size, the new nodes start it and take the state from a
+  peer), else by a stop and a restart at the new size with them (not launched again).
+  Nodes not up within ``node_start_timeout`` are retired, the attempt goes on, and the
+  next scale-up waits longer; capacity taken back, a fault, or nodes taken away while
+  they come up retire them too;
 - **down**: the survivors get the next attempt at the smaller size (``/rejoin``; the
   ranks of the nodes after a dropped one are renumbered) and the dropped nodes are
   retired. No process restarts and no checkpoint is read: each survivor keeps its model,
   optimizer and data in memory, and a step cut short is redone from the state of the
-  rank that got furthest;
-- **up**: the new nodes are launched while the attempt trains on. Once every one of them
-  answers, idle, the survivors rejoin the next attempt at the larger size and the new
-  nodes start it (``/start``): their fresh workers take the state from a peer. New nodes
-  not up within ``node_start_timeout`` are retired, the attempt goes on, and the next
-  scale-up waits longer (as after any failed scale-up); a fault, or nodes taken away,
-  while they come up retires them too.
+  rank that got furthest.
 
-The ranks must all be running the attempt (every survivor's agent up, its workers
+In place needs every rank running the attempt (every survivor's agent up, its workers
 running); otherwise, and for jobs without in-process restarts, a scaling stops the job
 and restarts it at the new size from its checkpoint (:func:`recovery.rescale`). Neither
 counts against ``jobMaxRetryCount``.
@@ -60,14 +63,25 @@ def look(
     nodes to bring up, a scaling in place, or a stop to restart at the new size)."""
     assert c.elastic is not None
     actions: list[Action] = []
-    if attempt.growing_in_place:
-        if not _taking_away(c, attempt):
-            return _watch_growth(c, now, attempt, reports)
+    if attempt.standby and _taking_away(c, attempt):
         actions += abandon_growth(c, now, attempt, "nodes are being taken away")
     scale = c.elastic.observe(now, attempt.nodes, c.capacity, c.preempted, attempt.started_at)
-    if scale is None:
-        return actions
-    return [*actions, *_scale(c, now, attempt, scale, reports)]
+    if scale is not None and scale.down:
+        return [*actions, *_scale(c, now, attempt, scale, reports)]
+    if scale is not None and attempt.scale_due is None:
+        attempt.scale_due = scale
+        if attempt.standby:
+            c._event(now, "ScalingRequested",
+                     f"{scale.reason}; with {', '.join(attempt.standby)}, brought up ahead",
+                     attempt=attempt.number, data={"added": list(attempt.standby)})  # fmt: skip
+    if attempt.standby:
+        return [*actions, *_watch_growth(c, now, attempt, reports)]
+    if attempt.scale_due is not None:  # decided with no node up ahead (after a failed try)
+        return [*actions, *_launch_growth(c, now, attempt, attempt.scale_due.size)]
+    target = c.elastic.room(len(attempt.nodes), c.capacity)
+    if target is not None:
+        actions += _launch_growth(c, now, attempt, target)
+    return actions
 
 
 def preempted_lost(
@@ -99,24 +113,32 @@ def preempted_lost(
 def _scale(
     c: JobController, now: float, attempt: Attempt, scale: Scale, reports: Mapping[str, NodeReport]
 ) -> list[Action]:
-    """Carry ``scale`` out: in place where every remaining rank runs, else by a stop."""
+    """Carry a scale-down out: in place where every remaining rank runs, else by a stop."""
     keep = [n for n in attempt.nodes if n not in scale.drop]
     if not _running(c, attempt, keep, reports):
-        attempt.scale = scale
+        return _stop_for(c, now, attempt, scale)
+    return _reform(c, now, attempt, tuple(keep), (), scale.drop, scale.reason)
+
+
+def _stop_for(
+    c: JobController, now: float, attempt: Attempt, scale: Scale, announce: bool = True
+) -> list[Action]:
+    """Stop ``attempt`` to restart at ``scale.size`` (control/recovery.py ``rescale``;
+    the nodes up ahead, if any, are in the next attempt)."""
+    attempt.scale = scale
+    if announce:
         c._event(now, "ScalingRequested", scale.reason, attempt=attempt.number)
-        return [c._stop(now, attempt, "graceful", scale.reason)]
-    if scale.down:
-        return _reform(c, now, attempt, tuple(keep), (), scale.drop, scale.reason)
-    return _launch_growth(c, now, attempt, scale)
+    return [c._stop(now, attempt, "graceful", scale.reason)]
 
 
 def abandon_growth(c: JobController, now: float, attempt: Attempt, why: str) -> list[Action]:
-    """Retire the nodes a scale-up in place is bringing up (the attempt ends, or shrinks);
-    their ids go back to the pool to grow onto."""
-    added = attempt.growing_in_place
+    """Retire the nodes brought up for a scale-up (the attempt ends, or shrinks); their
+    ids go back to the pool to grow onto."""
+    added = attempt.standby
+    attempt.scale_due = None
     if not added:
         return []
-    attempt.growing_in_place, attempt.growth_deadline = (), None
+    attempt.standby, attempt.standby_deadline = (), None
     c.growth = (*added, *c.growth)
     c._event(
         now,
@@ -131,7 +153,7 @@ def abandon_growth(c: JobController, now: float, attempt: Attempt, why: str) -> 
 def _taking_away(c: JobController, attempt: Attempt) -> bool:
     size = len(attempt.nodes)
     return bool(set(c.preempted) & set(attempt.nodes)) or (
-        c.capacity is not None and c.capacity < size + len(attempt.growing_in_place)
+        c.capacity is not None and c.capacity < size + len(attempt.standby)
     )
 
 
@@ -159,33 +181,43 @@ def _warming(report: NodeReport | None) -> bool:
     return status is not None and status.warming
 
 
-def _launch_growth(c: JobController, now: float, attempt: Attempt, scale: Scale) -> list[Action]:
-    added = c.growth[: max(0, scale.size - len(c.nodes))]
+def _launch_growth(c: JobController, now: float, attempt: Attempt, size: int) -> list[Action]:
+    """Bring up the nodes a scale-up of ``attempt`` to ``size`` nodes adds, while it trains
+    on: ahead of the decision (``scalingTimeoutInSeconds`` runs meanwhile), or after."""
+    added = c.growth[: max(0, size - len(c.nodes))]
     if not added:
+        attempt.scale_due = None  # no node id left to grow onto
         return []
     c.growth = c.growth[len(added) :]
-    attempt.growing_in_place = added
-    attempt.growth_deadline = now + c.config.node_start_timeout
-    c._event(
-        now,
-        "ScalingRequested",
-        f"{scale.reason}; bringing up {', '.join(added)} while the job trains on",
-        attempt=attempt.number,
-        data={"added": list(added), "in_place": True},
-    )
+    attempt.standby = added
+    attempt.standby_deadline = now + c.config.node_start_timeout
+    assert c.elastic is not None
+    due, names = attempt.scale_due, ", ".join(added)
+    if due is None:
+        kind = "ScaleUpPreparing"
+        message = (
+            f"capacity for {c.capacity} nodes: bringing up {names} ahead of the scale-up "
+            f"(scalingTimeoutInSeconds: {c.elastic.config.scaling_timeout:g} s)"
+        )
+    else:
+        kind, message = "ScalingRequested", f"{due.reason}; bringing up {names} while it trains"
+    c._event(now, kind, message, attempt=attempt.number, data={"added": list(added)})
     return [LaunchNodes(added, attempt.number, c.avoid_hosts)]
 
 
 def _watch_growth(
     c: JobController, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
 ) -> list[Action]:
-    assert c.elastic is not None and attempt.growth_deadline is not None
-    added = attempt.growing_in_place
+    """The nodes coming up for a scale-up: retired if lost, else they join once they are
+    up and warm and the scale-up is decided: in place (the ranks rejoin, the new nodes
+    start), or by a stop and a restart with them."""
+    assert c.elastic is not None and attempt.standby_deadline is not None
+    added = attempt.standby
     lost, waiting = launch_verdict(
         added,
         reports,
         c.config.unreachable_after,
-        now >= attempt.growth_deadline,
+        now >= attempt.standby_deadline,
         c.config.node_start_timeout,
     )
     if lost:
@@ -193,12 +225,18 @@ def _watch_growth(
         return abandon_growth(c, now, attempt, "; ".join(why for _, why in lost))
     if waiting or any(c.health.checking(reports.get(n)) or _warming(reports.get(n)) for n in added):
         return []  # (a warming node joins once its workers can start at once)
+    due = attempt.scale_due
+    if due is None:
+        return []  # up and warm, ahead of the decision
+    before = len(attempt.nodes)
+    reason = f"scale up {before} -> {before + len(added)} nodes: {', '.join(added)} up"
+    if not c.config.in_process:
+        scale = Scale(before + len(added), reason)
+        return _stop_for(c, now, attempt, scale, announce=False)  # announced when decided
     if not _running(c, attempt, attempt.nodes, reports):
         return []  # a rank is not running: its fault, if any, ends the attempt first
     c.elastic.outcome(True)
-    attempt.growing_in_place, attempt.growth_deadline = (), None
-    before = len(attempt.nodes)
-    reason = f"scale up {before} -> {before + len(added)} nodes: {', '.join(added)} up"
+    attempt.standby, attempt.standby_deadline, attempt.scale_due = (), None, None
     return _reform(c, now, attempt, (*attempt.nodes, *added), added, (), reason)
 
 

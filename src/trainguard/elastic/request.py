@@ -45,6 +45,7 @@ from types import FrameType
 from typing import Any, Final
 
 __all__ = [
+    "AGREED_SUFFIX",
     "ARMED_SUFFIX",
     "ELASTIC_FILE_ENV",
     "FILE_CHECK_INTERVAL",
@@ -61,6 +62,9 @@ ELASTIC_FILE_ENV: Final = "TRAINGUARD_ELASTIC_FILE"
 """Set by the agent: a path whose existence means "a scale event is requested"."""
 ARMED_SUFFIX: Final = ".armed"
 """``<file>.armed``: created by a worker's first `scale_requested` call."""
+AGREED_SUFFIX: Final = ".agreed"
+"""``<file>.agreed``: created once `scale_requested` returns True (a rank that then
+exits 0 stopped for the scaling; one that exits 0 without it finished its work)."""
 SCALE_SIGNAL: Final = signal.SIGUSR1
 """The signal that asks for a scale event (HyperPod's)."""
 FILE_CHECK_INTERVAL: Final = 0.05
@@ -114,10 +118,12 @@ def scale_requested(every: int = 1) -> bool:
     dist = _distributed()
     if dist is None:
         watch.agreed = local
-        return local
-    if (watch.calls - 1) % every:
+    elif (watch.calls - 1) % every:
         return False
-    watch.agreed = _agree(dist, local)
+    else:
+        watch.agreed = _agree(dist, local)
+    if watch.agreed:
+        _mark(AGREED_SUFFIX)
     return watch.agreed
 
 
@@ -177,9 +183,14 @@ def _arm(watch: _Watch) -> None:
     it then waits ``gracefulShutdownTimeoutInSeconds`` for the ranks to save and exit
     before it signals them; an unmodified script gets SIGTERM at once."""
     watch.armed = True
+    _mark(ARMED_SUFFIX)
+
+
+def _mark(suffix: str) -> None:
+    """Create ``<request file><suffix>`` for the agent (nothing outside trainguard)."""
     path = os.environ.get(ELASTIC_FILE_ENV)
     if path:
-        with contextlib.suppress(OSError), open(path + ARMED_SUFFIX, "a"):
+        with contextlib.suppress(OSError), open(path + suffix, "a"):
             pass
 
 

@@ -47,6 +47,7 @@ AGENT_TIMEOUT = 5.0
 
 def takeover_record(controller: JobController) -> Obj:
     """What a successor needs that the rest of the status does not say (``status.takeover``)."""
+    current = controller.current
     return {
         "startedAt": controller.started_at,
         "attempts": [
@@ -64,7 +65,8 @@ def takeover_record(controller: JobController) -> Obj:
         ],
         "restarts": [{"time": r.time, "scope": r.scope.value} for r in controller.history],
         "nodes": list(controller.nodes),
-        "growth": list(controller.growth),
+        # Nodes up ahead of a scale-up are not adopted: their ids go back to the pool.
+        "growth": [*(current.standby if current else ()), *controller.growth],
         "elastic": (
             {
                 "failures": controller.elastic.failures,
