@@ -75,7 +75,10 @@ class ElasticPlan:
     min_nodes: int = 2
     preempt_step: int = 40
     capacity_step: int = 90  # a step the job reaches at the smaller size
-    scaling_timeout: float = 1.0  # scalingTimeoutInSeconds: capacity must last this long
+    # scalingTimeoutInSeconds: capacity must last this long before a scale-up. Both sides
+    # bring the new node up meanwhile; 5 s covers its start here (~3.5 s: an agent and a
+    # torch import on 2 busy cores). HyperPod's examples use 60 s.
+    scaling_timeout: float = 5.0
     graceful_timeout: float = 15.0  # gracefulShutdownTimeoutInSeconds: time to save and exit
     timeout: float = 300.0  # one run, launch to the end
 
