@@ -22,6 +22,7 @@ from agent_harness import (
     wait_pids_gone,
     worker_pids,
 )
+from conftest import wait_for
 from trainguard.agent.client import AgentError
 from trainguard.agent.logs import LogLayout
 
@@ -46,6 +47,9 @@ def attempt(agent: AgentProcess) -> Iterator[int]:
     yield next(_attempts)
     agent.client.stop(stop(None, mode="process"))
     agent.wait_state("stopped")
+
+
+LAST_LINE = "last line without newline\n"  # a held partial line, flushed at exit
 
 
 def layout(agent: AgentProcess) -> LogLayout:
@@ -90,8 +94,12 @@ def test_workers_get_torchrun_env_and_their_output_is_logged(
         assert stdout.endswith("last line without newline")
         assert logs.stderr(attempt, rank).read_text() == f"stderr of rank {rank}\n"
 
-        combined = logs.combined(rank).read_text()
-        section = combined.split(f"=== trainguard: attempt {attempt} ===\n", 1)[1]
+        # The node reads completed once its workers exited; its log tailer may still be
+        # draining their last lines into the combined log.
+        header = f"=== trainguard: attempt {attempt} ===\n"
+        path = logs.combined(rank)
+        wait_for(lambda p=path, h=header: LAST_LINE in p.read_text().split(h)[-1])
+        section = path.read_text().split(header, 1)[1]
         assert f"env RANK={rank}\n" in section
         assert f"stderr of rank {rank}\n" in section
         assert "last line without newline\n" in section  # a held partial line, flushed at exit
