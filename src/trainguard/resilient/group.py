@@ -16,10 +16,7 @@ it drops the group, so the next collective fails, but while DDP holds the group 
 sockets stay open and a peer blocked on this rank keeps waiting. :meth:`AttemptGroup.abort`
 therefore also shuts the group's connections down (:mod:`trainguard.resilient.sockets`):
 this rank's own blocked collective fails, and so do its peers' within milliseconds. A
-collective blocked on a hung (stopped) peer ends the same way once any rank aborts. The
-thread that notices a newer attempt only shuts the connections down
-(:meth:`AttemptGroup.interrupt`); the thread running the group drops it once its
-collective has failed (see there why).
+collective blocked on a hung (stopped) peer ends the same way once any rank aborts.
 
 An aborted group must not be destroyed right away. ``~ProcessGroupGloo`` joins its
 worker threads while the destroying thread holds the GIL, and a worker thread that is
@@ -174,33 +171,12 @@ class AttemptGroup:
             self._joined = attempt.attempt
             self._retired.clear()  # their worker threads are idle by now
 
-    def interrupt(self, attempt: int) -> None:
-        """From another thread, while ``attempt``'s group runs: make its collectives fail,
-        the one blocked now and every later one, so that the thread running it raises
-        and then calls :meth:`abort`. The gloo connections are shut down; the group is
-        not dropped here. Dropped, its worker threads stop, and a collective enqueued
-        after that on the group object still held (DDP's reducer launching its next
-        bucket in ``backward``) never completes: seen as a rank hanging in
-        ``Reducer::finalize_backward`` in about 1 of 8 elastic scalings in place. A
-        group with NCCL is dropped here all the same: only ``ncclCommAbort`` returns a
-        kernel waiting on a dead or stopped peer.
-        """
-        with self._lock:
-            if attempt != self._joined:
-                return
-            if self._connections is not None:
-                self._connections.shutdown()
-                self._connections = None
-        if "nccl" in self._backend:
-            self.abort(attempt)
-
     def abort(self, attempt: int | None = None) -> None:
         """Drop the current process group (only if it is ``attempt``'s, when given).
 
-        Does not wait for the peers. Shuts the group's connections down first, so a
-        collective blocked in this process fails, and so do the peers blocked on this
-        rank, instead of waiting out their timeout. Call it from the thread that runs the
-        group's collectives (another thread: :meth:`interrupt`).
+        Safe from any thread; does not wait for the peers. Shuts the group's connections
+        down first, so a collective blocked in this process fails, and so do the peers
+        blocked on this rank, instead of waiting out their timeout.
         """
         with self._lock:
             if attempt is not None and attempt != self._joined:

@@ -153,9 +153,7 @@ class _Supervisor:
         self.rank, self.local_rank = identity.rank, identity.local_rank
         if identity.spare_id is not None:
             _say(f"spare {identity.spare_id} takes over rank {identity.rank}")
-        self.watcher = AttemptWatcher(
-            self.control_dir, self.config.poll_interval, self.group.interrupt
-        )
+        self.watcher = AttemptWatcher(self.control_dir, self.config.poll_interval, self.group.abort)
         # What the script built so far (imports, model, data) lives as long as the process:
         # freezing it keeps the collection after each fault (which frees the failed
         # attempt's group and frames) to the attempt's own objects: ~0.1 ms, not ~100 ms.
