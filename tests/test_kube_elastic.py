@@ -16,8 +16,9 @@ from typing import Any, cast
 import pytest
 
 import control_helpers as h
-from conftest import wait_for
+from conftest import SCRIPTS, wait_for
 from kube_cluster import JOB_TIMEOUT, Cluster, fake, record, running_cluster
+from test_run_elastic_inplace import records
 from trainguard.control.assignment import Endpoint
 from trainguard.control.config import ControlConfig
 from trainguard.control.controller import JobController
@@ -341,3 +342,46 @@ def test_evicted_pods_scale_the_job_down_and_a_patched_replica_count_scales_it_u
 
     done = cluster.tg("delete", "--kube", name, "--timeout", "60")
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.e2e
+def test_a_resilient_job_scales_down_and_back_up_in_place(cluster: Cluster) -> None:
+    """``inProcessRestart`` on Kubernetes: an evicted pod's rank leaves and the survivor
+    trains on in the same process; the replica count is still 2, so a fresh pod comes up
+    while it trains and joins after scalingTimeoutInSeconds, its worker taking the state
+    from the survivor. No restart, no fault, every sample of the epoch taken once."""
+    name, out, steps, batch = "inplace", cluster.root / "out-inplace", 400, 12
+    script = ["python", str(SCRIPTS / "elastic_resilient.py"), "--out", str(out), "--steps",
+              str(steps), "--global-batch", str(batch), "--step-sleep", "0.05"]  # fmt: skip
+    cluster.submit(
+        name,
+        script,
+        nprocPerNode=1,
+        elasticPolicy={"minReplicas": 1, "maxReplicas": 2, "scalingTimeoutInSeconds": 3,
+                       "gracefulShutdownTimeoutInSeconds": 1},
+        trainguard={"inProcessRestart": True, "pollIntervalSeconds": 0.3,
+                    "stopGracePeriodSeconds": 1, "restartBarrierTimeoutSeconds": 60},
+    )  # fmt: skip
+
+    def starts(attempt: int) -> dict[int, dict[str, Any]]:
+        return {r["rank"]: r for r in records(out) if r.get("attempt") == attempt
+                and r["event"] == "start"}  # fmt: skip
+
+    wait_for(lambda: len(starts(0)) == 2 and cluster.status(name).get("phase") == "Running",
+             JOB_TIMEOUT)  # fmt: skip
+    pods = {n["nodeId"]: n["pod"] for n in cluster.status(name)["nodes"]}
+    cluster.kubelet.evict(pods["node-1"], grace=3.0)
+    status = cluster.wait_phase(name, "Succeeded", "Failed", timeout=300)
+    assert status["phase"] == "Succeeded", status.get("conditions")
+    assert status["restartCount"] == 0 and status.get("faults", []) == [], status
+    scalings = [e["message"] for e in cluster.describe(name)["events"]
+                if e["reason"] == "ElasticScaling"]  # fmt: skip
+    assert len(scalings) == 2 and all("in place" in m for m in scalings), scalings
+    assert "2 -> 1 nodes" in scalings[0] and "1 -> 2 nodes" in scalings[1], scalings
+
+    first, second, third = starts(0), starts(1), starts(2)
+    assert second[0]["pid"] == third[0]["pid"] == first[0]["pid"]  # never restarted
+    assert second[0]["world"] == 1 and second[0]["source"] == "self"
+    assert third[1]["pid"] != first[1]["pid"] and third[1]["source"] == "peer"
+    taken = [k for r in records(out) if r["event"] == "step" for k in r["samples"]]
+    assert sorted(taken) == list(range(steps * batch))  # every sample of the epoch, once
