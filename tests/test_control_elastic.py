@@ -88,9 +88,12 @@ def make(capacity: int = 2, *, begin: bool = True) -> JobController:
     return c
 
 
-def stopped(nodes: tuple[str, ...], attempt: int) -> dict[str, NodeReport]:
+def stopped(
+    nodes: tuple[str, ...], attempt: int, workers: WorkerState = WorkerState.STOPPED
+) -> dict[str, NodeReport]:
+    """Nodes whose stop is over, their workers ``workers`` (SUCCEEDED: exited 0 on their own)."""
     return {
-        n: h.report(n, NodeState.STOPPED, attempt, workers=h.workers(i, WorkerState.STOPPED))
+        n: h.report(n, NodeState.STOPPED, attempt, workers=h.workers(i, workers))
         for i, n in enumerate(nodes)
     }
 
@@ -218,11 +221,7 @@ def test_ranks_that_finish_their_work_while_a_scaling_stops_them_complete_the_jo
     c.set_capacity(1, ["node-1"])
     [stop] = c.observe(1.0, h.reports(NODES, NodeState.RUNNING, 0))
     assert isinstance(stop, StopNodes)
-    done = {
-        n: h.report(n, NodeState.STOPPED, 0, workers=h.workers(i, WorkerState.SUCCEEDED))
-        for i, n in enumerate(NODES)
-    }
-    [finish] = c.observe(2.0, done)
+    [finish] = c.observe(2.0, stopped(NODES, 0, WorkerState.SUCCEEDED))
     assert isinstance(finish, Finish) and finish.phase is JobPhase.SUCCEEDED
     assert c.attempts[0].phase is AttemptPhase.SUCCEEDED and len(c.attempts) == 1
     # Stopped for the scaling (they agreed to it, or were signalled): the job restarts.

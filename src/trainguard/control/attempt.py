@@ -51,3 +51,10 @@ class Attempt:
     # not up by then (faultyScaleDownTimeoutInSeconds).
     replacing: tuple[str, ...] = ()
     faulty_deadline: float | None = None
+
+    def take_standby(self) -> tuple[str, ...]:
+        """The nodes brought up for this attempt's scale-up, off its hands now (they join
+        the next attempt, or are retired): no standby, no deadline, no scale-up due."""
+        nodes = self.standby
+        self.standby, self.standby_deadline, self.scale_due = (), None, None
+        return nodes

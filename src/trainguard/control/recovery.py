@@ -70,8 +70,7 @@ def rescale(
     against jobMaxRetryCount): without the dropped nodes, or with new ones."""
     assert c.elastic is not None
     before = len(c.nodes)
-    up = attempt.standby  # brought up while the attempt trained: not launched again
-    attempt.standby, attempt.standby_deadline, attempt.scale_due = (), None, None
+    up = attempt.take_standby()  # brought up while the attempt trained: not launched again
     fresh = c.growth[: max(0, scale.size - before - len(up))]
     added = (*up, *fresh)
     c.growth = (*scale.drop, *c.growth[len(fresh) :])  # dropped ids may come back

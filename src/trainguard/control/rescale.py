@@ -134,11 +134,9 @@ def _stop_for(
 def abandon_growth(c: JobController, now: float, attempt: Attempt, why: str) -> list[Action]:
     """Retire the nodes brought up for a scale-up (the attempt ends, or shrinks); their
     ids go back to the pool to grow onto."""
-    added = attempt.standby
-    attempt.scale_due = None
+    added = attempt.take_standby()
     if not added:
         return []
-    attempt.standby, attempt.standby_deadline = (), None
     c.growth = (*added, *c.growth)
     c._event(
         now,
@@ -236,7 +234,7 @@ def _watch_growth(
     if not _running(c, attempt, attempt.nodes, reports):
         return []  # a rank is not running: its fault, if any, ends the attempt first
     c.elastic.outcome(True)
-    attempt.standby, attempt.standby_deadline, attempt.scale_due = (), None, None
+    attempt.take_standby()
     return _reform(c, now, attempt, (*attempt.nodes, *added), added, (), reason)
 
 
