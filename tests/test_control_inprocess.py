@@ -70,13 +70,15 @@ def test_assignments_carry_the_in_process_settings_and_spread_the_spares() -> No
     assert hot_spares_per_node(5, 3) == [2, 2, 1]
 
 
-def test_a_worker_crash_restarts_in_place_with_a_new_rendezvous() -> None:
+def test_a_worker_crash_restarts_in_place_on_the_store_rank_0_serves() -> None:
+    """Rank 0 survives: the attempt keeps its rendezvous (rank 0's process serves the
+    store; a new port would have to be bound, and could be taken by then)."""
     c = make()
     h.begin(c)
     [action] = c.observe(1.0, {"node-0": running(0), "node-1": crashed(0)})
     assert isinstance(action, RejoinNodes)
     assert action.attempt == 1
-    assert {a.master_port for a in action.assignments} == {30001}
+    assert {a.master_port for a in action.assignments} == {30000}
     assert [a.node_id for a in action.assignments] == list(NODES)
     assert c.phase is JobPhase.RUNNING and c.restarts == 1
     assert c.attempts[0].phase.value == "Failed"
@@ -86,6 +88,16 @@ def test_a_worker_crash_restarts_in_place_with_a_new_rendezvous() -> None:
     assert c.timeline.to_json()[0]["scope"] == "in-process"
     assert c.observe(2.0, {"node-0": running(1), "node-1": running(1, "node-1")}) == []
     assert c.current is not None and c.current.rejoin is None  # every rank joined
+
+
+def test_a_crash_of_rank_0_restarts_in_place_on_a_new_rendezvous() -> None:
+    """Rank 0's process is replaced: its store went with it, the new one binds anew."""
+    c = make()
+    h.begin(c)
+    dead = crashed(0, node="node-0", rank=0)
+    [action] = c.observe(1.0, {"node-0": dead, "node-1": running(0, "node-1")})
+    assert isinstance(action, RejoinNodes)
+    assert {a.master_port for a in action.assignments} == {30001}
 
 
 def test_a_survivor_stuck_in_the_failed_attempt_gets_a_new_process_once() -> None:

@@ -61,6 +61,8 @@ def test_a_preempted_node_leaves_and_the_survivors_rejoin_renumbered_in_place() 
         ("node-2", 1, [2, 3]),  # ranks 4, 5 before: renumbered after the node that left
     ]
     assert all(a.nnodes == 2 and a.in_process for a in rejoin.assignments)
+    # Rank 0 keeps its process, and serves the next attempt's rendezvous on its port.
+    assert {a.master_port for a in rejoin.assignments} == {30000}
     assert isinstance(retire, RetireNodes) and retire.node_ids == ("node-1",)
     assert not any(isinstance(a, StopNodes) for a in actions)
     assert c.restarts == 0 and c.nodes == ("node-0", "node-2") and "node-1" in c.growth
@@ -84,6 +86,18 @@ def test_a_preempted_node_leaves_and_the_survivors_rejoin_renumbered_in_place() 
     assert c.current is not None and c.current.rejoin is None  # every rank joined
 
 
+def test_node_0_preempted_moves_rank_0_and_the_rendezvous_to_the_next_node() -> None:
+    c = make()
+    c.set_capacity(2, ["node-0"])
+    rejoin, _ = c.observe(1.0, running(NODES, 0))
+    assert isinstance(rejoin, RejoinNodes)
+    assert [(a.node_id, a.global_ranks) for a in rejoin.assignments] == [
+        ("node-1", [0, 1]),
+        ("node-2", [2, 3]),
+    ]
+    assert {a.master_port for a in rejoin.assignments} == {30001}  # a new store, on node-1
+
+
 def test_capacity_back_brings_new_nodes_up_ahead_and_they_join_once_decided() -> None:
     c = make(capacity=4)
     now = running(NODES, 0)
@@ -100,6 +114,7 @@ def test_capacity_back_brings_new_nodes_up_ahead_and_they_join_once_decided() ->
     assert isinstance(start, StartNodes) and [a.node_id for a in start.assignments] == ["node-3"]
     assert start.attempt == rejoin.attempt == 1 and start.assignments[0].global_ranks == [6, 7]
     assert all(a.nnodes == 4 for a in (*rejoin.assignments, *start.assignments))
+    assert {a.master_port for a in (*rejoin.assignments, *start.assignments)} == {30000}
     assert c.restarts == 0 and c.phase is JobPhase.RUNNING and c.nodes == (*NODES, "node-3")
     assert c.elastic is not None and c.elastic.failures == 0
 

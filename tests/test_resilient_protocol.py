@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,8 @@ import torch.distributed as dist
 
 from trainguard.resilient import AttemptInterrupted, Run, TrainState, is_collective_failure
 from trainguard.resilient.protocol import (
+    CONTROL_DIR_ENV,
+    EXIT_BARRIER_TIMEOUT,
     Ack,
     Attempt,
     ProtocolError,
@@ -222,3 +226,35 @@ def test_an_attempt_file_may_renumber_the_node_ranks(tmp_path: Path) -> None:
            "barrier_timeout_seconds": 5.0}  # fmt: skip
     (tmp_path / "attempt.json").write_text(json.dumps(old))
     assert read_attempt(tmp_path).ranks == ()  # type: ignore[union-attr]
+
+
+def test_a_rank_0_that_cannot_host_the_store_gives_up_at_once(tmp_path: Path) -> None:
+    """Its port taken (by anything on any address: the store binds them all), rank 0
+    exits with EXIT_BARRIER_TIMEOUT at once instead of waiting out the barrier: no rank
+    could join, and the controller restarts the job on another port."""
+    script = """
+import torch
+import trainguard.resilient as resilient
+
+state = resilient.TrainState(model=torch.nn.Linear(1, 1))
+
+@resilient.restartable(state)
+def train(run):
+    raise AssertionError("joined an attempt whose store could not be hosted")
+
+train()
+"""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        attempt = Attempt(attempt=0, master_addr="127.0.0.1", master_port=port,
+                          world_size=2, barrier_timeout_seconds=600.0)  # fmt: skip
+        write_attempt(tmp_path, attempt)
+        env = {**os.environ, CONTROL_DIR_ENV: str(tmp_path), "RANK": "0", "LOCAL_RANK": "0"}
+        # Far less than the barrier's 600 s: waiting it out fails the test.
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180
+        )
+    assert done.returncode == EXIT_BARRIER_TIMEOUT, done.stderr
+    assert f"rank 0 cannot host the rendezvous store on port {port}" in done.stderr

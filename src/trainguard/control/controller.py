@@ -309,17 +309,22 @@ class JobController:
             return []
         return [self._start_attempt(now, attempt)]
 
-    def _start_attempt(self, now: float, attempt: Attempt) -> StartNodes:
+    def _start_attempt(
+        self, now: float, attempt: Attempt, host: Endpoint | None = None
+    ) -> StartNodes:
+        """Start ``attempt`` on its nodes; ``host``: the rendezvous to keep (an attempt in
+        place whose rank 0 keeps its process keeps serving its store: a new port would
+        have to be bound, and may be taken by then), else the platform's for node 0."""
         if attempt.growing and self.elastic is not None:
             self.elastic.outcome(True)
-        self._fill_assignments(now, attempt)
+        self._fill_assignments(now, attempt, host)
         attempt.phase = AttemptPhase.RUNNING
         self.phase = JobPhase.RUNNING
         return StartNodes(attempt.number, attempt.assignments, attempt.scope)
 
-    def _fill_assignments(self, now: float, attempt: Attempt) -> None:
+    def _fill_assignments(self, now: float, attempt: Attempt, host: Endpoint | None = None) -> None:
         cfg = self.config
-        endpoint = self._endpoint_for(attempt.number, attempt.nodes[0])
+        endpoint = host or self._endpoint_for(attempt.number, attempt.nodes[0])
         attempt.endpoint = endpoint
         attempt.assignments = assign_attempt(cfg, attempt.nodes, attempt.number, endpoint)
         attempt.watch = self._watch(attempt.number, now)  # hang timers start with the workers

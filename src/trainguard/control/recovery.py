@@ -275,7 +275,8 @@ def restart_in_place(
     new.scope = scope.value
     new.rejoin = Rejoin(now, survivors)
     c.attempts.append(new)
-    started = c._start_attempt(now, new)
+    host = attempt.endpoint if 0 in survivors and new.nodes[0] == attempt.nodes[0] else None
+    started = c._start_attempt(now, new, host)
     return RejoinNodes(started.attempt, started.assignments)
 
 

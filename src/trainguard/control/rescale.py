@@ -271,7 +271,9 @@ def _reform(
     new = Attempt(number, now, nodes, c._watch(number, now), RestartScope.IN_PROCESS.value)
     new.rejoin = Rejoin(now, ())  # every rank must join; none is replaced as stuck
     c.attempts.append(new)
-    started = c._start_attempt(now, new)
+    # Every rank of the nodes kept runs: rank 0 keeps its process where node 0 stays.
+    host = attempt.endpoint if nodes[0] == attempt.nodes[0] else None
+    started = c._start_attempt(now, new, host)
     kept = tuple(a for a in started.assignments if a.node_id not in added)
     actions: list[Action] = [RejoinNodes(started.attempt, kept)]
     if added:

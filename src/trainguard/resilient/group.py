@@ -59,6 +59,7 @@ __all__ = [
     "AttemptGroup",
     "AttemptInterrupted",
     "BarrierTimeout",
+    "StoreUnavailable",
     "end_default_group",
     "is_collective_failure",
 ]
@@ -99,6 +100,11 @@ class AttemptInterrupted(RuntimeError):
 
 class BarrierTimeout(RuntimeError):
     """The ranks of an attempt did not all arrive before the deadline."""
+
+
+class StoreUnavailable(RuntimeError):
+    """Rank 0 cannot host the attempt's rendezvous store: its port is taken. No rank can
+    join the attempt, so waiting for its deadline would only delay the restart."""
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -229,13 +235,19 @@ class AttemptGroup:
             if self._hosted is not None and self._hosted[:2] == address:
                 return self._hosted[2]
             self._hosted = None  # frees the old port before binding the new one
-            store = dist.TCPStore(
-                *address,
-                attempt.world_size,
-                is_master=True,
-                timeout=timedelta(seconds=timeout),
-                wait_for_workers=False,
-            )
+            try:
+                store = dist.TCPStore(
+                    *address,
+                    attempt.world_size,
+                    is_master=True,
+                    timeout=timedelta(seconds=timeout),
+                    wait_for_workers=False,
+                )
+            except dist.DistNetworkError as exc:  # EADDRINUSE: the store binds every address
+                raise StoreUnavailable(
+                    f"attempt {attempt.attempt}: rank 0 cannot host the rendezvous store on "
+                    f"port {attempt.master_port}: {str(exc).splitlines()[0][:200]}"
+                ) from exc
             self._hosted = (*address, store)
             return store
         self._hosted = None

@@ -6,7 +6,8 @@ same state (:mod:`trainguard.resilient.sync`), acknowledges, and calls the funct
 When a collective fails (a peer died) or the agent announces a newer attempt, it drops
 the process group, waits for the newer attempt and calls the function again, with the
 model, optimizer and data still in memory. Any other exception is re-raised. A worker
-that cannot join an attempt in time exits with ``EXIT_BARRIER_TIMEOUT``.
+that cannot join an attempt in time exits with ``EXIT_BARRIER_TIMEOUT``, and so does a
+rank 0 that cannot host the attempt's rendezvous store (its port is taken).
 
 Without ``TRAINGUARD_CONTROL_DIR`` (plain torchrun, or plain ``python``) the function
 runs once on an ``env://`` process group (a one-rank group without torchrun's env).
@@ -34,6 +35,7 @@ from trainguard.resilient.group import (
     AttemptGroup,
     AttemptInterrupted,
     BarrierTimeout,
+    StoreUnavailable,
     end_default_group,
     is_collective_failure,
 )
@@ -185,7 +187,7 @@ class _Supervisor:
                 self.group.abort()
                 wait_deadline = join_deadline
                 continue
-            except BarrierTimeout as exc:
+            except (BarrierTimeout, StoreUnavailable) as exc:
                 self.group.abort()
                 _give_up(f"rank {self.rank}: {exc}")
             except Exception as exc:

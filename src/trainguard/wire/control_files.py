@@ -14,7 +14,10 @@ in-process attempts). Every file is JSON and written atomically (a temporary fil
   finished its state sync; it resumes at ``step`` with state from ``state_source``.
 
 A worker that cannot join an attempt within its ``barrier_timeout_seconds`` exits with
-:data:`EXIT_BARRIER_TIMEOUT`; the controller then falls back to a process-level restart.
+:data:`EXIT_BARRIER_TIMEOUT`, and so does a rank 0 that cannot bind ``master_port`` for
+the store (at once: no rank could join); the controller then falls back to a
+process-level restart. An attempt in place whose rank 0 keeps its process keeps the
+previous attempt's ``master_port``: that process serves the store already.
 No torch here: the agent and light test workers read these files too.
 """
 
