@@ -91,6 +91,16 @@ class Cluster:
         data: dict[str, Any] = json.loads(done.stdout)
         return data
 
+    def resilient_lines(self, name: str) -> str:
+        """What the job's resilient workers said (``[trainguard.resilient]`` lines of its
+        pods' logs, by pod): what a failed assertion on an in-place attempt should show."""
+        found = []
+        for log in sorted((self.root / "pods").glob(f"default-{name}-*.log")):
+            said = [line for line in log.read_text(errors="replace").splitlines()
+                    if "[trainguard.resilient]" in line]  # fmt: skip
+            found += [f"{log.stem}:", *(f"  {line[:300]}" for line in said[-20:])]
+        return "\n".join(found)
+
     def metrics(self) -> str:
         """The operator's /metrics page (Prometheus' text format)."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"

@@ -372,8 +372,9 @@ def test_a_resilient_job_scales_down_and_back_up_in_place(cluster: Cluster) -> N
     pods = {n["nodeId"]: n["pod"] for n in cluster.status(name)["nodes"]}
     cluster.kubelet.evict(pods["node-1"], grace=3.0)
     status = cluster.wait_phase(name, "Succeeded", "Failed", timeout=300)
-    assert status["phase"] == "Succeeded", status.get("conditions")
-    assert status["restartCount"] == 0 and status.get("faults", []) == [], status
+    said = cluster.resilient_lines(name)
+    assert status["phase"] == "Succeeded", f"{status.get('conditions')}\n{said}"
+    assert status["restartCount"] == 0 and status.get("faults", []) == [], f"{status}\n{said}"
     scalings = [e["message"] for e in cluster.describe(name)["events"]
                 if e["reason"] == "ElasticScaling"]  # fmt: skip
     assert len(scalings) == 2 and all("in place" in m for m in scalings), scalings
