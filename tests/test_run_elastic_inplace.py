@@ -68,6 +68,10 @@ def scaled_in_place(
     assert [(s["from"], s["to"], s["in_place"]) for s in scalings] == [
         (full, full - 1, True), (full - 1, full, True)
     ]  # fmt: skip
+    # Why each survivor left: a peer's failure, or the new attempt (never what the
+    # dropped group made the function raise meanwhile).
+    left = [e["message"] for e in job["events"] if e["kind"] == "InProcessRestart"]
+    assert left and not [m for m in left if "process group has not been initialized" in m], left
     return job
 
 

@@ -233,9 +233,13 @@ class _Supervisor:
             failed, failed_wall = time.monotonic(), time.time()
             self.watcher.disarm()
             self.group.abort()
-            if not (is_collective_failure(exc) or self.watcher.newer_than(attempt.attempt)):
+            if is_collective_failure(exc):
+                return failed, failed_wall, _short(exc)
+            if not self.watcher.newer_than(attempt.attempt):
                 raise
-            return failed, failed_wall, _short(exc)
+            # The watcher dropped the group under the function: whatever it raised then
+            # (no default group, say) is not why the attempt ended.
+            return failed, failed_wall, "a newer attempt was announced"
         self.watcher.disarm()
         return None
 
