@@ -95,10 +95,12 @@ class Cluster:
         """What the job's resilient workers said (``[trainguard.resilient]`` lines of its
         pods' logs, by pod): what a failed assertion on an in-place attempt should show."""
         found = []
-        for log in sorted((self.root / "pods").glob(f"default-{name}-*.log")):
+        for (namespace, pod), log in sorted(self.server.logs.items()):
+            if namespace != "default" or not pod.startswith(f"{name}-"):
+                continue
             said = [line for line in log.read_text(errors="replace").splitlines()
                     if "[trainguard.resilient]" in line]  # fmt: skip
-            found += [f"{log.stem}:", *(f"  {line[:300]}" for line in said[-20:])]
+            found += [f"{pod}:", *(f"  {line[:300]}" for line in said[-20:])]
         return "\n".join(found)
 
     def metrics(self) -> str:
