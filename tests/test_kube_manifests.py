@@ -29,7 +29,11 @@ from trainguard.spec import SpecError, load_job, parse_job
 
 K8S_VERSION = "1.31"
 CHART = REPO / "deploy" / "helm" / "trainguard"
-JOBS = [REPO / "examples" / "gpt" / "job.yaml", *sorted((REPO / "tests" / "data").glob("*.yaml"))]
+JOBS = [
+    REPO / "examples" / "gpt" / "job.yaml",
+    REPO / "docs" / "examples" / "job-minimal.yaml",
+    *sorted((REPO / "tests" / "data").glob("*.yaml")),
+]
 
 
 def validate(obj: dict[str, Any]) -> None:
@@ -315,7 +319,7 @@ def test_job_pods_service_and_secret_are_valid_kubernetes() -> None:
 
 
 def test_symbolic_nproc_needs_a_number_or_a_gpu_limit_on_kubernetes() -> None:
-    job = load_job(REPO / "tests" / "data" / "spec_minimal.yaml")
+    job = load_job(REPO / "docs" / "examples" / "job-minimal.yaml")
     data = job.model_dump(mode="json", by_alias=True, exclude_none=True)
     data["spec"]["nprocPerNode"] = "cpu"
     with pytest.raises(SpecError, match=r"spec\.nprocPerNode"):

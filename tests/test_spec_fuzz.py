@@ -1,10 +1,10 @@
 """Fuzzing spec loading (hypothesis): whatever the document, only a clean SpecError comes
 out of load_job / parse_job / resolve_plan, never another exception (a traceback).
 
-The documents are the example specs (examples/, tests/data) mutated: a value replaced by
-one of a random type, a key dropped or added, characters of the YAML text replaced by
-YAML's own punctuation (anchors, aliases, tags, flow collections). A job that is valid
-must also store (json.dumps of its dump) and resolve into a plan.
+The documents are the example specs (examples/, docs/examples/, tests/data) mutated: a
+value replaced by one of a random type, a key dropped or added, characters of the YAML
+text replaced by YAML's own punctuation (anchors, aliases, tags, flow collections). A
+job that is valid must also store (json.dumps of its dump) and resolve into a plan.
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ from trainguard.spec import plan as plan_module
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted(
-    [*(REPO / "examples").glob("*/*.yaml"), *(REPO / "tests" / "data").glob("*.yaml")]
+    [
+        *(REPO / "examples").glob("*/*.yaml"),
+        *(REPO / "docs" / "examples").glob("*.yaml"),
+        *(REPO / "tests" / "data").glob("*.yaml"),
+    ]
 )
 TEXTS = [path.read_text(encoding="utf-8") for path in EXAMPLES]
 DOCUMENTS = [yaml.safe_load(text) for text in TEXTS]

@@ -10,6 +10,7 @@ import pytest
 from trainguard.spec import SpecError, load_job, parse_job, resolve_plan
 
 DATA = Path(__file__).parent / "data"
+STARTING_SPEC = Path(__file__).parent.parent / "docs" / "examples" / "job-minimal.yaml"
 
 
 def load_error(path: Path) -> SpecError:
@@ -75,7 +76,7 @@ def test_wrong_api_version_and_kind(tmp_path: Path) -> None:
 
 def test_validation_errors_name_the_file(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
-    text = (DATA / "spec_minimal.yaml").read_text().replace("replicas: 2", "replicas: 0")
+    text = STARTING_SPEC.read_text().replace("replicas: 2", "replicas: 0")
     path.write_text(text)
     assert str(load_error(path)) == f"{path}: spec.replicaSpecs[0].replicas: must be >= 1"
 

@@ -11,6 +11,7 @@ import pytest
 from trainguard.spec import SpecError, TrainingJob, json_schema, load_job, parse_job
 
 DATA = Path(__file__).parent / "data"
+STARTING_SPEC = Path(__file__).parent.parent / "docs" / "examples" / "job-minimal.yaml"
 
 MINIMAL: dict[str, Any] = {
     "apiVersion": "trainguard.dev/v1",
@@ -83,7 +84,7 @@ def test_example_file_parses_with_log_rules() -> None:
 
 
 def test_minimal_example_file_parses() -> None:
-    job = load_job(DATA / "spec_minimal.yaml")
+    job = load_job(STARTING_SPEC)
     assert job.metadata.name == "minimal"
     assert job.spec.replica_specs[0].replicas == 2
 
