@@ -6,7 +6,7 @@ TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install demo test unit e2e lint format bench gpu-check clean
+.PHONY: install demo test unit e2e lint format docs bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -55,6 +55,14 @@ lint: install
 	$(VENV)/bin/ruff check src tests examples bench
 	$(VENV)/bin/ruff format --check src tests examples bench
 	$(VENV)/bin/mypy
+
+# The docs site (docs/, Sphinx with MyST Markdown) into docs/_build/html. The reference
+# pages are regenerated from the code first (under CI only checked: a stale committed page
+# fails); -W makes every warning an error (a broken link or anchor, a page missing or left
+# out of the toctree), -n every unresolved reference.
+docs: install
+	$(PY) docs/generate_reference.py $(if $(CI),--check)
+	$(VENV)/bin/sphinx-build -W --keep-going -n -q -b html docs docs/_build/html
 
 format: install
 	$(VENV)/bin/ruff format src tests examples bench
