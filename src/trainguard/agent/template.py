@@ -47,6 +47,7 @@ from typing import TextIO
 
 from trainguard.agent.exec_worker import set_parent_death_signal
 from trainguard.agent.preload import WarmCommand, fork_unsafe_reason, preload, warm_command
+from trainguard.agent.script_end import GroupKeeper
 
 EXIT_USAGE = 2
 EXIT_PARENT_GONE = 1
@@ -147,8 +148,11 @@ def _text_stream(fd: int, unbuffered: bool, like: TextIO | None) -> io.TextIOWra
 
 def run_worker(command: WarmCommand) -> None:
     """Run the script or module as ``__main__``, as ``python`` would: ``sys.argv``,
-    ``sys.path[0]``, the ``__main__`` module; an uncaught exception is printed by
-    ``sys.excepthook`` (without this module's frames) and exits 1."""
+    ``sys.path[0]``, the ``__main__`` module. Whatever ends it (an exception, a
+    ``SystemExit``, a ``KeyboardInterrupt``) goes on up to the interpreter, which ends the
+    process as ``python``'s does (:mod:`trainguard.agent.script_end`); its traceback is
+    printed without this module's frames. The script's destroyed process groups are let
+    go of first."""
     if command.module:
         sys.argv = ["-m", *command.args]
         sys.path[0] = os.getcwd()
@@ -158,16 +162,34 @@ def run_worker(command: WarmCommand) -> None:
         sys.argv = [path, *command.args]
         sys.path[0] = os.path.dirname(os.path.realpath(path))
         runner = _script_runner(path)
+    keeper = GroupKeeper.install()
     try:
         runner()
-    except (SystemExit, KeyboardInterrupt):
+    except BaseException:
+        _hide_own_frames()
         raise
-    except BaseException as exc:
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-            tb = tb.tb_next
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        sys.exit(1)
+    finally:
+        if keeper is not None:
+            keeper.release()
+
+
+def _hide_own_frames() -> None:
+    """Have the traceback the interpreter prints for the exception now leaving the script
+    start where ``python SCRIPT``'s would: after the frames of the template's own start
+    (``runpy`` and this module), through whatever ``sys.excepthook`` is then."""
+    hook = sys.excepthook
+
+    def without_own_frames(
+        kind: type[BaseException], value: BaseException, tb: types.TracebackType | None
+    ) -> None:
+        start, walk = tb, tb
+        while walk is not None:
+            if walk.tb_frame.f_code.co_filename == __file__:
+                start = walk.tb_next
+            walk = walk.tb_next
+        hook(kind, value.with_traceback(start), start)
+
+    sys.excepthook = without_own_frames
 
 
 def _script_runner(path: str) -> types.FunctionType:
