@@ -24,6 +24,7 @@ from trainguard.agent.inprocess import ResilientGroup
 from trainguard.monitor.heartbeat import read_heartbeats
 from trainguard.monitor.rules import NodeLogMonitor
 from trainguard.monitor.worker_events import read_events
+from trainguard.platform.procs import cpu_seconds
 from trainguard.wire.requests import NodeAssignment, ReplaceRequest
 from trainguard.wire.status import (
     CheckpointStatus,
@@ -236,6 +237,7 @@ class Board:
             workers = [self.workers[k] for k in sorted(self.workers)]
         # Outside the lock: the monitor has its own, heartbeats and events are files.
         events = read_events(beats_dir.parent / "events") if beats_dir is not None else []
+        workers = [_with_cpu(w) for w in workers]
         if isinstance(group, ResilientGroup):
             facts = group.facts(events)
             workers = [
@@ -261,3 +263,12 @@ class Board:
             checkpoint=persister.status() if persister is not None else CheckpointStatus(),
             hot_spares=group.idle_spares if isinstance(group, ResilientGroup) else 0,
         )
+
+
+def _with_cpu(worker: WorkerStatus) -> WorkerStatus:
+    """A running worker's status with its CPU time so far (the controller tells a rank
+    that lingers idle after the others exited from one still working)."""
+    if worker.state is not WorkerState.RUNNING or worker.pid is None:
+        return worker
+    used = cpu_seconds(worker.pid)
+    return worker if used is None else worker.model_copy(update={"cpu_seconds": used})

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from trainguard.control.elastic import ElasticConfig
+from trainguard.control.exit_hang import DEFAULT_TIMEOUT as DEFAULT_EXIT_HANG_TIMEOUT
 from trainguard.control.persist import DurableCadence
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.stragglers import (
@@ -41,6 +42,9 @@ class ControlConfig:
     # How much of each rank's output the agents keep on disk (spec.trainguard.logs).
     log_limits: LogLimits = field(default_factory=LogLimits)
     heartbeat_timeout: float | None = None
+    # A rank still running this long (or 20 mean steps, if longer) after every other rank
+    # exited 0, idle, is an ExitHang (control/exit_hang.py); None: never.
+    exit_hang_timeout: float | None = DEFAULT_EXIT_HANG_TIMEOUT
     extra_env: dict[str, str] = field(default_factory=dict)
     active_deadline_seconds: float | None = None
 
@@ -113,6 +117,9 @@ class ControlConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+        hang = self.exit_hang_timeout
+        if hang is not None and not (math.isfinite(hang) and hang > 0):
+            raise ValueError(f"exit_hang_timeout: must be a finite number > 0, got {hang!r}")
         threshold = self.straggler_threshold
         if threshold is not None and not (math.isfinite(threshold) and threshold > 1):
             raise ValueError(f"straggler_threshold: must be a finite number > 1, got {threshold!r}")

@@ -352,6 +352,7 @@ class JobController:
             unreachable_after=cfg.unreachable_after,
             in_process=cfg.in_process,
             start_timeout=cfg.node_start_timeout,
+            exit_hang_timeout=cfg.exit_hang_timeout,
         )
 
     # -- running -------------------------------------------------------------
@@ -369,6 +370,7 @@ class JobController:
         faults += refusal_faults(now, attempt.number, refusals)
         faults += health_faults
         faults += self._stragglers(now, attempt, current)
+        faults += self._exit_hangs(now, attempt, current)
         actions: list[Action] = []
         if attempt.rejoin is not None and not faults:
             replace, faults = recovery.watch_rejoin(self, now, attempt, attempt.rejoin, reports)
@@ -406,12 +408,31 @@ class JobController:
         progress = attempt.watch.progress
         return [s.fault(now, attempt.number, progress.step if progress else None) for s in found]
 
+    def _exit_hangs(
+        self, now: float, attempt: Attempt, current: Sequence[tuple[str, NodeStatus]]
+    ) -> list[Fault]:
+        """A rank that outlives the others, idle (control/exit_hang.py): an ExitHang fault;
+        one that lingers but computes: a Lingering event, once per bound."""
+        if attempt.rejoin is not None or attempt.scale is not None:
+            return []
+        watch = attempt.watch
+        found = watch.exits.observe(now, len(attempt.assignments), current, watch.progress)
+        if found is None:
+            return []
+        if not found.hung:
+            node, rank = found.one()
+            data = {"ranks": [r for _, r in found.busy], "bound": found.bound}
+            self._event(now, "Lingering", found.message(now), attempt.number, node, rank, data)
+            return []
+        return [found.fault(now, attempt.number, watch.progress.step if watch.progress else None)]
+
     def _complete(
         self,
         now: float,
         attempt: Attempt,
         reports: Mapping[str, NodeReport],
         actions: list[Action],
+        reason: str = "all ranks completed",
     ) -> list[Action]:
         if self._final_persist_until is None:
             self._final_persist_until = now + self.config.final_persist_timeout
@@ -423,7 +444,7 @@ class JobController:
         if self.checkpoints.busy and now < self._final_persist_until:
             return actions  # the newest checkpoint is still on its way to durable storage
         self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0")
-        return [*actions, *self._finish(now, JobPhase.SUCCEEDED, "all ranks completed")]
+        return [*actions, *self._finish(now, JobPhase.SUCCEEDED, reason)]
 
     def _note_persist_refused(self, now: float, refusal: Refusal) -> None:
         note = self.checkpoints.refused(refusal.node_id, refusal.message)
@@ -455,6 +476,10 @@ class JobController:
         if attempt.scale is not None and not waiting and finished(attempt.number, nodes, reports):
             return self._complete(now, attempt, reports, [])  # finished before it stopped
         self.record.attach_stacks(attempt, reports)
+        if not waiting and self._cancel is None and _work_done_but_exit(attempt):
+            ranks = sorted(r for f in attempt.faults for r in f.evidence.get("ranks", []))
+            reason = f"all ranks completed (ranks {ranks} ended as ExitHang after their work)"
+            return self._complete(now, attempt, reports, [], reason)
         limit = self.config.unreachable_after
         for fault in stop_faults(
             now, attempt.number, nodes, attempt.faults, waiting, reports, limit
@@ -533,3 +558,11 @@ class JobController:
         if attempt is None and self.attempts:
             attempt = self.attempts[-1].number
         self.record.event(now, kind, message, attempt, node, rank, data)
+
+
+def _work_done_but_exit(attempt: Attempt) -> bool:
+    """Every fault of the stopped ``attempt`` is an ExitHang of ranks whose work was done
+    (control/exit_hang.py): the job completes."""
+    return bool(attempt.faults) and all(
+        f.type is FaultType.EXIT_HANG and f.evidence.get("finished") is True for f in attempt.faults
+    )

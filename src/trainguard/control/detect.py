@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 
 from trainguard.control.contact import Contact, contact, lost, lost_reason
 from trainguard.control.events import Fault, FaultType
+from trainguard.control.exit_hang import DEFAULT_TIMEOUT as DEFAULT_EXIT_HANG_TIMEOUT
+from trainguard.control.exit_hang import ExitWatch
 from trainguard.control.reports import NodeReport, Refusal
 from trainguard.monitor.hang import HangWatch, HeartbeatWatch
 from trainguard.monitor.rules import LogRuleSpec
@@ -136,8 +138,10 @@ class AttemptWatch:
         unreachable_after: int = 3,
         in_process: bool = False,
         start_timeout: float | None = None,
+        exit_hang_timeout: float | None = DEFAULT_EXIT_HANG_TIMEOUT,
     ) -> None:
-        """``start_timeout``: how long an up node may go on reporting an older attempt."""
+        """``start_timeout``: how long an up node may go on reporting an older attempt;
+        ``exit_hang_timeout``: the floor of :class:`ExitWatch`'s bound (None: never)."""
         self.attempt = attempt
         self.started_at = started_at
         self.start_timeout = start_timeout
@@ -145,6 +149,7 @@ class AttemptWatch:
         self.in_process = in_process
         self._hang = HangWatch(rules, started_at) if rules else None
         self._beats = HeartbeatWatch(heartbeat_timeout) if heartbeat_timeout else None
+        self.exits = ExitWatch(exit_hang_timeout)  # ranks that outlive the others
         self._seen: set[tuple[str, str, str, int, float]] = set()
         self._exits: set[tuple[str, int, int | None]] = set()
         self.progress: Progress | None = None  # the job's, in this attempt

@@ -33,11 +33,13 @@ class FaultType(StrEnum):
     # A monitor found a node unhealthy (an XID, a lost GPU, a full disk, ...), or someone
     # asked for the node to be replaced.
     NODE_UNHEALTHY = "NodeUnhealthy"
+    # A rank still running, idle, well after every other rank exited 0 (control/exit_hang.py).
+    EXIT_HANG = "ExitHang"
 
     @property
     def is_hang(self) -> bool:
         """Faults where the workers are alive but stuck: their stacks are worth capturing."""
-        return self in (FaultType.LOG_HANG, FaultType.HEARTBEAT_TIMEOUT)
+        return self in (FaultType.LOG_HANG, FaultType.HEARTBEAT_TIMEOUT, FaultType.EXIT_HANG)
 
     @property
     def loses_node(self) -> bool:

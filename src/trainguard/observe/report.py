@@ -232,7 +232,25 @@ def _fault_section(history: JobHistory, acc: Accounting) -> str:
         )
     head = ["detected", "type", "injected", "attempt", "node", "rank", "step", "scope"]
     head += ["recovery s", "lost steps", "message"]
-    return "<section><h2>Faults</h2>" + table(head, rows, "faults") + "</section>"
+    stacks = "".join(_stacks(f) for f in history.faults)
+    return "<section><h2>Faults</h2>" + table(head, rows, "faults") + stacks + "</section>"
+
+
+def _stacks(fault: Mapping[str, Any]) -> str:
+    """The stacks captured for a hang, one folded block per rank."""
+    evidence = fault.get("evidence")
+    stacks = evidence.get("stacks") if isinstance(evidence, Mapping) else None
+    if not isinstance(stacks, Mapping):
+        return ""
+    out = []
+    for rank, text in sorted(stacks.items(), key=lambda kv: str(kv[0])):
+        summary = (
+            f"Stacks of rank {rank} ({fault.get('type', '-')}, attempt {fault.get('attempt')})"
+        )
+        out.append(
+            f"<details><summary>{esc(summary)}</summary><pre>{esc(str(text))}</pre></details>"
+        )
+    return "".join(out)
 
 
 def _pace_section(history: JobHistory, figure: Png | None) -> str:

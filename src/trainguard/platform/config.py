@@ -57,6 +57,7 @@ def control_config(
             max_bytes_per_rank=options.logs.max_bytes_per_rank, keep=options.logs.keep
         ),
         heartbeat_timeout=options.heartbeat_timeout_seconds,
+        exit_hang_timeout=options.exit_hang_timeout_seconds,
         stop_grace_seconds=plan.stop_grace_seconds,
         active_deadline_seconds=plan.active_deadline_seconds,
         durable=DurableCadence(

@@ -124,6 +124,24 @@ def _pidfd(pid: int) -> int | None:
 
 def proc_stat(pid: int | None) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks since boot) from ``/proc/<pid>/stat``."""
+    fields = _stat_fields(pid)
+    try:
+        return (fields[0], int(fields[19])) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """CPU time (user + system, every thread) ``pid`` has used, from ``/proc/<pid>/stat``."""
+    fields = _stat_fields(pid)
+    try:
+        return (int(fields[11]) + int(fields[12])) / _clock_ticks() if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def _stat_fields(pid: int | None) -> list[str] | None:
+    """``/proc/<pid>/stat``'s fields after the name (the state letter first), or None."""
     if not pid or pid < 0:
         return None
     try:
@@ -131,11 +149,12 @@ def proc_stat(pid: int | None) -> tuple[str, int] | None:
             raw = f.read()
     except OSError:
         return None
-    fields = raw[raw.rfind(")") + 2 :].split()  # the name in parentheses may hold spaces
-    try:
-        return fields[0], int(fields[19])
-    except (IndexError, ValueError):
-        return None
+    return raw[raw.rfind(")") + 2 :].split()  # the name in parentheses may hold spaces
+
+
+@functools.cache
+def _clock_ticks() -> int:
+    return os.sysconf("SC_CLK_TCK")
 
 
 @functools.cache

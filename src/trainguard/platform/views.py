@@ -109,6 +109,23 @@ def _summary(job: JobRow) -> dict[str, Any]:
     }
 
 
+STACK_LINES = 40
+"""Lines of each rank's captured stack that ``describe`` prints (``-o json`` has all)."""
+
+
+def _print_stacks(faults: list[dict[str, Any]]) -> None:
+    """The stacks captured for hangs (a LogHang, an ExitHang, ...), rank by rank."""
+    for f in faults:
+        stacks = f["evidence"].get("stacks") or {}
+        for rank, text in sorted(stacks.items(), key=lambda kv: int(kv[0])):
+            lines = str(text).splitlines()
+            print(f"\nStacks of rank {rank} ({f['type']}, attempt {f['attempt']}):")
+            for line in lines[:STACK_LINES]:
+                print(f"  {line}")
+            if len(lines) > STACK_LINES:
+                print(f"  ... {len(lines) - STACK_LINES} more lines: describe -o json")
+
+
 def describe(store: Store, ref: str, output: str) -> int:
     data = job_json(store, store.job(ref))
     if output == "json":
@@ -200,6 +217,7 @@ def describe(store: Store, ref: str, output: str) -> int:
             ],
             indent=2,
         )
+        _print_stacks(data["faults"])
     print("\nEvents:")
     _table(
         [["TIME", "KIND", "ATTEMPT", "NODE", "RANK", "MESSAGE"]]

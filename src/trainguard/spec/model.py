@@ -84,6 +84,7 @@ DEFAULT_CONTROLLER_GRACE_SECONDS = 300.0
 MAX_CONTROLLER_GRACE_SECONDS = 7 * 24 * 3600.0
 DEFAULT_STRAGGLER_THRESHOLD = 1.3
 DEFAULT_STRAGGLER_WINDOW = 20
+DEFAULT_EXIT_HANG_TIMEOUT_SECONDS = 60.0  # trainguard.control.exit_hang.DEFAULT_TIMEOUT
 MAX_STRAGGLER_WINDOW = 10_000
 
 
@@ -270,6 +271,14 @@ class TrainguardOptions(SpecModel):
         default=None,
         description="trainguard extension: a rank that called trainguard.heartbeat() and then "
         "sent none for this long is hanging. Unset: heartbeats are not checked.",
+    )
+    exit_hang_timeout_seconds: Seconds | None = Field(
+        default=DEFAULT_EXIT_HANG_TIMEOUT_SECONDS,
+        description="trainguard extension: a rank still running this long after every other "
+        "rank of the attempt exited 0 (or 20 of the attempt's mean step times, if longer), "
+        "using no CPU meanwhile, is an ExitHang: its stacks are captured and it is ended; the "
+        "job succeeds when its work was done (its last step, if it reported one, is the "
+        "others'). null: never.",
     )
     progress_pattern: Regex | None = Field(
         default=None,

@@ -84,6 +84,9 @@ class WorkerStatus(Wire):
     # acknowledgement) and the newest attempt it left after a fault.
     joined: int | None = None
     left: int | None = None
+    # A running worker's CPU time so far (user + system, seconds): a rank that lingers
+    # after the others exited is hung only while it uses none (control/exit_hang.py).
+    cpu_seconds: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
     def describe_exit(self) -> str:
         """``"rank 3 exited with signal SIGKILL"`` / ``"... with exit code 3: <error>"``."""
