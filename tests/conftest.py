@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from netns_hosts import NamespaceHosts, factory
 from trainguard.platform.inbox import Inbox
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,3 +122,11 @@ def pid_alive(pid: int) -> bool:
 
 def worker_pids(out: Path) -> list[int]:
     return [json.loads(p.read_text())["pid"] for p in out.glob("rank-*.json")]
+
+
+@pytest.fixture
+def namespace_hosts() -> Iterator[Callable[..., NamespaceHosts]]:
+    """``make(count, prefix=None)``: network-namespace hosts on a bridge (tests/netns_hosts.py),
+    all closed after the test; skips when this machine cannot make them (not root, no ip)."""
+    with factory() as make:
+        yield make
