@@ -106,6 +106,7 @@ class FleetNode:
         self.node_id = node_id
         self.incarnation = incarnation
         self.last_pids: tuple[int, ...] = ()
+        self.address = "127.0.0.1"
         self.fleet: FleetProcess | None = None  # once the launcher spawned it
 
     @property

@@ -47,7 +47,11 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     run.add_argument("-f", "--file", help="a TrainingJob (or HyperPodPyTorchJob) YAML file")
-    run.add_argument("--nnodes", type=_positive_int, help="nodes (agents) to simulate")
+    run.add_argument(
+        "--nnodes",
+        type=_positive_int,
+        help="nodes: agents on this machine, or hosts with --rdzv-endpoint",
+    )
     run.add_argument(
         "--nproc-per-node",
         "--nproc_per_node",
@@ -111,6 +115,64 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="SECONDS",
         help="keep serving metrics this long after the job ends, for a last scrape",
+    )
+    hosts = run.add_argument_group(
+        "several hosts",
+        "run the same command on every host; the host that owns --rdzv-endpoint runs the "
+        "controller and node 0, the others join it (docs: Several machines)",
+    )
+    hosts.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
+        metavar="HOST[:PORT]",
+        help="where the job's controller listens (port 29500 if none is given)",
+    )
+    hosts.add_argument(
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        type=non_negative_int,
+        help="this host's node rank (default: the order hosts join in)",
+    )
+    hosts.add_argument(
+        "--join-timeout",
+        type=_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long the hosts have to join (default 600, torchrun's)",
+    )
+    hosts.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="the job's token, the same file on every host (else $TRAINGUARD_TOKEN)",
+    )
+    hosts.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate")
+    hosts.add_argument("--tls-key", metavar="FILE", help="the certificate's private key")
+    hosts.add_argument(
+        "--tls-ca", metavar="FILE", help="check the other hosts' certificates against this CA"
+    )
+    hosts.add_argument(
+        "--master-addr",
+        "--master_addr",
+        dest="master_addr",
+        metavar="HOST",
+        help="torchrun's static rendezvous: the same as --rdzv-endpoint HOST:--master-port",
+    )
+    hosts.add_argument(
+        "--master-port", "--master_port", dest="master_port", type=_port, default=29500
+    )
+    hosts.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        dest="rdzv_backend",
+        help="accepted and ignored: the controller assigns ranks",
+    )
+    hosts.add_argument(
+        "--rdzv-id",
+        "--rdzv_id",
+        dest="rdzv_id",
+        help="accepted and ignored (the job id is the controller's)",
     )
     run.add_argument("script", nargs="?", help="training script (torchrun-style form)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")

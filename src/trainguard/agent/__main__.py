@@ -125,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CHECK",
         help="fail this on-start check without running it (a rehearsal)",
     )
+    parser.add_argument(
+        "--fence-after",
+        type=float,
+        metavar="SECONDS",
+        help="refuse to commit to the durable tier once the controller has not reached this "
+        "agent for SECONDS (a job on several hosts: shorter than the controller's lost-node "
+        "bound, so a node declared lost writes nothing that lasts); default: never",
+    )
     parser.add_argument("--log-level", default="INFO", help="agent log level (default: INFO)")
     return parser
 
@@ -227,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cwd: {args.cwd} is not a directory")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port: {args.port} is not a port number")
+    if args.fence_after is not None and not 0 < args.fence_after < MAX_CONTROLLER_GRACE:
+        parser.error(
+            f"--fence-after: expected a positive number of seconds, got {args.fence_after}"
+        )
     try:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -251,6 +263,7 @@ def _serve(
 ) -> int:
     # The agent's own modules only once the command line is known to be good.
     from trainguard.agent.controller_watch import ControllerWatch
+    from trainguard.agent.lease import ControllerLease
     from trainguard.agent.logs import Console, LogLayout
     from trainguard.agent.persist import MEMORY_DIR_ENV
     from trainguard.agent.replicas import ReplicaStore
@@ -264,6 +277,7 @@ def _serve(
         parser.error(f"--env: {clashes} are set by the agent for every worker")
 
     timings = AgentTimings()
+    lease = ControllerLease(args.fence_after)
     supervisor = Supervisor(
         args.node_id,
         worker_argv,
@@ -275,6 +289,7 @@ def _serve(
         token=token,
         incarnation=args.incarnation,
         start_options=StartOptions(warm=not args.cold_start, preload=tuple(args.preload)),
+        fence=lease.fenced,
     )
     if args.parent_pid is not None and args.controller_grace:
         supervisor.controller = ControllerWatch(args.parent_pid, args.controller_grace)
@@ -300,7 +315,7 @@ def _serve(
         else None
     )
     try:
-        server = AgentHTTPServer(args.host, args.port, supervisor, token, replicas)
+        server = AgentHTTPServer(args.host, args.port, supervisor, token, replicas, lease=lease)
     except OSError as exc:
         parser.error(f"--host/--port: cannot bind {args.host}:{args.port}: {exc.strerror}")
     received: list[int] = []

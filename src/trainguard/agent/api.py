@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from trainguard.agent.lease import ControllerLease
 from trainguard.agent.monitoring import build_monitor
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.requests import (
@@ -103,11 +104,14 @@ class AgentApi:
         {("GET", "/status"), ("POST", "/shutdown")}
     )
 
-    def __init__(self, node: NodeControl, token: str) -> None:
+    def __init__(self, node: NodeControl, token: str, lease: ControllerLease | None = None) -> None:
+        """``lease``: touched by every request of the controller (not by replica pushes
+        from peer agents, which go elsewhere)."""
         if not token:
             raise ValueError("token must not be empty")
         self.node = node
         self._token = token.encode()
+        self.lease = lease
 
     def authorized(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries this job's bearer token."""
@@ -134,6 +138,8 @@ class AgentApi:
 
     def handle(self, method: str, path: str, body: bytes) -> Reply:
         """An authorized request (see :meth:`authorized`) to a route."""
+        if self.lease is not None:
+            self.lease.touch()
         path = path.split("?", 1)[0]
         unknown = self.route(method, path)
         if unknown is not None:

@@ -178,7 +178,12 @@ class DurablePersister:
         *,
         commit_timeout: float = COMMIT_TIMEOUT_SECONDS,
         workers_alive: Callable[[], bool] = lambda: True,
+        fence: Callable[[], str | None] = lambda: None,
     ) -> None:
+        """``fence``: why nothing may be written to the durable tier now (a node that the
+        controller may have declared lost, :mod:`trainguard.agent.lease`), else None;
+        asked before every shard and before the commit."""
+        self._fence = fence
         self.memory_dir = memory_dir
         self.settings = settings
         self.commit_timeout = commit_timeout
@@ -289,6 +294,7 @@ class DurablePersister:
             copies = [read_shard(shard) for _, shard in sorted(checked.items())]
             tier = self._open()
             for data, meta in copies:
+                self._check_fence(step)
                 tier.write_shard(step, int(meta["rank"]), data, meta)
             del copies
             with self._lock:
@@ -326,9 +332,15 @@ class DurablePersister:
                 )
             time.sleep(HOLD_POLL_SECONDS)
 
+    def _check_fence(self, step: int) -> None:
+        why = self._fence()
+        if why is not None:
+            raise PersistFailed(f"step {step}: not written: {why}")
+
     def _commit(self, step: int, world_size: int) -> None:
         tier = self._open()
         deadline = time.monotonic() + self.commit_timeout
+        self._check_fence(step)
         while not tier.commit(step, world_size):
             if time.monotonic() > deadline:
                 raise PersistFailed(
@@ -336,6 +348,7 @@ class DurablePersister:
                     f"within {self.commit_timeout:.0f} s"
                 )
             time.sleep(COMMIT_POLL_SECONDS)
+            self._check_fence(step)
         pruned = tier.prune(self.settings.keep)
         with self._lock:
             self._committed.append(step)
@@ -361,7 +374,10 @@ def _trim_dict(items: dict[int, str]) -> None:
 
 
 def make_persister(
-    agent_env: Mapping[str, str], job_id: str, workers_alive: Callable[[], bool]
+    agent_env: Mapping[str, str],
+    job_id: str,
+    workers_alive: Callable[[], bool],
+    fence: Callable[[], str | None] = lambda: None,
 ) -> DurablePersister | None:
     """The node's durable writer, from the agent's environment: its memory tier
     (``TRAINGUARD_CHECKPOINT_MEMORY_DIR``) and the job's checkpoint config; None without
@@ -370,4 +386,4 @@ def make_persister(
     settings = DurableSettings.from_config_json(agent_env.get(CONFIG_ENV), job_id)
     if not memory_dir or settings is None:
         return None
-    return DurablePersister(Path(memory_dir), settings, workers_alive=workers_alive)
+    return DurablePersister(Path(memory_dir), settings, workers_alive=workers_alive, fence=fence)

@@ -50,6 +50,7 @@ from typing import Any
 from trainguard.agent.api import MAX_JSON_BYTES, AgentApi, NodeControl
 from trainguard.agent.http_conn import Connection, HttpError, head_end, reply_bytes
 from trainguard.agent.http_handler import RequestHandler
+from trainguard.agent.lease import ControllerLease
 from trainguard.agent.replicas import ReplicaStore
 
 __all__ = ["MAX_BODY_BYTES", "AgentHTTPServer", "ServerLimits"]
@@ -105,8 +106,9 @@ class AgentHTTPServer:
         token: str,
         replicas: ReplicaStore | None = None,
         limits: ServerLimits | None = None,
+        lease: ControllerLease | None = None,
     ) -> None:
-        self.api = AgentApi(node, token)
+        self.api = AgentApi(node, token, lease)
         self.replicas = replicas
         self.limits = limits or ServerLimits()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -19,7 +19,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -125,10 +125,12 @@ class Supervisor:
         token: str = "",
         incarnation: str = "",
         start_options: StartOptions = FRESH_STARTS,
+        fence: Callable[[], str | None] = lambda: None,
     ) -> None:
         """``start_options``: warm worker starts (see :mod:`trainguard.agent.warm`); off
         unless asked for, the agent's command line turns them on."""
         self.node_id = node_id
+        self._fence = fence  # why the durable tier is off limits now (agent/lease.py)
         self._worker_argv = list(worker_argv)
         self._layout = layout
         self._agent_env = dict(agent_env or {})
@@ -307,7 +309,7 @@ class Supervisor:
         self._replicate(request)
         if self._persister is None:
             self._persister = make_persister(
-                self._agent_env, assignment.job_id, lambda: self._group is not None
+                self._agent_env, assignment.job_id, lambda: self._group is not None, self._fence
             )
         beats_dir = self._layout.attempt_dir(assignment.attempt) / "heartbeats"
         beats_dir.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,9 @@ class ControlConfig:
     # Consecutive failed contacts (status polls or requests) after which a node that
     # answered before is lost; one failure is evidence, not a verdict.
     unreachable_after: int = 3
+    # ... and the seconds it must have been silent by then (across hosts: longer than its
+    # agent's fence, agent/lease.py; 0: the count alone decides).
+    lost_after: float = 0.0
 
     # -- stopping ---------------------------------------------------------------------
     stop_grace_seconds: float = 10.0
@@ -113,6 +116,7 @@ class ControlConfig:
             "final_persist_timeout",
             "barrier_timeout",
             "stuck_rank_timeout",
+            "lost_after",
         ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):

@@ -3,9 +3,11 @@
 - A node the platform knows to be gone (its agent process exited, its pod was deleted)
   is **lost** at once.
 - A node whose agent answered before is **lost** once ``unreachable_after`` contacts in
-  a row (status polls or requests, whichever came) got no answer. Fewer are evidence
-  only: the node stays **up**, judged by its last status. One refused connection or one
-  slow reply is not worth a full job restart.
+  a row (status polls or requests, whichever came) got no answer, and (``lost_after``,
+  across hosts) it has been silent that many seconds. Less is evidence only: the node
+  stays **up**, judged by its last status. One refused connection or one slow reply is
+  not worth a full job restart; and a node is not declared lost before its agent's own
+  lease has fenced it (:mod:`trainguard.agent.lease`).
 - A node whose agent never answered is **pending** (coming up); the controller gives it
   ``node_start_timeout`` from its launch.
 
@@ -28,7 +30,7 @@ class Contact(StrEnum):
     LOST = "lost"  # gone, or silent for ``unreachable_after`` contacts in a row
 
 
-def contact(report: NodeReport | None, unreachable_after: int) -> Contact:
+def contact(report: NodeReport | None, unreachable_after: int, lost_after: float = 0.0) -> Contact:
     """The verdict on one node (a node without a report is pending)."""
     if report is None:
         return Contact.PENDING
@@ -36,13 +38,13 @@ def contact(report: NodeReport | None, unreachable_after: int) -> Contact:
         return Contact.LOST
     if report.status is None:
         return Contact.PENDING
-    if report.failed_contacts >= unreachable_after:
+    if report.failed_contacts >= unreachable_after and report.silent_for >= lost_after:
         return Contact.LOST
     return Contact.UP
 
 
-def lost(report: NodeReport | None, unreachable_after: int) -> bool:
-    return contact(report, unreachable_after) is Contact.LOST
+def lost(report: NodeReport | None, unreachable_after: int, lost_after: float = 0.0) -> bool:
+    return contact(report, unreachable_after, lost_after) is Contact.LOST
 
 
 def lost_reason(report: NodeReport, unreachable_after: int) -> str:
@@ -50,16 +52,17 @@ def lost_reason(report: NodeReport, unreachable_after: int) -> str:
     if report.gone is not None:
         return f"{report.node_id} lost: {report.gone}"
     error = f" (last: {report.error})" if report.error else ""
+    silent = f" over {report.silent_for:.1f}s" if report.silent_for else ""
     return (
         f"{report.node_id} lost: its agent did not answer {report.failed_contacts} "
-        f"contacts in a row (limit {unreachable_after}){error}"
+        f"contacts in a row{silent} (limit {unreachable_after}){error}"
     )
 
 
-def settled(report: NodeReport | None, unreachable_after: int) -> bool:
+def settled(report: NodeReport | None, unreachable_after: int, lost_after: float = 0.0) -> bool:
     """Nothing more to wait for on this node: none of its workers runs, or it is not up
     (a lost or never-up node: the platform reaps what is left of it)."""
-    if contact(report, unreachable_after) is not Contact.UP:
+    if contact(report, unreachable_after, lost_after) is not Contact.UP:
         return True
     assert report is not None and report.status is not None
     return report.status.quiescent
@@ -71,6 +74,7 @@ def launch_verdict(
     unreachable_after: int,
     late: bool,
     start_timeout: float,
+    lost_after: float = 0.0,
 ) -> tuple[list[tuple[str, str]], list[str]]:
     """Of nodes being brought up for an attempt: ``(lost, waiting)`` — the lost ones with
     why, and the ones not up and idle yet (lost too once ``late``, past the start
@@ -79,10 +83,10 @@ def launch_verdict(
     waiting: list[str] = []
     for node_id in node_ids:
         report = reports.get(node_id)
-        verdict = contact(report, unreachable_after)
+        verdict = contact(report, unreachable_after, lost_after)
         if verdict is Contact.LOST and report is not None:
             lost.append((node_id, lost_reason(report, unreachable_after)))
-        elif verdict is Contact.PENDING or not settled(report, unreachable_after):
+        elif verdict is Contact.PENDING or not settled(report, unreachable_after, lost_after):
             waiting.append(node_id)
     if late:
         why = f"its agent was not ready within {start_timeout:g}s"

@@ -284,6 +284,7 @@ class JobController:
             self.config.unreachable_after,
             deadline is not None and now >= deadline,
             self.config.node_start_timeout,
+            self.config.lost_after,
         )
         deadline = attempt.faulty_deadline
         if self.elastic is not None and deadline is not None and now >= deadline:
@@ -350,6 +351,7 @@ class JobController:
             cfg.log_rules,
             cfg.heartbeat_timeout,
             unreachable_after=cfg.unreachable_after,
+            lost_after=cfg.lost_after,
             in_process=cfg.in_process,
             start_timeout=cfg.node_start_timeout,
             exit_hang_timeout=cfg.exit_hang_timeout,
@@ -482,8 +484,9 @@ class JobController:
             return self._complete(now, attempt, reports, [], reason)
         limit = self.config.unreachable_after
         for fault in stop_faults(
-            now, attempt.number, nodes, attempt.faults, waiting, reports, limit
-        ):
+            now, attempt.number, nodes, attempt.faults, waiting, reports, limit,
+            self.config.lost_after,
+        ):  # fmt: skip
             self._record_fault(now, attempt, fault)
         outcome = AttemptPhase.FAILED if attempt.faults else AttemptPhase.STOPPED
         self._end_attempt(now, attempt, outcome, attempt.reason or "stopped")
@@ -517,7 +520,7 @@ class JobController:
         return StopNodes(attempt.number, attempt.nodes, mode, grace, capture, notice)
 
     def _stopped(self, report: NodeReport | None) -> bool:
-        return settled(report, self.config.unreachable_after)
+        return settled(report, self.config.unreachable_after, self.config.lost_after)
 
     # -- records ------------------------------------------------------------------
 

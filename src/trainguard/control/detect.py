@@ -93,6 +93,7 @@ def stop_faults(
     waiting: Sequence[str],
     reports: Mapping[str, NodeReport],
     unreachable_after: int,
+    lost_after: float = 0.0,
 ) -> list[Fault]:
     """When the stop of ``attempt`` (on ``nodes``) ends: the nodes that did not stop in
     time (``waiting``), and the nodes lost while stopping (a machine that died just after
@@ -111,7 +112,11 @@ def stop_faults(
     replaced = {f.node for f in [*recorded, *faults] if f.type.loses_node}
     for node_id in nodes:
         report = reports.get(node_id)
-        if node_id not in replaced and report is not None and lost(report, unreachable_after):
+        if (
+            node_id not in replaced
+            and report is not None
+            and lost(report, unreachable_after, lost_after)
+        ):
             message = lost_reason(report, unreachable_after)
             faults.append(Fault(FaultType.NODE_LOST, now, attempt, node=node_id, message=message))
     return faults
@@ -136,6 +141,7 @@ class AttemptWatch:
         heartbeat_timeout: float | None,
         *,
         unreachable_after: int = 3,
+        lost_after: float = 0.0,
         in_process: bool = False,
         start_timeout: float | None = None,
         exit_hang_timeout: float | None = DEFAULT_EXIT_HANG_TIMEOUT,
@@ -146,6 +152,7 @@ class AttemptWatch:
         self.started_at = started_at
         self.start_timeout = start_timeout
         self.unreachable_after = unreachable_after
+        self.lost_after = lost_after
         self.in_process = in_process
         self._hang = HangWatch(rules, started_at) if rules else None
         self._beats = HeartbeatWatch(heartbeat_timeout) if heartbeat_timeout else None
@@ -161,7 +168,8 @@ class AttemptWatch:
         out = []
         for a in assignments:
             report = reports.get(a.node_id)
-            if report is None or contact(report, self.unreachable_after) is not Contact.UP:
+            verdict = contact(report, self.unreachable_after, self.lost_after)
+            if report is None or verdict is not Contact.UP:
                 continue
             status = report.about(self.attempt)
             if status is not None:
@@ -182,7 +190,7 @@ class AttemptWatch:
         taken = {node_id for node_id, _ in current}
         for a in assignments:
             report = reports.get(a.node_id) or NodeReport(a.node_id, gone="no report")
-            verdict = contact(report, self.unreachable_after)
+            verdict = contact(report, self.unreachable_after, self.lost_after)
             if verdict is Contact.LOST:
                 message = lost_reason(report, self.unreachable_after)
             elif late and a.node_id not in taken:

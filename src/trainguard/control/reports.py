@@ -28,6 +28,8 @@ class NodeReport:
     status: NodeStatus | None = None
     # Polls or requests in a row that got no answer since the last one that did.
     failed_contacts: int = 0
+    # Seconds from the node's last answer to its latest failed contact (0 while it answers).
+    silent_for: float = 0.0
     # Why the platform knows the node is gone (agent process exited, pod deleted), if it is.
     gone: str | None = None
     # The last failed contact's error, for the reason of a lost node.

@@ -164,7 +164,10 @@ def _running(
         return False
     for node_id in nodes:
         report = reports.get(node_id)
-        if report is None or contact(report, c.config.unreachable_after) is not Contact.UP:
+        if (
+            report is None
+            or contact(report, c.config.unreachable_after, c.config.lost_after) is not Contact.UP
+        ):
             return False
         status = report.about(attempt.number)
         if status is None or status.state is not NodeState.RUNNING:
@@ -217,6 +220,7 @@ def _watch_growth(
         c.config.unreachable_after,
         now >= attempt.standby_deadline,
         c.config.node_start_timeout,
+        c.config.lost_after,
     )
     if lost:
         c.elastic.outcome(False)

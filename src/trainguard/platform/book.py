@@ -9,14 +9,15 @@ reads a consistent copy (:meth:`ReportBook.reports`) whenever it looks, and slee
   dropped. The newest status wins by the agent's ``seq``, so a slow poll can never
   replace a newer push.
 - Every answer resets the node's failed-contact count; every poll or request that got
-  none adds one. What that count means is the controller's call
-  (:mod:`trainguard.control.contact`).
+  none adds one, and notes how long the node has been silent since its last answer.
+  What those mean is the controller's call (:mod:`trainguard.control.contact`).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from trainguard.control.reports import NodeReport
@@ -38,6 +39,7 @@ class _Entry:
     report: NodeReport
     incarnation: str
     url: str | None = None
+    answered_at: float = field(default_factory=time.monotonic)  # or reset, if never
 
 
 class ReportBook:
@@ -86,7 +88,10 @@ class ReportBook:
             known = entry.report.status
             if known is not None and status.seq < known.seq:
                 return Taken.STALE
-            entry.report = replace(entry.report, status=status, failed_contacts=0, error=None)
+            entry.report = replace(
+                entry.report, status=status, failed_contacts=0, error=None, silent_for=0.0
+            )
+            entry.answered_at = time.monotonic()
             if push:
                 self._wake.set()
             return Taken.TAKEN
@@ -97,7 +102,10 @@ class ReportBook:
             entry = self._entries.get(node_id)
             if entry is not None:
                 count = entry.report.failed_contacts + 1
-                entry.report = replace(entry.report, failed_contacts=count, error=error)
+                silent = time.monotonic() - entry.answered_at
+                entry.report = replace(
+                    entry.report, failed_contacts=count, error=error, silent_for=silent
+                )
 
     # -- readers -----------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from trainguard.control.elastic import ElasticConfig
 from trainguard.control.persist import DurableCadence
 from trainguard.control.policy import PolicyConfig
 from trainguard.monitor.rules import LogRuleSpec
+from trainguard.spec.model import HOSTS_NODE_LOST_AFTER_SECONDS
 from trainguard.spec.plan import JobPlan, NodeGroupPlan
 from trainguard.wire.logs import LogLimits
 
@@ -21,13 +22,14 @@ def stuck_rank_timeout(barrier_timeout: float) -> float:
 
 
 def control_config(
-    plan: JobPlan, job_id: str, *, durable: bool
+    plan: JobPlan, job_id: str, *, durable: bool, hosts: bool = False
 ) -> tuple[ControlConfig, dict[str, tuple[int, NodeGroupPlan]]]:
     """The :class:`ControlConfig` of ``plan``, and each node id's group (index, plan).
 
     Node ids ``node-0..N-1`` run the job, in group order; each group's spare nodes follow
     them. ``durable``: the platform has a durable checkpoint tier, so the controller
-    schedules persisting to it (``spec.checkpointing``'s cadence).
+    schedules persisting to it (``spec.checkpointing``'s cadence); ``hosts``: the job
+    spans hosts (a node is lost only after ``nodeLostAfterSeconds`` of silence).
     """
     groups: dict[str, tuple[int, NodeGroupPlan]] = {}
     active: list[str] = []
@@ -58,6 +60,7 @@ def control_config(
         ),
         heartbeat_timeout=options.heartbeat_timeout_seconds,
         exit_hang_timeout=options.exit_hang_timeout_seconds,
+        lost_after=lost_after(options.node_lost_after_seconds, hosts),
         stop_grace_seconds=plan.stop_grace_seconds,
         active_deadline_seconds=plan.active_deadline_seconds,
         durable=DurableCadence(
@@ -79,6 +82,19 @@ def control_config(
         elastic_node_ids=growth,
     )
     return config, groups
+
+
+def lost_after(given: float | None, hosts: bool) -> float:
+    """``nodeLostAfterSeconds``, or its default: none on one machine, 8 s across hosts."""
+    if given is not None:
+        return given
+    return HOSTS_NODE_LOST_AFTER_SECONDS if hosts else 0.0
+
+
+def fence_after(lost: float) -> float:
+    """How long an agent goes on writing to the durable tier without a word from the
+    controller: half the lost-node bound (agent/lease.py)."""
+    return lost / 2
 
 
 def _elastic(

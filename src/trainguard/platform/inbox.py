@@ -18,8 +18,9 @@ import contextlib
 import hmac
 import logging
 import socket
+import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -30,7 +31,7 @@ from trainguard.wire.status import NodeStatus
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_REPORT_BYTES", "Inbox"]
+__all__ = ["MAX_REPORT_BYTES", "Inbox", "bearer_ok"]
 
 MAX_REPORT_BYTES = 4 * 1024 * 1024
 START_TIMEOUT = 10.0
@@ -42,15 +43,22 @@ class _Job:
     take: Callable[[NodeStatus], Taken]
 
 
-class Inbox:
-    """Receives pushed statuses for any number of jobs; see the module docstring."""
+class RouteServer:
+    """An aiohttp server on its own event-loop thread: ``routes`` at ``host:port`` (0: any
+    free port), HTTPS with ``tls``. Binds on construction (a port in use is an OSError
+    before any thread starts); ``url`` is where it serves."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, public_url: str | None = None):
-        """``public_url``: the base URL agents reach this server at, when not
-        ``http://host:port`` (e.g. a Kubernetes Service's name)."""
-        self._jobs: dict[str, _Job] = {}
-        self._lock = threading.Lock()
-        # Bind here, so that a port in use is an OSError before any thread starts.
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        routes: Sequence[web.RouteDef],
+        *,
+        public_url: str | None = None,
+        tls: ssl.SSLContext | None = None,
+        max_body: int = MAX_REPORT_BYTES,
+        name: str = "tg-server",
+    ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -60,22 +68,15 @@ class Inbox:
             sock.close()
             raise
         bound = int(sock.getsockname()[1])
-        self.url = (public_url or f"http://{_host(host)}:{bound}").rstrip("/")
+        self.port = bound
+        scheme = "https" if tls is not None else "http"
+        self.url = (public_url or f"{scheme}://{_host(host)}:{bound}").rstrip("/")
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tg-inbox", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
         self._runner: web.AppRunner | None = None
-        asyncio.run_coroutine_threadsafe(self._serve(sock), self._loop).result(START_TIMEOUT)
-
-    def register(self, key: str, token: str, take: Callable[[NodeStatus], Taken]) -> str:
-        """Take the pushes of job ``key``; returns the URL its agents push to."""
-        with self._lock:
-            self._jobs[key] = _Job(token.encode(), take)
-        return f"{self.url}/report/{key}"
-
-    def unregister(self, key: str) -> None:
-        with self._lock:
-            self._jobs.pop(key, None)
+        serving = self._serve(sock, routes, tls, max_body)
+        asyncio.run_coroutine_threadsafe(serving, self._loop).result(START_TIMEOUT)
 
     def close(self) -> None:
         if self._runner is not None:
@@ -87,23 +88,57 @@ class Inbox:
         if not self._thread.is_alive():
             self._loop.close()
 
-    async def _serve(self, sock: socket.socket) -> None:
-        app = web.Application(client_max_size=MAX_REPORT_BYTES)
-        app.router.add_post("/report/{key:.+}", self._report)
+    async def _serve(
+        self,
+        sock: socket.socket,
+        routes: Sequence[web.RouteDef],
+        tls: ssl.SSLContext | None,
+        max_body: int,
+    ) -> None:
+        app = web.Application(client_max_size=max_body)
+        app.router.add_routes(routes)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.SockSite(self._runner, sock, backlog=4096).start()
+        await web.SockSite(self._runner, sock, backlog=4096, ssl_context=tls).start()
+
+
+class Inbox(RouteServer):
+    """Receives pushed statuses for any number of jobs; see the module docstring."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        public_url: str | None = None,
+        *,
+        routes: Sequence[web.RouteDef] = (),
+        tls: ssl.SSLContext | None = None,
+    ):
+        """``public_url``: the base URL agents reach this server at, when not
+        ``http://host:port`` (e.g. a Kubernetes Service's name); ``routes``: more
+        handlers on the same server (a multi-host job's joins); ``tls``: serve HTTPS."""
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+        reports = web.post("/report/{key:.+}", self._report)
+        super().__init__(
+            host, port, [reports, *routes], public_url=public_url, tls=tls, name="tg-inbox"
+        )
+
+    def register(self, key: str, token: str, take: Callable[[NodeStatus], Taken]) -> str:
+        """Take the pushes of job ``key``; returns the URL its agents push to."""
+        with self._lock:
+            self._jobs[key] = _Job(token.encode(), take)
+        return f"{self.url}/report/{key}"
+
+    def unregister(self, key: str) -> None:
+        with self._lock:
+            self._jobs.pop(key, None)
 
     async def _report(self, request: web.Request) -> web.Response:
         with self._lock:
             job = self._jobs.get(request.match_info["key"])
-        scheme, _, credential = request.headers.get("Authorization", "").partition(" ")
         # An unknown job looks like a wrong token: no caller learns which jobs exist.
-        if (
-            job is None
-            or scheme.lower() != "bearer"
-            or not hmac.compare_digest(credential.strip().encode(), job.token)
-        ):
+        if job is None or not bearer_ok(request, job.token):
             return web.json_response({"error": "missing or wrong bearer token"}, status=401)
         try:
             status = parse_json(NodeStatus, await request.read(), "status")
@@ -115,6 +150,13 @@ class Inbox:
                 status=409,
             )
         return web.json_response({"accepted": True}, status=202)
+
+
+def bearer_ok(request: web.Request, token: bytes) -> bool:
+    """Whether ``request`` carries ``token`` as its bearer token (checked before any body
+    is read; constant time)."""
+    scheme, _, credential = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(), token)
 
 
 def _host(host: str) -> str:

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -27,10 +27,13 @@ from wsgiref.simple_server import WSGIServer
 from trainguard.agent.logcap import RotatingFile
 from trainguard.agent.warm import StartOptions
 from trainguard.control.controller import JobController, JobPhase
+from trainguard.hosts.addresses import resolve
+from trainguard.hosts.controller_host import AGENT_CONTACT_TIMEOUT, ControllerHost, interface_env
+from trainguard.hosts.launcher import HostsLauncher
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
 from trainguard.platform.book import ReportBook
-from trainguard.platform.config import control_config
+from trainguard.platform.config import control_config, fence_after
 from trainguard.platform.drive import drive
 from trainguard.platform.inbox import Inbox
 from trainguard.platform.inject import Injection, Injector
@@ -40,7 +43,7 @@ from trainguard.platform.procs import tune_gc_for_a_controller
 from trainguard.platform.resume import resumed_begin
 from trainguard.platform.store import JobRow, Store
 from trainguard.platform.throttle import LineThrottle
-from trainguard.platform.transport import AgentTransport
+from trainguard.platform.transport import DEFAULT_CONTACT_TIMEOUT, AgentTransport
 from trainguard.spec.plan import JobPlan, NodeGroupPlan
 from trainguard.spec.secrets import redact_spec, secret_storage_keys
 
@@ -80,6 +83,46 @@ def new_job_id(name: str) -> str:
     return f"{name}-{secrets.token_hex(3)}"
 
 
+def agent_launcher(
+    plan: JobPlan,
+    job_dir: Path,
+    token_file: Path,
+    memory_root: Path,
+    groups: Mapping[str, tuple[int, NodeGroupPlan]],
+    *,
+    fail: Mapping[str, tuple[str, ...]] | None = None,
+    host: str = "127.0.0.1",
+    host_env: Mapping[str, str] | None = None,
+    durable_url: str | None = None,
+    fence_after: float | None = None,
+) -> AgentLauncher:
+    """What launches this host's node agents for ``plan``: each node's group, its memory
+    tier under ``memory_root``, the job's checkpoint settings (``durable_url``: where the
+    durable tier is when the spec names none; default ``<job_dir>/durable``), ``host``:
+    the address the agents bind, ``host_env``: more for every worker of this host (a
+    multi-host job's ``GLOO_SOCKET_IFNAME``), ``fence_after``: the agents' durable-tier
+    fence (agent/lease.py); ``fail``: rehearsed health-check failures."""
+    checkpointing = plan.job.spec.checkpointing
+    config = json.dumps(checkpointing.env_json(durable_url or str(job_dir / "durable")))
+    env = {
+        node_id: {
+            **(host_env or {}),
+            "TRAINGUARD_JOB_DIR": str(job_dir),
+            "TRAINGUARD_CHECKPOINT_MEMORY_DIR": str(memory_root / node_id / "memory"),
+            "TRAINGUARD_CHECKPOINT_CONFIG": config,
+        }
+        for node_id in groups
+    }
+    by_node: dict[str, NodeGroupPlan] = {n: group for n, (_, group) in groups.items()}
+    options = plan.job.spec.trainguard
+    start = StartOptions(options.warm_start, tuple(options.preload_modules))
+    grace = options.controller_grace_seconds
+    health = HealthLaunch(options.health_checks.settings(), job_dir / "health", fail or {})
+    return AgentLauncher(
+        job_dir, token_file, by_node, env, start, grace, health, host=host, fence_after=fence_after
+    )
+
+
 class LocalRunner:
     """Runs one job on this machine until it ends; see the module docstring.
 
@@ -99,7 +142,11 @@ class LocalRunner:
         metrics: MetricsOptions | None = None,
         resume: JobRow | None = None,
         restart_blocked: str | None = None,
+        hosts: ControllerHost | None = None,
     ) -> None:
+        """``hosts``: the job spans hosts and this is the controller's
+        (:mod:`trainguard.hosts.controller_host`)."""
+        self.hosts = hosts
         self.plan = plan
         self.store = store
         self.source = source
@@ -123,7 +170,9 @@ class LocalRunner:
                     f"--inject {injection.text!r}: the job runs no {injection.check} check "
                     f"(spec.trainguard.healthChecks.onStart: {', '.join(checks) or 'none'})"
                 )
-        self.config, self.groups = control_config(plan, self.job_id, durable=True)
+        self.config, self.groups = control_config(
+            plan, self.job_id, durable=True, hosts=hosts is not None
+        )
         self.launcher: NodeLauncher | None = None
         self.platform: LocalPlatform | None = None
         self._interrupts = 0
@@ -148,7 +197,7 @@ class LocalRunner:
             token = self.token_file.read_text().strip()
             self.store.update_job(self.job_id, controller_pid=os.getpid(), phase="Running")
         else:
-            token = secrets.token_urlsafe(32)
+            token = self.hosts.token if self.hosts is not None else secrets.token_urlsafe(32)
             self.token_file.touch(mode=0o600)
             self.token_file.write_text(token)
             self.store.create_job(
@@ -164,10 +213,14 @@ class LocalRunner:
         if self._live_wanted:
             self._live = LiveLine(self.out)
         book = ReportBook()
-        inbox = Inbox()
+        inbox = self._inbox()
         report_url = inbox.register(self.job_id, token, lambda s: book.answered(s, push=True))
         transport = AgentTransport(
-            book, token, poll_interval=self.config.poll_interval, report_url=report_url
+            book,
+            token,
+            poll_interval=self.config.poll_interval,
+            report_url=report_url,
+            timeout=AGENT_CONTACT_TIMEOUT if self.hosts is not None else DEFAULT_CONTACT_TIMEOUT,
         )
         platform = self.platform = LocalPlatform(
             self.job_id,
@@ -183,7 +236,12 @@ class LocalRunner:
             interrupted=lambda: self._interrupts > 0,
             observer=observer,
             live=self._live,
+            address=self.hosts.local.addr if self.hosts is not None else "127.0.0.1",
         )
+        if self.hosts is not None:
+            platform.listeners.append(self.hosts.on_event)
+            if isinstance(platform.launcher, HostsLauncher):
+                platform.launcher.busy = lambda: set(platform.nodes)
         controller = JobController(self.config, platform.endpoint)
         previous = self._install_signal_handlers()
         console_log = RotatingFile(self.logs_dir / "console.log", self.config.log_limits)
@@ -195,6 +253,8 @@ class LocalRunner:
                     f"processes; state in {self.job_dir}"
                 )
                 transport.start()
+                if self.hosts is not None and (missing := self._wait_for_hosts()):
+                    return self._hosts_missing(controller, missing)
                 begin = None
                 if self.resume is not None:
                     begin = resumed_begin(
@@ -205,6 +265,10 @@ class LocalRunner:
                 return self._result(controller)
             finally:
                 platform.close()
+                if self.hosts is not None:
+                    phase = controller.phase
+                    code = 0 if phase is JobPhase.SUCCEEDED else 1
+                    self.hosts.finish(phase.value, code, controller.reason or phase.value)
                 self._say_lines_not_shown(final=True)
                 inbox.close()
                 shutil.rmtree(self.memory_root, ignore_errors=True)
@@ -265,29 +329,67 @@ class LocalRunner:
                 "(shown as ***); prefer the environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...)"
             )
 
-    def _agent_launcher(self) -> AgentLauncher:
-        checkpointing = self.plan.job.spec.checkpointing
-        config = json.dumps(checkpointing.env_json(str(self.job_dir / "durable")))
-        env = {
-            node_id: {
-                "TRAINGUARD_JOB_DIR": str(self.job_dir),
-                "TRAINGUARD_CHECKPOINT_MEMORY_DIR": str(self.memory_root / node_id / "memory"),
-                "TRAINGUARD_CHECKPOINT_CONFIG": config,
-            }
-            for node_id in self.groups
-        }
-        groups: dict[str, NodeGroupPlan] = {n: group for n, (_, group) in self.groups.items()}
-        options = self.plan.job.spec.trainguard
-        start = StartOptions(options.warm_start, tuple(options.preload_modules))
-        grace = options.controller_grace_seconds
+    def _agent_launcher(self) -> NodeLauncher:
         node_ids = self.config.node_ids
         fail = {
             node_ids[rank]: checks
             for rank, checks in self.injector.health_failures.items()
             if rank < len(node_ids)
         }
-        health = HealthLaunch(options.health_checks.settings(), self.job_dir / "health", fail)
-        return AgentLauncher(self.job_dir, self.token_file, groups, env, start, grace, health)
+        hosts = self.hosts
+        if hosts is None:
+            return agent_launcher(
+                self.plan, self.job_dir, self.token_file, self.memory_root, self.groups, fail=fail
+            )
+        assert hosts.service is not None
+        user_env = {k: v for _, g in self.groups.values() for k, v in g.env.items()}
+        local = agent_launcher(
+            self.plan, self.job_dir, self.token_file, self.memory_root, self.groups,
+            fail=fail, host=hosts.local.addr, host_env=interface_env(hosts.local, user_env),
+            fence_after=fence_after(self.config.lost_after),
+        )  # fmt: skip
+        return HostsLauncher(hosts.service, local, hosts.token, hosts.tls_client)
+
+    def _inbox(self) -> Inbox:
+        """Where agents push; across hosts, the endpoint every host joins."""
+        hosts = self.hosts
+        if hosts is None:
+            return Inbox()
+        service = hosts.start(
+            self.job_id,
+            self.config.node_ids,
+            self.config.spare_node_ids,
+            self.config.elastic_node_ids,
+            redact_spec(self.plan.job.model_dump(mode="json", by_alias=True)),
+            self.plan.job.spec.checkpointing.durable_url or str(self.job_dir / "durable"),
+            self._say,
+        )
+        address = resolve(hosts.endpoint.host)
+        return Inbox(address, hosts.endpoint.port, routes=service.routes(), tls=hosts.tls_server)
+
+    def _wait_for_hosts(self) -> list[str]:
+        """Wait (``--join-timeout``) for a host to hold every node; the ones missing."""
+        hosts = self.hosts
+        assert hosts is not None and hosts.service is not None
+        others = len(self.config.node_ids) - 1
+        self._say(
+            f"waiting for {others} more hosts to join at {hosts.endpoint} "
+            f"(--join-timeout {hosts.join_timeout:g}s)"
+        )
+        return hosts.service.wait_for(self.config.node_ids, hosts.join_timeout)
+
+    def _hosts_missing(self, controller: JobController, missing: list[str]) -> JobResult:
+        assert self.hosts is not None
+        reason = (
+            f"no host joined as {', '.join(missing)} within {self.hosts.join_timeout:g}s "
+            f"(--join-timeout): start `trainguard run` on every host, with the same "
+            f"--rdzv-endpoint {self.hosts.endpoint} and the same job"
+        )
+        controller.start(time.time())
+        controller.cancel(time.time(), reason, JobPhase.FAILED)
+        self.store.update_job(self.job_id, phase=JobPhase.FAILED.value, reason=reason)
+        self._say(f"job {self.job_id} failed: {reason}")
+        return JobResult(self.job_id, JobPhase.FAILED, reason, self.job_dir)
 
     def _result(self, controller: JobController) -> JobResult:
         reason = controller.reason or ""

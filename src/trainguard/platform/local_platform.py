@@ -69,7 +69,14 @@ class LocalPlatform:
         interrupted: Callable[[], bool],
         observer: JobObserver | None = None,
         live: LiveLine | None = None,
+        address: str = "127.0.0.1",
     ) -> None:
+        """``address``: this host's address where other hosts reach it (a job on several
+        hosts; node 0 is this host's, so every attempt's rendezvous is here)."""
+        self.address = address
+        # Called with every event the controller records (a job on several hosts fences
+        # the host of a node declared lost).
+        self.listeners: list[Callable[[Event], None]] = []
         self.job_id = job_id
         self.store = store
         self.transport = transport
@@ -102,12 +109,12 @@ class LocalPlatform:
 
     def endpoint(self, attempt: int, node_id: str) -> Endpoint:
         """A fresh port per attempt: rank 0 hosts a fresh store, so no stale peer addresses."""
-        return Endpoint("127.0.0.1", free_port())
+        return Endpoint(self.address, free_port(self.address))
 
     def launch(self, request: LaunchNodes) -> None:
         """Start a fresh agent per node, replacing a live one (one host: nothing to avoid)."""
         self._shutdown([n for n in request.node_ids if n in self.nodes])
-        port, world = free_port(), len(request.node_ids)  # their connectivity check's
+        port, world = free_port(self.address), len(request.node_ids)  # connectivity check's
         for rank, node_id in enumerate(request.node_ids):
             self._launches += 1
             incarnation = f"{node_id}.{self._launches}"
@@ -115,7 +122,7 @@ class LocalPlatform:
             (self.memory_root / node_id / "memory").mkdir(parents=True, exist_ok=True)
             self.book.reset(node_id, incarnation)
             try:
-                node = self.launcher(node_id, incarnation, Peers(rank, world, "127.0.0.1", port))
+                node = self.launcher(node_id, incarnation, Peers(rank, world, self.address, port))
             except OSError as exc:
                 self.book.gone(node_id, f"its agent could not be launched: {exc}")
                 continue
@@ -232,10 +239,16 @@ class LocalPlatform:
         if node is None:
             self._unlocated.discard(node_id)
         elif (port := node.port()) is not None:
-            self.book.located(node_id, f"http://127.0.0.1:{port}", "localhost")
+            host = f"[{node.address}]" if ":" in node.address else node.address
+            self.book.located(node_id, f"http://{host}:{port}", self.host_of(node))
             self._unlocated.discard(node_id)
             return True
         return False
+
+    @staticmethod
+    def host_of(node: LaunchedNode) -> str:
+        """The host a node's agent runs on, by its address (new nodes avoid bad hosts)."""
+        return "localhost" if node.address in ("127.0.0.1", "::1") else node.address
 
     # -- the record ----------------------------------------------------------------------
 
@@ -245,6 +258,8 @@ class LocalPlatform:
         events = controller.drain_events()
         for event in events:
             self._say_event(event)
+            for listener in self.listeners:
+                listener(event)
         if self._live is not None:
             self._live.update(controller, events, time.time())
         samples = []
@@ -289,9 +304,11 @@ class LocalPlatform:
                 state = status.state.value
             a = assignments.get(node_id)
             node = self.nodes.get(node_id)
+            # Another host's pids mean nothing here (nor may `delete` signal them).
+            local = node is None or node.pid is not None
             pids = tuple(
                 w.pid
-                for w in (status.workers if status else ())
+                for w in (status.workers if status and local else ())
                 if w.pid is not None and w.state is WorkerState.RUNNING
             )
             agent_pid = node.pid if node else None

@@ -46,6 +46,8 @@ class LaunchedNode(Protocol):
     incarnation: str
     # Its workers' pids as last seen: killed with the agent, in case it could not.
     last_pids: tuple[int, ...]
+    # Where its agent serves (127.0.0.1 on one machine; its host's address on several).
+    address: str
 
     @property
     def pid(self) -> int | None:
@@ -116,12 +118,18 @@ class LocalNode(WorkerPids):
     """One node agent subprocess (see :class:`AgentLauncher`)."""
 
     def __init__(
-        self, node_id: str, incarnation: str, process: subprocess.Popen[bytes], port_file: Path
+        self,
+        node_id: str,
+        incarnation: str,
+        process: subprocess.Popen[bytes],
+        port_file: Path,
+        address: str = "127.0.0.1",
     ) -> None:
         self.node_id = node_id
         self.incarnation = incarnation
         self.process = process
         self.port_file = port_file
+        self.address = address
         super().__init__()
 
     @property
@@ -176,10 +184,16 @@ class AgentLauncher:
         start: StartOptions = WARM_STARTS,
         controller_grace: float = 0.0,
         health: HealthLaunch | None = None,
+        host: str = "127.0.0.1",
+        fence_after: float | None = None,
     ) -> None:
         """``groups``: each node id's group; ``env``: each node id's extra agent env;
         ``start``: how the agents start their workers (warm or fresh); ``health``: the
-        job's health checks and monitors."""
+        job's health checks and monitors; ``host``: the address the agents bind (a job
+        on several hosts: this host's address toward the controller); ``fence_after``: the
+        agents' ``--fence-after`` (agent/lease.py; None on one machine)."""
+        self.host = host
+        self.fence_after = fence_after
         self.job_dir = job_dir
         self.token_file = token_file
         self.groups = groups
@@ -205,7 +219,7 @@ class AgentLauncher:
             "--token-file",
             str(self.token_file),
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             "0",
             "--port-file",
@@ -224,6 +238,8 @@ class AgentLauncher:
         job_env = encode_job_env({**group.env, **self.env.get(node_id, {})})
         if self.health is not None:
             argv += self.health.agent_flags(node_id, peers)
+        if self.fence_after is not None:
+            argv += ["--fence-after", f"{self.fence_after:g}"]
         argv += [*self.start.agent_flags(), "--", *group.command]
         with open(agents_dir / f"{node_id}.log", "ab") as agent_log:
             process = subprocess.Popen(
@@ -234,4 +250,4 @@ class AgentLauncher:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C reaches the controller, which stops the agents
             )
-        return LocalNode(node_id, incarnation, process, port_file)
+        return LocalNode(node_id, incarnation, process, port_file, self.host)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from trainguard.agent.client import AgentClient, AgentError
 from trainguard.agent.controller_watch import start_ticks
@@ -152,6 +153,7 @@ class AdoptedNode(WorkerPids):
         self.node_id = agent.node_id
         self.incarnation = agent.incarnation
         self.url = agent.url
+        self.address = urlsplit(agent.url).hostname or "127.0.0.1"
         self._pid = agent.pid
         self._started = agent.started
         super().__init__()

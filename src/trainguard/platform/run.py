@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from trainguard.hosts.run import endpoint_of
 from trainguard.observe.live import live_wanted
 from trainguard.platform.inject import parse_injection
 from trainguard.platform.local import (
@@ -55,7 +56,9 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             job = cold_started(job)
         # Secrets are resolved now, into the plan (memory) only; see spec/secrets.py.
         plan = resolve_plan(job, source, SecretSource.load(args.env_file, os.environ))
-        check_local_size(plan, source)  # one machine: far fewer nodes than a cluster
+        endpoint = endpoint_of(args, plan.nnodes)
+        if endpoint is None:
+            check_local_size(plan, source)  # one machine: far fewer nodes than a cluster
         injections = [parse_injection(text) for text in args.inject]
     except ValueError as exc:  # a bad --inject SPEC, an unreadable --env-file
         print(f"trainguard: {exc}", file=sys.stderr)
@@ -78,11 +81,15 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 file=sys.stderr,
             )
             return resume_job(store, lost, args.file, args.env_file)
+        live = not args.no_live and live_wanted(sys.stdout)
+        metrics = None
+        if args.metrics_port is not None:
+            metrics = MetricsOptions(args.metrics_port, args.metrics_host, args.metrics_linger)
+        if endpoint is not None:
+            from trainguard.hosts.run import run_on_hosts
+
+            return run_on_hosts(args, plan, source, store, endpoint, injections, live, metrics)
         try:
-            live = not args.no_live and live_wanted(sys.stdout)
-            metrics = None
-            if args.metrics_port is not None:
-                metrics = MetricsOptions(args.metrics_port, args.metrics_host, args.metrics_linger)
             runner = LocalRunner(plan, store, source, injections, live=live, metrics=metrics)
         except ValueError as exc:  # an --inject target outside the job
             print(f"trainguard: {exc}", file=sys.stderr)

@@ -62,6 +62,10 @@ class Delivery:
     payload: Payload
 
 
+DEFAULT_CONTACT_TIMEOUT = 5.0
+"""Seconds each poll or request to an agent on this machine may take."""
+
+
 class AgentTransport:
     """The job's connections to its agents; see the module docstring."""
 
@@ -71,7 +75,7 @@ class AgentTransport:
         token: str,
         *,
         poll_interval: float,
-        timeout: float = 5.0,
+        timeout: float = DEFAULT_CONTACT_TIMEOUT,
         report_url: str | None = None,
         poll_concurrency: int = POLL_CONCURRENCY,
         send_concurrency: int = SEND_CONCURRENCY,

@@ -85,6 +85,8 @@ MAX_CONTROLLER_GRACE_SECONDS = 7 * 24 * 3600.0
 DEFAULT_STRAGGLER_THRESHOLD = 1.3
 DEFAULT_STRAGGLER_WINDOW = 20
 DEFAULT_EXIT_HANG_TIMEOUT_SECONDS = 60.0  # trainguard.control.exit_hang.DEFAULT_TIMEOUT
+DEFAULT_PARTITION_TIMEOUT_SECONDS = 60.0
+HOSTS_NODE_LOST_AFTER_SECONDS = 8.0  # nodeLostAfterSeconds across hosts, unless set
 MAX_STRAGGLER_WINDOW = 10_000
 
 
@@ -279,6 +281,19 @@ class TrainguardOptions(SpecModel):
         "using no CPU meanwhile, is an ExitHang: its stacks are captured and it is ended; the "
         "job succeeds when its work was done (its last step, if it reported one, is the "
         "others'). null: never.",
+    )
+    node_lost_after_seconds: Seconds | None = Field(
+        default=None,
+        description="trainguard extension: a node whose agent did not answer 3 contacts in a "
+        "row, over at least this many seconds, is lost. Unset: the 3 contacts alone on one "
+        "machine; 8 s across hosts, where each node's agent also stops writing to the durable "
+        "tier after half of it without a word from the controller (it may be declared lost).",
+    )
+    partition_timeout_seconds: Seconds = Field(
+        default=DEFAULT_PARTITION_TIMEOUT_SECONDS,
+        description="trainguard extension: across hosts, a host that cannot reach the "
+        "controller for this long stops its workers (a cut-off node that trained on would be "
+        "a second copy of the job) and joins again as a new host.",
     )
     progress_pattern: Regex | None = Field(
         default=None,

@@ -1,0 +1,323 @@
+"""A joining host's side of a multi-host job: ``trainguard run ... --rdzv-endpoint`` on a
+host that does not own the endpoint.
+
+:class:`HostDaemon` joins the controller (retrying until ``--join-timeout``), serves
+``POST /launch`` and ``POST /shutdown`` for it (node agents on this host, bound to the
+address that reaches the controller), copies its agents' console (its ranks' lines) to
+this terminal, and renews its lease every ``lease_seconds``. It ends with the job: when
+a lease says the job finished, the process exits with the job's exit code.
+
+Fencing (a host cut off from the network keeps running, and could keep training and
+writing): when no lease renewal succeeds for ``partition_timeout`` seconds, the daemon
+shuts its agents down (their workers die with them); when a lease says the host was
+declared lost, the same at once. Either way it then joins again as a new host, so a host
+that comes back takes part only as a new spare node. A node's agent also refuses to
+commit to the durable tier once the controller has not reached it for its fence time
+(:mod:`trainguard.agent.persist`), shorter than the controller's lost-node bound, so
+nothing a node writes after it was declared lost reaches durable storage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any
+
+from aiohttp import web
+
+from trainguard.health.suite import Peers
+from trainguard.hosts.addresses import Endpoint, LocalAddress
+from trainguard.platform.inbox import RouteServer, bearer_ok
+from trainguard.platform.node import AgentLauncher, LocalNode
+from trainguard.wire.base import WireError, parse_json
+from trainguard.wire.hosts import (
+    HostLease,
+    JoinReply,
+    JoinRequest,
+    LaunchReply,
+    LaunchRequest,
+    ShutdownRequest,
+)
+
+__all__ = ["EXIT_JOIN_REFUSED", "EXIT_LOST_CONTROLLER", "HostDaemon", "JoinError"]
+
+logger = logging.getLogger(__name__)
+
+EXIT_JOIN_REFUSED = 2  # the controller turned this host down: a usage error
+EXIT_LOST_CONTROLLER = 1
+JOIN_RETRY_SECONDS = 0.5
+PORT_WAIT_SECONDS = 60.0
+REQUEST_TIMEOUT = 5.0
+
+
+class JoinError(RuntimeError):
+    """The controller refused this host (the message says why), or never answered."""
+
+    def __init__(self, message: str, refused: bool) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+class HostDaemon:
+    """One joining host's part in a job (see the module doc)."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        token: str,
+        local: LocalAddress,
+        spec: dict[str, Any],
+        make_launcher: Callable[[JoinReply], AgentLauncher],
+        *,
+        node_rank: int | None = None,
+        join_timeout: float = 600.0,
+        tls_server: ssl.SSLContext | None = None,
+        tls_client: ssl.SSLContext | None = None,
+        say: Callable[[str], None] = lambda line: None,
+        out: IO[bytes] | None = None,
+    ) -> None:
+        """``make_launcher``: this host's agent launcher for the job the controller named
+        (its id, in the reply); ``out``: where this host's ranks' lines go."""
+        self.endpoint = endpoint
+        self._token = token
+        self.local = local
+        self.spec = spec
+        self._make_launcher = make_launcher
+        self.node_rank = node_rank
+        self.join_timeout = join_timeout
+        self._tls_client = tls_client
+        self._say = say
+        self._out = out
+        scheme = "https" if tls_client is not None else "http"
+        self.controller_url = f"{scheme}://{_bracket(endpoint.host)}:{endpoint.port}"
+        self._lock = threading.Lock()
+        self._nodes: dict[str, LocalNode] = {}
+        self._launcher: AgentLauncher | None = None
+        self._ready = threading.Event()  # set once the join's answer is taken in
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="tg-daemon")
+        self.server = RouteServer(
+            local.addr,
+            0,
+            [web.post("/launch", self._launch), web.post("/shutdown", self._shutdown)],
+            tls=tls_server,
+            name="tg-host-daemon",
+        )
+        self.host_id = ""
+        self.reply: JoinReply | None = None
+
+    # -- the run -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Join, then keep the lease until the job ends; the exit code to end with."""
+        try:
+            while True:
+                self._ready.clear()
+                try:
+                    self.reply = reply = self.join()
+                except JoinError as exc:
+                    self._say(str(exc))
+                    return EXIT_JOIN_REFUSED if exc.refused else EXIT_LOST_CONTROLLER
+                self._launcher = self._make_launcher(reply)
+                self._ready.set()
+                self._say(
+                    f"joined job {reply.job_id} at {self.controller_url} as {reply.node_id} "
+                    f"({reply.role}); this host is {self.local.addr}"
+                    + (f" on {self.local.ifname}" if self.local.ifname else "")
+                )
+                outcome = self._keep_lease(reply)
+                if isinstance(outcome, int):
+                    return outcome
+                self._say(outcome)  # fenced: join again, as a new host
+        finally:
+            self._shutdown_all()
+            self.server.close()
+            self._pool.shutdown(wait=False)
+
+    def join(self) -> JoinReply:
+        """Ask to take part until the controller answers (or ``join_timeout`` passes)."""
+        self.host_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        request = JoinRequest(
+            hostname=socket.gethostname(),
+            addr=self.local.addr,
+            ifname=self.local.ifname,
+            node_rank=self.node_rank,
+            host_id=self.host_id,
+            daemon_url=self.server.url,
+            spec=self.spec,
+        )
+        deadline = time.monotonic() + self.join_timeout
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            try:
+                answer = self._post("/join", request.to_json())
+                return JoinReply.from_json(answer, "join reply")
+            except urllib.error.HTTPError as exc:
+                detail = _error_of(exc)
+                if exc.code in (401, 409, 400):
+                    raise JoinError(f"the controller refused this host: {detail}", True) from None
+                last = f"HTTP {exc.code}: {detail}"
+            except (OSError, ValueError, WireError) as exc:
+                last = str(exc)
+            time.sleep(JOIN_RETRY_SECONDS)
+        raise JoinError(
+            f"could not join {self.controller_url} within {self.join_timeout:g}s ({last})",
+            False,
+        )
+
+    def _keep_lease(self, reply: JoinReply) -> int | str:
+        """Renew the lease; the job's exit code when it ends, or why this host was fenced."""
+        last_ok = time.monotonic()
+        while True:
+            time.sleep(reply.lease_seconds)
+            try:
+                answer = self._get(f"/hosts/{self.host_id}", timeout=2 * reply.lease_seconds)
+                lease = HostLease.from_json(answer, "lease")
+            except (OSError, ValueError, WireError, urllib.error.HTTPError) as exc:
+                cut_for = time.monotonic() - last_ok
+                if cut_for >= reply.partition_timeout:
+                    self._shutdown_all()
+                    return (
+                        f"no word from the controller for {cut_for:.0f}s "
+                        f"(partitionTimeoutSeconds {reply.partition_timeout:g}; last: {exc}): "
+                        "this host's workers are stopped; joining again as a new host"
+                    )
+                continue
+            last_ok = time.monotonic()
+            if lease.finished:
+                self._shutdown_all()
+                self._say(f"job {reply.job_id} ended: {lease.reason} (exit {lease.exit_code})")
+                return lease.exit_code if lease.exit_code is not None else EXIT_LOST_CONTROLLER
+            if lease.standing == "lost":
+                self._shutdown_all()
+                return (
+                    f"the controller declared {reply.node_id} lost: this host's workers are "
+                    "stopped; joining again as a new host"
+                )
+
+    # -- the routes ----------------------------------------------------------------------
+
+    async def _launch(self, request: web.Request) -> web.Response:
+        if not bearer_ok(request, self._token.encode()):
+            return _error(401, "missing or wrong bearer token")
+        try:
+            launch = parse_json(LaunchRequest, await request.read(), "launch")
+        except WireError as exc:
+            return _error(400, str(exc))
+        try:
+            reply = await _in_thread(self._pool, lambda: self._start_agent(launch))
+        except (OSError, RuntimeError) as exc:
+            return _error(409, f"cannot launch {launch.node_id}: {exc}")
+        return web.json_response(reply.to_json())
+
+    async def _shutdown(self, request: web.Request) -> web.Response:
+        if not bearer_ok(request, self._token.encode()):
+            return _error(401, "missing or wrong bearer token")
+        try:
+            stop = parse_json(ShutdownRequest, await request.read(), "shutdown")
+        except WireError as exc:
+            return _error(400, str(exc))
+        await _in_thread(self._pool, lambda: self._shutdown_node(stop.node_id))
+        return web.json_response({"accepted": True}, status=202)
+
+    # -- the agents ----------------------------------------------------------------------
+
+    def _start_agent(self, launch: LaunchRequest) -> LaunchReply:
+        # The controller may launch the moment it has taken the join in, before this
+        # host has read the answer: wait for it.
+        if not self._ready.wait(PORT_WAIT_SECONDS):
+            raise RuntimeError("this host has not joined yet")
+        launcher = self._launcher
+        assert launcher is not None
+        self._shutdown_node(launch.node_id)  # a relaunch replaces the node's agent
+        peers = Peers(*launch.peers) if launch.peers is not None else None
+        node = launcher(launch.node_id, launch.incarnation, peers)
+        with self._lock:
+            self._nodes[launch.node_id] = node
+        if node.console is not None:
+            threading.Thread(
+                target=self._pump, args=(node.console,), daemon=True, name="tg-console"
+            ).start()
+        deadline = time.monotonic() + PORT_WAIT_SECONDS
+        while (port := node.port()) is None:
+            if (why := node.exited()) is not None:
+                raise RuntimeError(why)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"its agent did not serve within {PORT_WAIT_SECONDS:g}s")
+            time.sleep(0.02)
+        pid = node.pid
+        assert pid is not None
+        return LaunchReply(pid=pid, port=port)
+
+    def _shutdown_node(self, node_id: str) -> None:
+        with self._lock:
+            node = self._nodes.pop(node_id, None)
+        if node is not None:
+            node.shutdown(None)  # no graceful API call: the controller made it, if it could
+
+    def _shutdown_all(self) -> None:
+        with self._lock:
+            ids = list(self._nodes)
+        for node_id in ids:
+            self._shutdown_node(node_id)
+
+    def _pump(self, stream: IO[bytes]) -> None:
+        out = self._out
+        try:
+            for raw in iter(stream.readline, b""):
+                if out is not None:
+                    out.write(raw)
+                    out.flush()
+        except (OSError, ValueError):
+            pass
+
+    # -- HTTP to the controller ----------------------------------------------------------
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._request(path, json.dumps(body).encode())
+
+    def _get(self, path: str, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+        return self._request(path, None, timeout)
+
+    def _request(
+        self, path: str, data: bytes | None, timeout: float = REQUEST_TIMEOUT
+    ) -> dict[str, Any]:
+        request = urllib.request.Request(
+            self.controller_url + path,
+            data=data,
+            headers={"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"},
+            method="POST" if data is not None else "GET",
+        )
+        with urllib.request.urlopen(request, timeout=timeout, context=self._tls_client) as reply:
+            answer: dict[str, Any] = json.loads(reply.read())
+            return answer
+
+
+async def _in_thread(pool: ThreadPoolExecutor, call: Callable[[], Any]) -> Any:
+    import asyncio
+
+    return await asyncio.get_running_loop().run_in_executor(pool, call)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _error_of(exc: urllib.error.HTTPError) -> str:
+    try:
+        return str(json.loads(exc.read()).get("error", exc.reason))
+    except (ValueError, OSError):
+        return str(exc.reason)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,195 @@
+"""``trainguard run ... --rdzv-endpoint HOST:PORT``: one job on several hosts.
+
+The same command on every host, in any order. Where ``HOST`` is this machine, it runs the
+controller and node 0 (:mod:`trainguard.hosts.controller_host`); anywhere else, a host
+daemon that joins it (:mod:`trainguard.hosts.daemon`). Every host's ``trainguard run``
+exits with the job's result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import ssl
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from trainguard.hosts.addresses import (
+    Endpoint,
+    LocalAddress,
+    is_local,
+    parse_endpoint,
+    route_to,
+)
+from trainguard.hosts.controller_host import ControllerHost, interface_env
+from trainguard.hosts.daemon import HostDaemon
+from trainguard.hosts.security import TokenError, client_tls, job_token, server_tls
+from trainguard.platform.config import control_config, fence_after
+from trainguard.platform.inject import Injection
+from trainguard.platform.local import (
+    EXIT_INTERRUPTED,
+    MEMORY_ROOT,
+    LocalRunner,
+    MetricsOptions,
+    agent_launcher,
+)
+from trainguard.platform.node import AgentLauncher
+from trainguard.platform.store import JobNotFound, Store
+from trainguard.spec.plan import JobPlan
+from trainguard.spec.secrets import redact_spec
+from trainguard.wire.hosts import JoinReply
+
+__all__ = ["endpoint_of", "run_on_hosts"]
+
+EXIT_USAGE = 2
+
+
+def endpoint_of(args: argparse.Namespace, nnodes: int) -> Endpoint | None:
+    """The job's endpoint: ``--rdzv-endpoint``, or torchrun's static ``--master-addr``
+    when the job has more than one node; None for a job on this machine alone."""
+    if args.rdzv_endpoint:
+        try:
+            return parse_endpoint(args.rdzv_endpoint)
+        except ValueError as exc:
+            raise ValueError(f"--rdzv-endpoint: {exc}") from None
+    if args.master_addr and nnodes > 1:
+        return Endpoint(args.master_addr, args.master_port)
+    return None
+
+
+def run_on_hosts(
+    args: argparse.Namespace,
+    plan: JobPlan,
+    source: str,
+    store: Store,
+    endpoint: Endpoint,
+    injections: Sequence[Injection],
+    live: bool,
+    metrics: MetricsOptions | None,
+) -> int:
+    def usage(message: str) -> int:
+        print(f"trainguard: {message}", file=sys.stderr)
+        return EXIT_USAGE
+
+    try:
+        token = job_token(args.token_file)
+        tls_server = server_tls(args.tls_cert, args.tls_key)
+        tls_client = client_tls(args.tls_ca, args.tls_cert)
+    except TokenError as exc:
+        return usage(str(exc))
+    try:
+        local = route_to(endpoint.host, endpoint.port)
+    except OSError as exc:
+        return usage(f"--rdzv-endpoint {endpoint}: no route to {endpoint.host}: {exc}")
+    partition = plan.job.spec.trainguard.partition_timeout_seconds
+    if is_local(endpoint.host):
+        if args.node_rank not in (None, 0):
+            return usage(
+                f"--node-rank {args.node_rank}: the host that owns --rdzv-endpoint "
+                f"({endpoint.host}) runs the controller and node 0"
+            )
+        hosts = ControllerHost(
+            endpoint, local, token, args.join_timeout, partition, tls_server, tls_client
+        )
+        try:
+            runner = LocalRunner(
+                plan, store, source, injections, live=live, metrics=metrics, hosts=hosts
+            )
+        except ValueError as exc:  # an --inject target outside the job
+            return usage(str(exc))
+        try:
+            result = runner.run()
+        except OSError as exc:  # the endpoint's port is taken
+            return usage(f"--rdzv-endpoint {endpoint}: cannot listen: {exc.strerror or exc}")
+        except KeyboardInterrupt:
+            print("[trainguard] interrupted; every worker was stopped", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED if runner.interrupted else result.exit_code
+    if injections:
+        return usage("--inject: give injections on the host that runs the controller")
+    return _join(args, plan, store, endpoint, local, token, tls_server, tls_client)
+
+
+def _join(
+    args: argparse.Namespace,
+    plan: JobPlan,
+    store: Store,
+    endpoint: Endpoint,
+    local: LocalAddress,
+    token: str,
+    tls_server: ssl.SSLContext | None,
+    tls_client: ssl.SSLContext | None,
+) -> int:
+    spec = redact_spec(plan.job.model_dump(mode="json", by_alias=True))
+
+    def say(line: str) -> None:
+        print(f"[trainguard] {line}", file=sys.stderr, flush=True)
+
+    def make_launcher(reply: JoinReply) -> AgentLauncher:
+        job_dir = store.root / "jobs" / reply.job_id
+        (job_dir / "logs").mkdir(parents=True, exist_ok=True)
+        token_file = job_dir / "token"
+        token_file.touch(mode=0o600)
+        token_file.write_text(token)
+        config, groups = control_config(plan, reply.job_id, durable=True, hosts=True)
+        user_env = {k: v for _, g in groups.values() for k, v in g.env.items()}
+        _record_row(store, reply, plan, job_dir, endpoint, spec)
+        return agent_launcher(
+            plan,
+            job_dir,
+            token_file,
+            MEMORY_ROOT / reply.job_id,
+            groups,
+            host=local.addr,
+            host_env=interface_env(local, user_env),
+            durable_url=reply.durable_url,
+            fence_after=fence_after(config.lost_after),
+        )
+
+    daemon = HostDaemon(
+        endpoint,
+        token,
+        local,
+        spec,
+        make_launcher,
+        node_rank=args.node_rank,
+        join_timeout=args.join_timeout,
+        tls_server=tls_server,
+        tls_client=tls_client,
+        say=say,
+        out=sys.stdout.buffer,
+    )
+    say(f"joining the job at {daemon.controller_url} from {local.addr}")
+    try:
+        code = daemon.run()
+    except KeyboardInterrupt:
+        say("interrupted; this host's workers were stopped")
+        return EXIT_INTERRUPTED
+    if daemon.reply is not None:
+        phase = "Succeeded" if code == 0 else "Failed"
+        store.update_job(daemon.reply.job_id, phase=phase)
+    return code
+
+
+def _record_row(
+    store: Store,
+    reply: JoinReply,
+    plan: JobPlan,
+    job_dir: Path,
+    endpoint: Endpoint,
+    spec: dict[str, object],
+) -> None:
+    """This host's record of the job (`trainguard logs` here shows its ranks)."""
+    try:
+        store.job(reply.job_id)
+    except JobNotFound:
+        store.create_job(
+            reply.job_id,
+            plan.name,
+            f"joined {endpoint} as {reply.node_id}",
+            job_dir,
+            plan.nnodes,
+            plan.nproc_per_node,
+            json.loads(json.dumps(spec)),
+        )

@@ -1,0 +1,152 @@
+"""The controller's side of a multi-host job: hosts join it, and renew their lease.
+
+Two routes on the server agents push their statuses to (:class:`~trainguard.platform.inbox.Inbox`,
+bound to the ``--rdzv-endpoint``): ``POST /join`` (a :class:`~trainguard.wire.hosts.JoinRequest`;
+the :class:`~trainguard.hosts.roster.Roster` decides) and ``GET /hosts/<host id>`` (the
+host's lease: the job's phase, the host's standing, and at the end the job's exit code,
+which every host's ``trainguard run`` exits with). Both check the job's bearer token before
+anything else.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from aiohttp import web
+
+from trainguard.hosts.roster import HostRecord, JoinRefused, Roster
+from trainguard.platform.inbox import bearer_ok
+from trainguard.wire.base import WireError, parse_json
+from trainguard.wire.hosts import HostLease, JoinReply, JoinRequest
+
+__all__ = ["HostsService"]
+
+MAX_JOIN_BYTES = 1 << 20
+
+
+class HostsService:
+    """Joins and leases of one job's hosts (see the module doc). Thread-safe."""
+
+    def __init__(
+        self,
+        roster: Roster,
+        token: str,
+        *,
+        lease_seconds: float,
+        partition_timeout: float,
+        durable_url: str = "",
+        clock: Callable[[], float] = time.time,
+        say: Callable[[str], None] = lambda line: None,
+    ) -> None:
+        self.roster = roster
+        self.job_id = ""  # set once the job has its id
+        self._token = token.encode()
+        self.lease_seconds = lease_seconds
+        self.partition_timeout = partition_timeout
+        self.durable_url = durable_url
+        self._clock = clock
+        self.say = say
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._phase = "Pending"
+        self._result: tuple[int, str] | None = None  # exit code, reason
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/join", self._join), web.get("/hosts/{host_id}", self._lease)]
+
+    # -- the job's side ------------------------------------------------------------------
+
+    def set_phase(self, phase: str) -> None:
+        with self._lock:
+            self._phase = phase
+
+    def finish(self, phase: str, exit_code: int, reason: str) -> None:
+        """The job ended: every host's next lease says so (and with what exit code)."""
+        with self._lock:
+            self._phase, self._result = phase, (exit_code, reason)
+
+    def lose(self, node_id: str) -> HostRecord | None:
+        """``node_id`` was declared lost: its host is fenced (its lease says so)."""
+        with self._lock:
+            return self.roster.lose(node_id)
+
+    def holder(self, node_id: str) -> HostRecord | None:
+        with self._lock:
+            return self.roster.holder(node_id)
+
+    def bind(self, node_id: str, busy: set[str]) -> HostRecord | None:
+        """The host to launch ``node_id`` on (:meth:`Roster.bind`): a lease older than
+        three renewals is stale."""
+        with self._lock:
+            return self.roster.bind(node_id, busy, self._clock(), 3 * self.lease_seconds)
+
+    def wait_for(self, node_ids: Sequence[str], timeout: float) -> list[str]:
+        """Wait up to ``timeout`` seconds for hosts to hold ``node_ids``; the ones still
+        missing."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while (missing := self.roster.joined(node_ids)) and (
+                left := deadline - time.monotonic()
+            ) > 0:
+                self._changed.wait(min(left, 1.0))
+            return missing
+
+    def hosts_seen_since(self, when: float) -> list[HostRecord]:
+        with self._lock:
+            return [h for h in self.roster.hosts.values() if h.last_seen >= when]
+
+    # -- the routes ----------------------------------------------------------------------
+
+    async def _join(self, request: web.Request) -> web.Response:
+        if not bearer_ok(request, self._token):
+            return _error(401, "missing or wrong bearer token")
+        if (request.content_length or 0) > MAX_JOIN_BYTES:
+            return _error(413, f"a join is at most {MAX_JOIN_BYTES} bytes")
+        try:
+            join = parse_json(JoinRequest, await request.read(), "join")
+        except WireError as exc:
+            return _error(400, str(exc))
+        with self._changed:
+            if self._result is not None:
+                return _error(409, f"job {self.job_id} has ended: {self._result[1]}")
+            try:
+                record = self.roster.join(join, self._clock())
+            except JoinRefused as exc:
+                return _error(409, str(exc))
+            self._changed.notify_all()
+        self.say(
+            f"host {record.hostname} ({record.addr}) joined as {record.node_id} ({record.role})"
+        )
+        reply = JoinReply(
+            job_id=self.job_id,
+            role="node" if record.role == "node" else "spare",
+            node_id=record.node_id,
+            lease_seconds=self.lease_seconds,
+            partition_timeout=self.partition_timeout,
+            durable_url=self.durable_url,
+        )
+        return web.json_response(reply.to_json())
+
+    async def _lease(self, request: web.Request) -> web.Response:
+        if not bearer_ok(request, self._token):
+            return _error(401, "missing or wrong bearer token")
+        with self._lock:
+            host = self.roster.hosts.get(request.match_info["host_id"])
+            if host is None:
+                return _error(404, "no such host in this job")
+            host.last_seen = self._clock()
+            result = self._result
+            lease = HostLease(
+                phase=self._phase,
+                standing="lost" if host.lost else "member",
+                finished=result is not None,
+                exit_code=result[0] if result else None,
+                reason=result[1] if result else None,
+            )
+        return web.json_response(lease.to_json())
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)

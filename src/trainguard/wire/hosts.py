@@ -1,0 +1,82 @@
+"""The messages between a job's hosts: joining the controller, and its host daemons.
+
+A job on several hosts runs the same ``trainguard run ... --rdzv-endpoint HOST:PORT`` on
+each. The host that owns ``HOST`` runs the controller (and node 0); every other host runs
+a host daemon that joins it::
+
+    host daemon -> controller   POST /join            JoinRequest  -> JoinReply (or 409)
+    host daemon -> controller   GET  /hosts/<id>      -> HostLease   (every keepalive)
+    controller  -> host daemon  POST /launch          LaunchRequest -> LaunchReply
+    controller  -> host daemon  POST /shutdown        ShutdownRequest -> 202
+
+Every request carries the job's bearer token; the controller's server is the one agents
+push their statuses to (:mod:`trainguard.platform.inbox`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from trainguard.wire.base import Wire
+from trainguard.wire.requests import Count, Name, Seconds
+
+__all__ = [
+    "HostLease",
+    "JoinReply",
+    "JoinRequest",
+    "LaunchReply",
+    "LaunchRequest",
+    "ShutdownRequest",
+]
+
+
+class JoinRequest(Wire):
+    """A host asks to take part in the job."""
+
+    hostname: Name
+    addr: Name  # its address toward the controller (agents bind it)
+    ifname: str | None = None  # the interface of that address
+    node_rank: Count | None = None  # --node-rank, when the user gave one
+    host_id: Name  # unique per host daemon process: the same process joining twice
+    daemon_url: Name  # where its host daemon serves /launch and /shutdown
+    spec: dict[str, Any]  # the job it was started with (secrets redacted): must be the same
+
+
+class JoinReply(Wire):
+    """Where the host stands: a node of the job, or a spare that waits."""
+
+    job_id: Name
+    role: Literal["node", "spare"]
+    node_id: Name
+    lease_seconds: Seconds  # renew at least this often (GET /hosts/<host_id>)
+    partition_timeout: Seconds  # stop the workers after this long without the controller
+    durable_url: str  # where every host's agents write the durable tier (the same place)
+
+
+class HostLease(Wire):
+    """The controller's answer to a keepalive: the job's phase, the host's standing."""
+
+    phase: str
+    standing: Literal["member", "lost"]  # lost: declared lost, its work fenced off
+    finished: bool = False
+    exit_code: int | None = None
+    reason: str | None = None
+
+
+class LaunchRequest(Wire):
+    """Start a node agent for ``node_id`` on this host (replacing one it runs)."""
+
+    node_id: Name
+    incarnation: Name
+    peers: tuple[Count, Count, Name, Count] | None = None  # rank, world, addr, port
+
+
+class LaunchReply(Wire):
+    pid: int = Field(ge=1)
+    port: int = Field(ge=1, le=65535)
+
+
+class ShutdownRequest(Wire):
+    node_id: Name

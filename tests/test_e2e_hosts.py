@@ -1,0 +1,186 @@
+"""One job on several hosts: network-namespace hosts, each with its own address and
+hostname, the same ``trainguard run`` on each (tests/netns_hosts.py, tests/hosts_jobs.py).
+Needs root; skipped elsewhere."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hosts_jobs import REPO, HostRun, HostsJob, endpoint
+from netns_hosts import NamespaceHosts
+
+pytestmark = pytest.mark.e2e
+
+DDP = str(REPO / "tests" / "scripts" / "ddp_script.py")
+STEPS = str(REPO / "tests" / "scripts" / "step_worker.py")
+Make = Callable[..., NamespaceHosts]
+
+
+def torchrun_form(hosts: NamespaceHosts, nnodes: int, *script: str) -> list[str]:
+    return ["--nnodes", str(nnodes), "--nproc-per-node", "1", "--rdzv-endpoint",
+            endpoint(hosts), "--join-timeout", "120", *script]  # fmt: skip
+
+
+def test_a_plain_ddp_script_runs_with_the_same_command_on_three_hosts(
+    namespace_hosts: Make, tmp_path: Path
+) -> None:
+    hosts = namespace_hosts(3, prefix="host")
+    job = HostsJob(hosts)
+    argv = torchrun_form(hosts, 3, DDP, "--steps", "10")
+    for host in hosts.hosts[1:]:  # any order: here the joining hosts first
+        job.start(host, argv, tmp_path)
+    job.start(hosts[0], argv, tmp_path)
+    codes = job.wait()
+    assert codes == [0, 0, 0], job.outputs()
+    text = job.outputs()
+    checksums = set(re.findall(r"checksum (-?[\d.e-]+)", text))
+    assert len(checksums) == 1, text  # every rank trained the same model
+    assert f"MASTER_ADDR={hosts[0].addr}" in text  # never 127.0.0.1
+    controller = job.runs[-1]
+    data = job.describe(controller)
+    assert data["phase"] == "Succeeded"
+    urls = [n["agent_url"] for n in data["nodes"]]
+    assert sorted(u.split("//")[1].split(":")[0] for u in urls) == sorted(
+        h.addr for h in hosts.hosts
+    )
+
+
+def test_a_sigkilled_rank_on_another_host_is_restarted(
+    namespace_hosts: Make, tmp_path: Path
+) -> None:
+    hosts = namespace_hosts(2, prefix="host")
+    job = HostsJob(hosts)
+    argv = ["--max-restarts", "1", *torchrun_form(hosts, 2, STEPS, "200")]
+    job.start(hosts[1], argv, tmp_path)
+    job.start(hosts[0], [*argv[:2], "--inject", "kill:rank=1@step=50", *argv[2:]], tmp_path)
+    codes = job.wait()
+    assert codes == [0, 0], job.outputs()
+    data = job.describe(job.runs[1])
+    [fault] = data["faults"]
+    assert fault["type"] == "WorkerCrash" and fault["rank"] == 1 and fault["node"] == "node-1"
+    assert data["restarts"] == 1 and data["phase"] == "Succeeded"
+
+
+def test_hosts_that_cannot_take_part_get_a_clear_refusal(
+    namespace_hosts: Make, tmp_path: Path
+) -> None:
+    hosts = namespace_hosts(4, prefix="host")
+    job = HostsJob(hosts)
+    argv = torchrun_form(hosts, 2, STEPS, "1500")
+    controller = job.start(hosts[0], argv, tmp_path)
+    member = job.start(hosts[1], argv, tmp_path)
+    # Another job (other flags), a wrong token, and a host arriving when the job is full.
+    other = job.start(hosts[2], torchrun_form(hosts, 2, STEPS, "99"), tmp_path)
+    wrong = job.start(hosts[3], argv, tmp_path, env={"TRAINGUARD_TOKEN": "not-the-token-at-all"})
+    assert other.proc.wait(120) == 2 and wrong.proc.wait(120) == 2, job.outputs()
+    assert "was started with another job: spec.spec.replicaSpecs" in other.output(), other.output()
+    assert "missing or wrong bearer token" in wrong.output()
+    late = job.start(hosts[3], argv, tmp_path)
+    assert late.proc.wait(120) == 2, job.outputs()
+    assert "is late: the job's 2 nodes and 0 spares are all taken" in late.output()
+    # Nothing is served unauthenticated beyond loopback: a request without the token.
+    probe = (
+        "import urllib.request, urllib.error\n"
+        f"url = 'http://{endpoint(hosts)}/join'\n"
+        "req = urllib.request.Request(url, data=b'{}', method='POST')\n"
+        "try:\n urllib.request.urlopen(req, timeout=5)\n"
+        "except urllib.error.HTTPError as e:\n print(e.code)\n"
+    )
+    refused = hosts.run(hosts[2], ["python3", "-c", probe])
+    assert refused.stdout.strip() == "401", refused
+    assert [controller.proc.wait(240), member.proc.wait(240)] == [0, 0], job.outputs()
+
+
+def test_a_job_across_hosts_refuses_to_start_without_a_token(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRAINGUARD_TOKEN"}
+    env["TRAINGUARD_STATE_DIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "run", "--nnodes", "2", "--rdzv-endpoint",
+         "127.0.0.1:29555", STEPS, "5"],
+        env=env, capture_output=True, text=True, cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "needs a token every host shares: --token-file FILE" in done.stderr
+
+
+def spec_with_spare(script: list[str], **trainguard: object) -> dict[str, object]:
+    return {
+        "apiVersion": "trainguard.dev/v1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "cut"},
+        "spec": {
+            "nprocPerNode": 1,
+            "replicaSpecs": [
+                {
+                    "name": "workers",
+                    "replicas": 2,
+                    "spares": 1,
+                    "template": {"spec": {"containers": [{"name": "t", "command": script}]}},
+                }
+            ],
+            "runPolicy": {"jobMaxRetryCount": 2},
+            "trainguard": trainguard,
+        },
+    }
+
+
+def test_a_host_cut_off_mid_run_is_replaced_by_the_spare_host_and_fenced(
+    namespace_hosts: Make, tmp_path: Path
+) -> None:
+    hosts = namespace_hosts(3, prefix="host")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(spec_with_spare(
+        [sys.executable, "-u", STEPS, "3000"], partitionTimeoutSeconds=6
+    )))  # fmt: skip
+    job = HostsJob(hosts)
+    argv = ["-f", str(spec), "--rdzv-endpoint", endpoint(hosts), "--join-timeout", "120"]
+    controller = job.start(hosts[0], argv, tmp_path)
+    cut = job.start(hosts[1], argv, tmp_path)
+    wait_for_text(cut, "joined job", 120)  # node-1; the next host is the spare
+    spare = job.start(hosts[2], argv, tmp_path)
+    deadline = time.monotonic() + 120
+    while "Step 200" not in cut.output() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "Step 200" in cut.output(), job.outputs()
+    hosts.cut(hosts[1])
+    cut_at = time.monotonic()
+    # Its workers are gone within partitionTimeoutSeconds (+ a lease): no split brain.
+    while time.monotonic() - cut_at < 30:
+        alive = [p for p in hosts.pids(hosts[1]) if _is_worker(p)]
+        if not alive:
+            break
+        time.sleep(0.5)
+    gone_after = time.monotonic() - cut_at
+    assert not alive, (alive, job.outputs())
+    assert gone_after < 6 + 5, gone_after
+    codes = [controller.proc.wait(300), spare.proc.wait(300)]
+    assert codes == [0, 0], job.outputs()
+    data = job.describe(controller)
+    assert data["phase"] == "Succeeded"
+    lost = [f for f in data["faults"] if f["type"] == "NodeLost"]
+    assert lost and lost[0]["node"] == "node-1", data["faults"]
+    assert "fenced: node-1 was declared lost" in controller.output()
+    hosts.restore(hosts[1])
+
+
+def wait_for_text(run: HostRun, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in run.output():
+        assert time.monotonic() < deadline, run.output()
+        time.sleep(0.1)
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        return "step_worker.py" in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False
