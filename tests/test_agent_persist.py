@@ -190,3 +190,25 @@ def test_settings_come_from_the_jobs_checkpoint_config() -> None:
     )
     assert DurableSettings.from_config_json(json.dumps({"durableUrl": None}), "j") is None
     assert DurableSettings.from_config_json("not json", "j") is None
+
+
+def test_a_fenced_agent_writes_nothing_that_lasts(tmp_path: Path) -> None:
+    """A node the controller may have declared lost (no request from it for its fence
+    time, agent/lease.py) neither writes a shard nor commits: a step asked for just
+    before a partition never reaches the durable tier from it."""
+    memory = tmp_path / "memory"
+    save_steps(memory, [3, 4])
+    settings = DurableSettings(str(tmp_path / "durable"), JOB)
+    fenced: list[str | None] = [None]
+    persister = DurablePersister(memory, settings, fence=lambda: fenced[0])
+    try:
+        persister.request(3, WORLD, True, [0, 1])
+        assert persisted(persister, 3)["committed"] == [3]  # in good standing
+        fenced[0] = "fenced: no request from the controller for 4.2s"
+        persister.request(4, WORLD, True, [0, 1])
+        failed = persisted(persister, 4)["failed"]["4"]
+        assert failed == "step 4: not written: fenced: no request from the controller for 4.2s"
+    finally:
+        persister.close()
+    tier = DurableTier(settings.url, JOB)
+    assert tier.committed_steps() == [3] and sorted(tier.steps()) == [3]

@@ -25,9 +25,11 @@ STEPS = str(REPO / "tests" / "scripts" / "step_worker.py")
 Make = Callable[..., NamespaceHosts]
 
 
-def torchrun_form(hosts: NamespaceHosts, nnodes: int, *script: str) -> list[str]:
+def torchrun_form(
+    hosts: NamespaceHosts, nnodes: int, *script: str, join_timeout: float = 120
+) -> list[str]:
     return ["--nnodes", str(nnodes), "--nproc-per-node", "1", "--rdzv-endpoint",
-            endpoint(hosts), "--join-timeout", "120", *script]  # fmt: skip
+            endpoint(hosts), "--join-timeout", f"{join_timeout:g}", *script]  # fmt: skip
 
 
 def test_a_plain_ddp_script_runs_with_the_same_command_on_three_hosts(
@@ -82,7 +84,10 @@ def test_hosts_that_cannot_take_part_get_a_clear_refusal(
     other = job.start(hosts[2], torchrun_form(hosts, 2, STEPS, "99"), tmp_path)
     wrong = job.start(hosts[3], argv, tmp_path, env={"TRAINGUARD_TOKEN": "not-the-token-at-all"})
     assert other.proc.wait(120) == 2 and wrong.proc.wait(120) == 2, job.outputs()
-    assert "was started with another job: spec.spec.replicaSpecs" in other.output(), other.output()
+    assert (
+        "another job: spec.replicaSpecs[0].template.spec.containers[0].command[3]: "
+        "'1500' on the controller, '99' on the host" in other.output()
+    ), other.output()
     assert "missing or wrong bearer token" in wrong.output()
     late = job.start(hosts[3], argv, tmp_path)
     assert late.proc.wait(120) == 2, job.outputs()
@@ -184,3 +189,90 @@ def _is_worker(pid: int) -> bool:
         return "step_worker.py" in Path(f"/proc/{pid}/cmdline").read_text()
     except OSError:
         return False
+
+
+def test_an_in_process_restart_takes_its_state_from_a_peer_on_another_host(
+    namespace_hosts: Make, tmp_path: Path
+) -> None:
+    """The GPT example in resilient mode: rank 3 (the second host) is SIGKILLed; the
+    survivors keep their processes, its replacement takes its state from a peer over the
+    network, and no step is lost."""
+    hosts = namespace_hosts(2, prefix="host")
+    job = HostsJob(hosts)
+    argv = ["-f", "examples/gpt/job-resilient.yaml", "--rdzv-endpoint", endpoint(hosts)]
+    member = job.start(hosts[1], argv, tmp_path)
+    controller = job.start(hosts[0], [*argv, "--inject", "kill:rank=3@step=100"], tmp_path)
+    assert [controller.proc.wait(400), member.proc.wait(60)] == [0, 0], job.outputs()
+    text = controller.output()
+    assert "in-process restart" in text and "0 steps lost" in text, text
+    joined = re.search(r"rank 3 joined attempt 1; state from peer rank (\d)", text)
+    assert joined is not None and int(joined.group(1)) < 2, text  # a rank of the first host
+    assert "rank 3: joined attempt 1" in member.output()  # its replacement ran on host 1
+
+
+def make_certs(tmp: Path, addrs: list[str]) -> tuple[Path, Path, Path]:
+    """A CA, and a certificate it signed for every host's address (one for all)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "trainguard test CA")])
+    ca = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    key = ec.generate_private_key(ec.SECP256R1())
+    sans = [x509.IPAddress(ipaddress.ip_address(a)) for a in addrs]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "hosts")]))
+        .issuer_name(ca_name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    paths = tmp / "ca.pem", tmp / "cert.pem", tmp / "key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    paths[2].chmod(0o600)
+    return paths
+
+
+def test_tls_between_hosts(namespace_hosts: Make, tmp_path: Path) -> None:
+    """--tls-cert/--tls-key/--tls-ca: the endpoint, the daemons and the reports are HTTPS,
+    checked against the job's CA; a host without that CA cannot join."""
+    hosts = namespace_hosts(3, prefix="host")
+    ca, cert, key = make_certs(tmp_path, [h.addr for h in hosts.hosts])
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca)]
+    job = HostsJob(hosts)
+    argv = [*tls, *torchrun_form(hosts, 2, STEPS, "1500")]
+    controller = job.start(hosts[0], argv, tmp_path)
+    member = job.start(hosts[1], argv, tmp_path)
+    wait_for_text(member, "joined job", 120)
+    untrusting = job.start(  # the CA left out: it cannot check the controller's certificate
+        hosts[2], [*tls[:4], *torchrun_form(hosts, 2, STEPS, "1500", join_timeout=5)], tmp_path
+    )
+    assert [controller.proc.wait(240), member.proc.wait(60)] == [0, 0], job.outputs()
+    assert untrusting.proc.wait(60) == 1, job.outputs()
+    assert "CERTIFICATE_VERIFY_FAILED" in untrusting.output(), untrusting.output()
+    assert "https://" in member.output()  # joined over HTTPS
+    assert "Step 1500" in member.output()

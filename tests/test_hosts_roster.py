@@ -74,11 +74,16 @@ def test_another_process_on_a_host_that_takes_part_is_refused() -> None:
 
 def test_a_host_with_another_job_is_refused_naming_what_differs() -> None:
     other = {"spec": {"nprocPerNode": 4, "replicaSpecs": [{"replicas": 3}]}}
-    with pytest.raises(JoinRefused, match=r"spec\.spec\.nprocPerNode: 2 on the controller, 4 on"):
+    with pytest.raises(
+        JoinRefused, match=r"another job: spec\.nprocPerNode: 2 on the controller, 4 on"
+    ):
         roster().join(request("h1", spec=other), 1.0)
     assert spec_differences({"a": {"b": 1}}, {"a": {"c": 1}}) == [
-        "spec.a.b: 1 on the controller, unset on the host",
-        "spec.a.c: unset on the controller, 1 on the host",
+        "a.b: 1 on the controller, unset on the host",
+        "a.c: unset on the controller, 1 on the host",
+    ]
+    assert spec_differences({"l": [{"x": 1}, 2]}, {"l": [{"x": 3}, 2]}) == [
+        "l[0].x: 1 on the controller, 3 on the host"
     ]
 
 

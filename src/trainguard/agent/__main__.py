@@ -31,6 +31,8 @@ from trainguard.agent.exec_worker import set_parent_death_signal
 from trainguard.agent.jobenv import take_job_env
 
 if TYPE_CHECKING:
+    import ssl
+
     from trainguard.health.settings import HealthSettings
     from trainguard.health.suite import Peers
 
@@ -133,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         "agent for SECONDS (a job on several hosts: shorter than the controller's lost-node "
         "bound, so a node declared lost writes nothing that lasts); default: never",
     )
+    parser.add_argument(
+        "--tls-ca",
+        type=Path,
+        metavar="FILE",
+        help="check an https report URL's certificate against this CA (a job's own)",
+    )
     parser.add_argument("--log-level", default="INFO", help="agent log level (default: INFO)")
     return parser
 
@@ -231,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         agent_env = {**take_job_env(), **parse_env(args.env)}
     except ValueError as exc:
         parser.error(str(exc))
+    if args.tls_ca is not None and not args.tls_ca.is_file():
+        parser.error(f"--tls-ca: {args.tls_ca} is not a file")
     if args.cwd is not None and not args.cwd.is_dir():
         parser.error(f"--cwd: {args.cwd} is not a directory")
     if not 0 <= args.port <= 65535:
@@ -290,6 +300,7 @@ def _serve(
         incarnation=args.incarnation,
         start_options=StartOptions(warm=not args.cold_start, preload=tuple(args.preload)),
         fence=lease.fenced,
+        tls=_client_tls(args.tls_ca),
     )
     if args.parent_pid is not None and args.controller_grace:
         supervisor.controller = ControllerWatch(args.parent_pid, args.controller_grace)
@@ -360,6 +371,14 @@ def _serve(
     server.stop()
     logger.info("agent exits: %s", supervisor.snapshot().reason)
     return exit_code
+
+
+def _client_tls(ca: Path | None) -> ssl.SSLContext | None:
+    if ca is None:
+        return None
+    import ssl
+
+    return ssl.create_default_context(cafile=str(ca))
 
 
 def _remove_memory(node_dir: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import ssl
 import threading
 import urllib.parse
 from collections.abc import Callable
@@ -33,7 +34,11 @@ class Reporter:
         snapshot: Callable[[], NodeStatus],
         token: str,
         timeout: float = PUSH_TIMEOUT_SECONDS,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """``tls``: how an ``https`` report URL's certificate is checked (a job's own CA;
+        default: the system's)."""
+        self._tls = tls
         self._snapshot = snapshot
         self._token = token
         self._timeout = timeout
@@ -105,12 +110,12 @@ class Reporter:
     def _connect(self, url: str, parts: urllib.parse.SplitResult) -> http.client.HTTPConnection:
         if self._connection is None or self._connection_url != url:
             self._drop()
-            kind = (
-                http.client.HTTPSConnection
+            host, port = parts.hostname or "", parts.port
+            self._connection = (
+                http.client.HTTPSConnection(host, port, timeout=self._timeout, context=self._tls)
                 if parts.scheme == "https"
-                else http.client.HTTPConnection
+                else http.client.HTTPConnection(host, port, timeout=self._timeout)
             )
-            self._connection = kind(parts.hostname or "", parts.port, timeout=self._timeout)
             self._connection_url = url
         return self._connection
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import signal
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -126,6 +127,7 @@ class Supervisor:
         incarnation: str = "",
         start_options: StartOptions = FRESH_STARTS,
         fence: Callable[[], str | None] = lambda: None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         """``start_options``: warm worker starts (see :mod:`trainguard.agent.warm`); off
         unless asked for, the agent's command line turns them on."""
@@ -141,7 +143,7 @@ class Supervisor:
         self._token = token  # the job's: pushes to the controller, replicas to peers
         self._commands: queue.Queue[_Command] = queue.Queue()
         self.board = Board(node_id, incarnation)
-        self._reporter = Reporter(self.snapshot, token)
+        self._reporter = Reporter(self.snapshot, token, tls=tls)
         self.board.on_news = self._reporter.nudge
         self._exits = ExitWatcher(lambda: self._commands.put(_Wake()))
         self._injector = StepInjector(on_fired=self._reporter.nudge)

@@ -58,6 +58,7 @@ class ControllerHost:
     partition_timeout: float
     tls_server: ssl.SSLContext | None = None
     tls_client: ssl.SSLContext | None = None
+    tls_ca: str | None = None  # the CA file the agents check report URLs against
     service: HostsService | None = field(default=None, init=False)
 
     def start(

@@ -185,19 +185,21 @@ class Roster:
         return [h for h in self._live() if h.role == "spare"]
 
 
-def spec_differences(
-    ours: Mapping[str, Any], theirs: Mapping[str, Any], path: str = "spec"
-) -> list[str]:
-    """Where two jobs differ, one ``path: ours here, theirs on the host`` each."""
-    out: list[str] = []
-    for key in sorted(set(ours) | set(theirs), key=str):
-        here, there = ours.get(key, _MISSING), theirs.get(key, _MISSING)
-        where = f"{path}.{key}"
-        if isinstance(here, Mapping) and isinstance(there, Mapping):
-            out += spec_differences(here, there, where)
-        elif here != there:
-            out.append(f"{where}: {_show(here)} on the controller, {_show(there)} on the host")
-    return out
+def spec_differences(ours: Any, theirs: Any, path: str = "") -> list[str]:
+    """Where two jobs (as JSON) differ, one ``path: ours on the controller, theirs on the
+    host`` each, down to the innermost field (``spec.replicaSpecs[0].replicas``)."""
+    if isinstance(ours, Mapping) and isinstance(theirs, Mapping):
+        out: list[str] = []
+        for key in sorted(set(ours) | set(theirs), key=str):
+            here, there = ours.get(key, _MISSING), theirs.get(key, _MISSING)
+            out += spec_differences(here, there, f"{path}.{key}" if path else str(key))
+        return out
+    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+        return [d for i, (a, b) in enumerate(zip(ours, theirs, strict=True))
+                for d in spec_differences(a, b, f"{path}[{i}]")]  # fmt: skip
+    if ours == theirs:
+        return []
+    return [f"{path}: {_show(ours)} on the controller, {_show(theirs)} on the host"]
 
 
 _MISSING = object()

@@ -90,8 +90,9 @@ def run_on_hosts(
                 f"({endpoint.host}) runs the controller and node 0"
             )
         hosts = ControllerHost(
-            endpoint, local, token, args.join_timeout, partition, tls_server, tls_client
-        )
+            endpoint, local, token, args.join_timeout, partition, tls_server, tls_client,
+            args.tls_ca if tls_server is not None else None,
+        )  # fmt: skip
         try:
             runner = LocalRunner(
                 plan, store, source, injections, live=live, metrics=metrics, hosts=hosts
@@ -145,6 +146,7 @@ def _join(
             host_env=interface_env(local, user_env),
             durable_url=reply.durable_url,
             fence_after=fence_after(config.lost_after),
+            tls_ca=args.tls_ca if tls_client is not None else None,
         )
 
     daemon = HostDaemon(

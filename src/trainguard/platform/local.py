@@ -95,6 +95,7 @@ def agent_launcher(
     host_env: Mapping[str, str] | None = None,
     durable_url: str | None = None,
     fence_after: float | None = None,
+    tls_ca: str | None = None,
 ) -> AgentLauncher:
     """What launches this host's node agents for ``plan``: each node's group, its memory
     tier under ``memory_root``, the job's checkpoint settings (``durable_url``: where the
@@ -119,8 +120,9 @@ def agent_launcher(
     grace = options.controller_grace_seconds
     health = HealthLaunch(options.health_checks.settings(), job_dir / "health", fail or {})
     return AgentLauncher(
-        job_dir, token_file, by_node, env, start, grace, health, host=host, fence_after=fence_after
-    )
+        job_dir, token_file, by_node, env, start, grace, health,
+        host=host, fence_after=fence_after, tls_ca=tls_ca,
+    )  # fmt: skip
 
 
 class LocalRunner:
@@ -346,7 +348,7 @@ class LocalRunner:
         local = agent_launcher(
             self.plan, self.job_dir, self.token_file, self.memory_root, self.groups,
             fail=fail, host=hosts.local.addr, host_env=interface_env(hosts.local, user_env),
-            fence_after=fence_after(self.config.lost_after),
+            fence_after=fence_after(self.config.lost_after), tls_ca=hosts.tls_ca,
         )  # fmt: skip
         return HostsLauncher(hosts.service, local, hosts.token, hosts.tls_client)
 

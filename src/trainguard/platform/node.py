@@ -186,6 +186,7 @@ class AgentLauncher:
         health: HealthLaunch | None = None,
         host: str = "127.0.0.1",
         fence_after: float | None = None,
+        tls_ca: str | None = None,
     ) -> None:
         """``groups``: each node id's group; ``env``: each node id's extra agent env;
         ``start``: how the agents start their workers (warm or fresh); ``health``: the
@@ -194,6 +195,7 @@ class AgentLauncher:
         agents' ``--fence-after`` (agent/lease.py; None on one machine)."""
         self.host = host
         self.fence_after = fence_after
+        self.tls_ca = tls_ca  # the agents check an https report URL against it
         self.job_dir = job_dir
         self.token_file = token_file
         self.groups = groups
@@ -240,6 +242,8 @@ class AgentLauncher:
             argv += self.health.agent_flags(node_id, peers)
         if self.fence_after is not None:
             argv += ["--fence-after", f"{self.fence_after:g}"]
+        if self.tls_ca is not None:
+            argv += ["--tls-ca", self.tls_ca]
         argv += [*self.start.agent_flags(), "--", *group.command]
         with open(agents_dir / f"{node_id}.log", "ab") as agent_log:
             process = subprocess.Popen(
