@@ -276,3 +276,34 @@ def test_tls_between_hosts(namespace_hosts: Make, tmp_path: Path) -> None:
     assert "CERTIFICATE_VERIFY_FAILED" in untrusting.output(), untrusting.output()
     assert "https://" in member.output()  # joined over HTTPS
     assert "Step 1500" in member.output()
+
+
+def test_an_elastic_job_grows_when_a_host_joins_and_shrinks_when_one_is_cut(
+    namespace_hosts: Make, tmp_path: Path
+) -> None:
+    """--nnodes 2:3 across hosts: a third host joining is capacity (the job scales up to
+    it), a host cut off is capacity taken away (the job scales down without it)."""
+    hosts = namespace_hosts(3, prefix="host")
+    job = HostsJob(hosts)
+    worker = str(REPO / "tests" / "scripts" / "world_steps.py")
+    argv = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint(hosts),
+            "--join-timeout", "120", worker, "100000"]  # fmt: skip
+    controller = job.start(hosts[0], argv, tmp_path)
+    job.start(hosts[1], argv, tmp_path)
+    wait_for_text(controller, "AttemptStarted: attempt 0: 2 nodes", 120)
+    third = job.start(hosts[2], argv, tmp_path)
+    wait_for_text(controller, "3 nodes x 1 ranks", 180)  # grown onto the third host
+    wait_for_text(third, "world 3 rank 2", 60)
+    wait_for_text(third, "Step 50", 60)
+    hosts.cut(hosts[2])
+    deadline = time.monotonic() + 120
+    while True:  # shrunk without it
+        text = controller.output()
+        sizes = [int(n) for n in re.findall(r"AttemptStarted: attempt \d+: (\d) nodes", text)]
+        if sizes[:3] == [2, 3, 2] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert sizes[:3] == [2, 3, 2], text
+    assert "ElasticScaling" in text and "scale down 3 -> 2" in text, text
+    controller.proc.terminate()  # the worker runs "forever": stop the job (Ctrl-C)
+    assert controller.proc.wait(60) == 130, job.outputs()

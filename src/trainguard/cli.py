@@ -49,8 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-f", "--file", help="a TrainingJob (or HyperPodPyTorchJob) YAML file")
     run.add_argument(
         "--nnodes",
-        type=_positive_int,
-        help="nodes: agents on this machine, or hosts with --rdzv-endpoint",
+        type=_nnodes,
+        metavar="N|MIN:MAX",
+        help="nodes: agents on this machine, or hosts with --rdzv-endpoint; MIN:MAX is an "
+        "elastic range (it starts at MIN and grows as capacity, or hosts, come)",
     )
     run.add_argument(
         "--nproc-per-node",
@@ -295,6 +297,16 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    """``N`` or torchrun's elastic ``MIN:MAX``."""
+    low, sep, high = text.partition(":")
+    first = _positive_int(low)
+    last = _positive_int(high) if sep else first
+    if last < first:
+        raise argparse.ArgumentTypeError(f"MIN:MAX with MIN <= MAX, got {text}")
+    return first, last
 
 
 def _port(text: str) -> int:

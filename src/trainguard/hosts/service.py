@@ -93,6 +93,21 @@ class HostsService:
                 self._changed.wait(min(left, 1.0))
             return missing
 
+    def capacity(self, running: set[str], silent_after: float) -> tuple[int, tuple[str, ...]]:
+        """How many hosts the job may use now (the controller's own, and those that
+        renewed their lease within ``silent_after`` seconds), and the nodes of ``running``
+        whose host went silent or was fenced: capacity taken away (an elastic job scales
+        down without them)."""
+        with self._lock:
+            now = self._clock()
+            live = [
+                h
+                for h in self.roster.hosts.values()
+                if not h.lost and (h.local or now - h.last_seen <= silent_after)
+            ]
+            held = {h.node_id for h in live}
+            return len(live), tuple(sorted(n for n in running if n not in held))
+
     def hosts_seen_since(self, when: float) -> list[HostRecord]:
         with self._lock:
             return [h for h in self.roster.hosts.values() if h.last_seen >= when]

@@ -244,6 +244,8 @@ class LocalRunner:
             platform.listeners.append(self.hosts.on_event)
             if isinstance(platform.launcher, HostsLauncher):
                 platform.launcher.busy = lambda: set(platform.nodes)
+            if self.config.elastic is not None:
+                platform.capacity_of = self._hosts_capacity(platform)
         controller = JobController(self.config, platform.endpoint)
         previous = self._install_signal_handlers()
         console_log = RotatingFile(self.logs_dir / "console.log", self.config.log_limits)
@@ -368,6 +370,15 @@ class LocalRunner:
         )
         address = resolve(hosts.endpoint.host)
         return Inbox(address, hosts.endpoint.port, routes=service.routes(), tls=hosts.tls_server)
+
+    def _hosts_capacity(self, platform: LocalPlatform) -> Callable[[], tuple[int, tuple[str, ...]]]:
+        """An elastic job across hosts: its capacity is the hosts that renew their lease;
+        a node whose host goes silent is taken away, a little before it could be declared
+        lost (its agent is fenced by then: agent/lease.py)."""
+        service = self.hosts.service if self.hosts is not None else None
+        assert service is not None
+        silent_after = max(self.config.lost_after - 1.0, fence_after(self.config.lost_after))
+        return lambda: service.capacity(set(platform.nodes), silent_after)
 
     def _wait_for_hosts(self) -> list[str]:
         """Wait (``--join-timeout``) for a host to hold every node; the ones missing."""

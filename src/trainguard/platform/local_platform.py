@@ -77,6 +77,9 @@ class LocalPlatform:
         # Called with every event the controller records (a job on several hosts fences
         # the host of a node declared lost).
         self.listeners: list[Callable[[Event], None]] = []
+        # Where the job's capacity comes from when not the store's pool (a job on several
+        # hosts: the hosts that renew their lease), and the nodes taken away with it.
+        self.capacity_of: Callable[[], tuple[int, tuple[str, ...]]] | None = None
         self.job_id = job_id
         self.store = store
         self.transport = transport
@@ -196,12 +199,16 @@ class LocalPlatform:
         elif job.desired == "delete":
             cancel = Cancel("deleted by user")
         self._take_preempted(now)
+        capacity = job.capacity if self.preempt_grace is not None else None
+        preempted = tuple(self._preempted)
+        if self.capacity_of is not None:
+            capacity, preempted = self.capacity_of()
         return Observation(
             self.book.reports(),
             cancel,
             replace=self._replace_requests(job),
-            capacity=job.capacity if self.preempt_grace is not None else None,
-            preempted=tuple(self._preempted),
+            capacity=capacity,
+            preempted=preempted,
         )
 
     def _take_preempted(self, now: float) -> None:

@@ -45,7 +45,7 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             job = cli_job(
                 args.script,
                 args.script_args,
-                nnodes=args.nnodes or 1,
+                nnodes=args.nnodes or (1, 1),
                 nproc_per_node=args.nproc_per_node or "1",
                 max_restarts=args.max_restarts or 0,
                 name=args.name,

@@ -38,14 +38,17 @@ def dns_name(text: str) -> str:
 def cli_job(
     script: str,
     script_args: Sequence[str],
-    nnodes: int,
+    nnodes: int | tuple[int, int],
     nproc_per_node: str | int,
     max_restarts: int,
     name: str | None = None,
     module: bool = False,
     no_python: bool = False,
 ) -> TrainingJob:
-    """The job `trainguard run [flags] script args...` describes; SpecError if it is bad."""
+    """The job `trainguard run [flags] script args...` describes; SpecError if it is bad.
+    ``nnodes``: a count, or torchrun's elastic ``(MIN, MAX)``: the job starts on MIN nodes
+    and may grow to MAX (``elasticPolicy``)."""
+    low, high = nnodes if isinstance(nnodes, tuple) else (nnodes, nnodes)
     if module and no_python:
         raise SpecError(CLI_SOURCE, [("--no-python", "cannot be combined with -m/--module")])
     if module:
@@ -72,11 +75,13 @@ def cli_job(
             "replicaSpecs": [
                 {
                     "name": CLI_GROUP_NAME,
-                    "replicas": nnodes,
+                    "replicas": low,
+                    **({"maxReplicas": high} if high > low else {}),
                     "template": {"spec": {"containers": [{"name": "worker", "command": command}]}},
                 }
             ],
             "runPolicy": {"jobMaxRetryCount": max_restarts},
+            **({"elasticPolicy": {"minReplicas": low, "maxReplicas": high}} if high > low else {}),
         },
     }
     try:
