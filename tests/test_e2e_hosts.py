@@ -307,3 +307,27 @@ def test_an_elastic_job_grows_when_a_host_joins_and_shrinks_when_one_is_cut(
     assert "ElasticScaling" in text and "scale down 3 -> 2" in text, text
     controller.proc.terminate()  # the worker runs "forever": stop the job (Ctrl-C)
     assert controller.proc.wait(60) == 130, job.outputs()
+
+
+def test_an_injected_partition_cuts_a_host_off_and_the_spare_takes_over(
+    namespace_hosts: Make, tmp_path: Path
+) -> None:
+    """--inject partition:node=1@step=S,for=T: node 1's host takes its own interface down
+    (a rehearsal of a network partition); it is declared lost, the spare host takes its
+    place, and once back it is told it was fenced and joins again as a new host."""
+    hosts = namespace_hosts(3, prefix="host")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(spec_with_spare([sys.executable, "-u", STEPS, "2500"])))
+    job = HostsJob(hosts)
+    argv = ["-f", str(spec), "--rdzv-endpoint", endpoint(hosts), "--join-timeout", "120"]
+    controller = job.start(
+        hosts[0], [*argv, "--inject", "partition:node=1@step=300,for=15"], tmp_path
+    )
+    cut = job.start(hosts[1], argv, tmp_path)
+    wait_for_text(cut, "joined job", 120)
+    spare = job.start(hosts[2], argv, tmp_path)
+    assert [controller.proc.wait(300), spare.proc.wait(60)] == [0, 0], job.outputs()
+    text = controller.output()
+    assert "FaultInjected: injected partition:node=1@step=300,for=15" in text, text
+    assert "node-1 lost" in text and "replacing node-1 -> node-2" in text, text
+    wait_for_text(cut, "declared node-1 lost", 60)  # back on the network: fenced

@@ -100,6 +100,24 @@ class ControllerHost:
                     f"host {host.hostname} ({host.addr}) fenced: {event.node} was declared lost"
                 )
 
+    def partition(self, node_id: str, seconds: float | None) -> str | None:
+        """``--inject partition``: have ``node_id``'s host cut itself off; why not, or
+        None."""
+        from trainguard.hosts.launcher import DaemonError, call_daemon
+        from trainguard.wire.hosts import PartitionRequest
+
+        host = self.service.holder(node_id) if self.service is not None else None
+        if host is None:
+            return f"no host holds {node_id}"
+        if host.daemon_url is None:
+            return f"{node_id} runs on the controller's own host"
+        try:
+            body = PartitionRequest(seconds=seconds).to_json()
+            call_daemon(host.daemon_url, "/partition", self.token, body, 5.0, self.tls_client)
+        except DaemonError as exc:
+            return str(exc)
+        return None
+
     def finish(self, phase: str, exit_code: int, reason: str) -> None:
         """Tell every host how the job ended, and give them a lease or two to hear it."""
         if self.service is None:

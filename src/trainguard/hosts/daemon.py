@@ -23,8 +23,10 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import socket
 import ssl
+import subprocess
 import threading
 import time
 import urllib.error
@@ -46,6 +48,7 @@ from trainguard.wire.hosts import (
     JoinRequest,
     LaunchReply,
     LaunchRequest,
+    PartitionRequest,
     ShutdownRequest,
 )
 
@@ -108,7 +111,11 @@ class HostDaemon:
         self.server = RouteServer(
             local.addr,
             0,
-            [web.post("/launch", self._launch), web.post("/shutdown", self._shutdown)],
+            [
+                web.post("/launch", self._launch),
+                web.post("/shutdown", self._shutdown),
+                web.post("/partition", self._partition),
+            ],
             tls=tls_server,
             name="tg-host-daemon",
         )
@@ -229,6 +236,23 @@ class HostDaemon:
         await _in_thread(self._pool, lambda: self._shutdown_node(stop.node_id))
         return web.json_response({"accepted": True}, status=202)
 
+    async def _partition(self, request: web.Request) -> web.Response:
+        """A rehearsal (``--inject partition``): this host cuts itself off the network."""
+        if not bearer_ok(request, self._token.encode()):
+            return _error(401, "missing or wrong bearer token")
+        try:
+            cut = parse_json(PartitionRequest, await request.read(), "partition")
+        except WireError as exc:
+            return _error(400, str(exc))
+        why = partition_unavailable(self.local.ifname)
+        if why is not None:
+            return _error(409, why)
+        assert self.local.ifname is not None
+        threading.Thread(
+            target=cut_off, args=(self.local.ifname, cut.seconds), daemon=True, name="tg-cut"
+        ).start()
+        return web.json_response({"accepted": True}, status=202)
+
     # -- the agents ----------------------------------------------------------------------
 
     def _start_agent(self, launch: LaunchRequest) -> LaunchReply:
@@ -306,6 +330,27 @@ async def _in_thread(pool: ThreadPoolExecutor, call: Callable[[], Any]) -> Any:
     import asyncio
 
     return await asyncio.get_running_loop().run_in_executor(pool, call)
+
+
+def partition_unavailable(ifname: str | None) -> str | None:
+    """Why this host cannot cut itself off (``--inject partition``), or None."""
+    if ifname is None:
+        return "this host's interface toward the controller is not known"
+    if os.geteuid() != 0:
+        return "taking an interface down needs root"
+    if shutil.which("ip") is None:
+        return "`ip` (iproute2) is not installed"
+    return None
+
+
+def cut_off(ifname: str, seconds: float | None) -> None:
+    """Take ``ifname`` down; up again after ``seconds`` (None: it stays down)."""
+    logger.warning("rehearsal: cutting this host off the network (%s down)", ifname)
+    subprocess.run(["ip", "link", "set", ifname, "down"], check=False)
+    if seconds is not None:
+        time.sleep(seconds)
+        subprocess.run(["ip", "link", "set", ifname, "up"], check=False)
+        logger.warning("rehearsal: %s is up again after %g s", ifname, seconds)
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -12,6 +12,9 @@ A SPEC names a fault, its target and its trigger::
     preempt:node=N@...       node N is taken away (elastic: capacity - 1, then it is killed
                              after gracefulShutdownTimeoutInSeconds unless given up)
     capacity:+K@...          K more nodes become available (elastic: capacity + K)
+    partition:node=N@...[,for=T]  node N's host is cut off the network (for T seconds;
+                             a job on several hosts: its host daemon takes its own
+                             interface down, as root; never node 0, the controller's)
     ...@Ts                   T seconds (float) after the job's first completed step
 
 ``xid`` and ``disk-full`` go through the node agent's rehearsal hooks (files in its
@@ -51,7 +54,10 @@ from trainguard.platform.actuate import SignalActuator, write_hook
 from trainguard.wire.requests import StepInjection
 from trainguard.wire.status import InjectedFault
 
-KINDS = ("kill", "hang", "node-kill", "slow", "xid", "disk-full", "health", "preempt", "capacity")
+KINDS = (
+    "kill", "hang", "node-kill", "slow", "xid", "disk-full", "health", "preempt", "capacity",
+    "partition",
+)  # fmt: skip
 _TARGET_KEY = {
     "kill": "rank",
     "hang": "rank",
@@ -62,6 +68,7 @@ _TARGET_KEY = {
     "health": "node",
     "preempt": "node",
     "capacity": "count",
+    "partition": "node",
 }
 _ACTION = {
     "kill": "SIGKILL",
@@ -72,6 +79,7 @@ _ACTION = {
     "disk-full": "its space monitors report full",
     "preempt": "taken away",
     "capacity": "capacity given",
+    "partition": "its host cut off the network",
 }
 DEFAULT_XID = 79  # GPU has fallen off the bus
 
@@ -79,7 +87,8 @@ INJECT_HELP = (
     "inject a fault (repeatable): kill:rank=R@step=S (SIGKILL), hang:rank=R@step=S (SIGSTOP), "
     "node-kill:node=N@step=S (the node's agent and workers), slow:rank=R@step=S (throttled), "
     "xid:node=N[,code=C]@step=S (an XID in its kernel-log hook), disk-full:node=N@step=S, "
-    "health:node=N,check=NAME (fails that on-start check); "
+    "health:node=N,check=NAME (fails that on-start check), "
+    "partition:node=N@step=S[,for=T] (several hosts: its host cut off, for T seconds); "
     "@Ts (seconds after the first completed step) in place of @step=S"
 )
 
@@ -99,6 +108,7 @@ class Injection:
     text: str  # the SPEC as given
     code: int | None = None  # xid: the XID code
     check: str | None = None  # health: the on-start check to fail
+    duration: float | None = None  # partition: how long the host stays cut off (None: for good)
 
     @property
     def target(self) -> str:
@@ -129,8 +139,11 @@ def parse_injection(text: str) -> Injection:
     if kind == "health":
         return _health_injection(text, rest, bad)
     code: int | None = None
+    duration: float | None = None
     if kind == "capacity":
         rest, code = _capacity(rest, bad)
+    if kind == "partition":
+        rest, duration = _partition_for(rest, bad)
     if rest.count("@") != 1:
         raise bad(f"expected one '@' between target and trigger, e.g. {kind}:{key}=1@step=10")
     target, trigger = rest.split("@")
@@ -167,7 +180,22 @@ def parse_injection(text: str) -> Injection:
         at_seconds=at_seconds,
         text=text,
         code=code,
+        duration=duration,
     )
+
+
+def _partition_for(rest: str, bad: Callable[[str], ValueError]) -> tuple[str, float | None]:
+    """``node=N@TRIGGER[,for=T]`` of a partition: the rest without ``,for=T``, and T."""
+    head, comma, extra = rest.rpartition(",for=")
+    if not comma:
+        return rest, None
+    try:
+        seconds = float(extra)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise bad(f"for=T takes a number of seconds > 0, got {extra!r}")
+    return head, seconds
 
 
 def _capacity(rest: str, bad: Callable[[str], ValueError]) -> tuple[str, int]:
@@ -213,6 +241,8 @@ class Targets:
     agents_see: frozenset[int] = frozenset()
     # node rank -> its agent's rehearsal hook directory (xid, disk-full).
     node_hooks: Mapping[int, Path] = field(default_factory=dict)
+    # The node ranks the attempt runs, wherever their processes are (another host's too).
+    nodes: frozenset[int] = frozenset()
 
     def node_of(self, pid: int) -> int | None:
         """The node rank whose workers include ``pid``, if known."""
@@ -399,9 +429,9 @@ class Injector:
             return Fired(injection, now, step, None, injection.node, (agent_pid, *worker_pids))
         if injection.kind == "capacity":  # the platform gives the job more nodes
             return Fired(injection, now, step, None, None, ())
-        if injection.kind == "preempt":  # the platform takes the node away
+        if injection.kind in ("preempt", "partition"):  # the platform acts on the node
             assert injection.node is not None
-            if injection.node not in targets.node_pids:
+            if injection.node not in targets.node_pids and injection.node not in targets.nodes:
                 return None
             return Fired(injection, now, step, None, injection.node, ())
         if injection.kind in ("xid", "disk-full"):

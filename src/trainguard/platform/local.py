@@ -167,6 +167,11 @@ class LocalRunner:
         self.injector = Injector(injections, plan.world_size, plan.nnodes, delegate_steps=True)
         checks = plan.job.spec.trainguard.health_checks.checks
         for injection in injections:
+            if injection.kind == "partition" and (hosts is None or injection.node == 0):
+                where = "node 0 is the controller's host" if hosts else "the job runs on one host"
+                raise ValueError(
+                    f"--inject {injection.text!r}: a partition cuts another host off ({where})"
+                )
             if injection.kind == "health" and injection.check not in checks:
                 raise ValueError(
                     f"--inject {injection.text!r}: the job runs no {injection.check} check "
@@ -246,6 +251,7 @@ class LocalRunner:
                 platform.launcher.busy = lambda: set(platform.nodes)
             if self.config.elastic is not None:
                 platform.capacity_of = self._hosts_capacity(platform)
+            platform.partitioner = self.hosts.partition
         controller = JobController(self.config, platform.endpoint)
         previous = self._install_signal_handlers()
         console_log = RotatingFile(self.logs_dir / "console.log", self.config.log_limits)

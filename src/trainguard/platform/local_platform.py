@@ -80,6 +80,9 @@ class LocalPlatform:
         # Where the job's capacity comes from when not the store's pool (a job on several
         # hosts: the hosts that renew their lease), and the nodes taken away with it.
         self.capacity_of: Callable[[], tuple[int, tuple[str, ...]]] | None = None
+        # Cuts a node's host off the network for so many seconds (None: for good); None
+        # where the platform cannot (one machine). Returns why it could not, or None.
+        self.partitioner: Callable[[str, float | None], str | None] | None = None
         self.job_id = job_id
         self.store = store
         self.transport = transport
@@ -383,6 +386,7 @@ class LocalPlatform:
         if progress is not None and self._first_step_at is None:
             self._first_step_at = progress.first_time
         node_ranks = {a.node_id: a.node_rank for a in attempt.assignments}
+        nodes = frozenset(r for n, r in node_ranks.items() if n in self.nodes)
         rank_pids: dict[int, int] = {}
         node_pids: dict[int, tuple[int, tuple[int, ...]]] = {}
         agents_see: set[int] = set()
@@ -411,7 +415,7 @@ class LocalPlatform:
             now,
             progress.step if progress else None,
             self._first_step_at,
-            Targets(rank_pids, node_pids, frozenset(agents_see), hooks),
+            Targets(rank_pids, node_pids, frozenset(agents_see), hooks, nodes),
         )
         by_rank = {v: k for k, v in node_ranks.items()}
         for f in fired:
@@ -422,11 +426,23 @@ class LocalPlatform:
                 self._preempted[by_rank[f.node]] = now + (self.preempt_grace or 0.0)
             if f.injection.kind in ("capacity", "preempt"):
                 self.book.wake()  # the capacity changed: look again now, not a poll later
+            if f.injection.kind == "partition" and f.node is not None:
+                self._partition(by_rank[f.node], f.injection.duration)
             if f.injection.kind == "node-kill" and f.node is not None:
                 # A lost node loses its RAM: its memory tier goes with it.
                 shutil.rmtree(self.memory_root / by_rank[f.node], ignore_errors=True)
             target = None if f.node is None else by_rank.get(f.node)
             controller.note_injection(f.time, f.injection.text, f.rank, target, f.step)
+
+    def _partition(self, node_id: str, seconds: float | None) -> None:
+        """Cut ``node_id``'s host off the network (``--inject partition``): only a job on
+        several hosts can (its host daemon does it: :attr:`partitioner`)."""
+        if self.partitioner is None:
+            self._say(f"partition of {node_id} not injected: the job runs on one host")
+            return
+        why = self.partitioner(node_id, seconds)
+        if why is not None:
+            self._say(f"partition of {node_id} not injected: {why}")
 
     def _agents_inject(self, controller: JobController, reports: Mapping[str, NodeReport]) -> None:
         """Record the step injections agents fired; hand the pending ones to every agent

@@ -8,6 +8,7 @@ a host daemon that joins it::
     host daemon -> controller   GET  /hosts/<id>      -> HostLease   (every keepalive)
     controller  -> host daemon  POST /launch          LaunchRequest -> LaunchReply
     controller  -> host daemon  POST /shutdown        ShutdownRequest -> 202
+    controller  -> host daemon  POST /partition       PartitionRequest -> 202 (rehearsal)
 
 Every request carries the job's bearer token; the controller's server is the one agents
 push their statuses to (:mod:`trainguard.platform.inbox`).
@@ -28,6 +29,7 @@ __all__ = [
     "JoinRequest",
     "LaunchReply",
     "LaunchRequest",
+    "PartitionRequest",
     "ShutdownRequest",
 ]
 
@@ -80,3 +82,10 @@ class LaunchReply(Wire):
 
 class ShutdownRequest(Wire):
     node_id: Name
+
+
+class PartitionRequest(Wire):
+    """``--inject partition``: take this host's interface down (for ``seconds``; None:
+    until someone brings it back)."""
+
+    seconds: Seconds | None = None
