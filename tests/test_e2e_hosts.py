@@ -331,3 +331,33 @@ def test_an_injected_partition_cuts_a_host_off_and_the_spare_takes_over(
     assert "FaultInjected: injected partition:node=1@step=300,for=15" in text, text
     assert "node-1 lost" in text and "replacing node-1 -> node-2" in text, text
     wait_for_text(cut, "declared node-1 lost", 60)  # back on the network: fenced
+
+
+def test_a_host_cut_off_is_replaced_in_place_by_the_spare_host_with_no_step_lost(
+    namespace_hosts: Make, tmp_path: Path
+) -> None:
+    """The GPT example in resilient mode with a spare host: node 1's host is cut off; the
+    spare host's node takes its ranks in place, the ranks of node 0 keep their processes
+    and state, and training goes on from the step it had reached (checkpointless)."""
+    hosts = namespace_hosts(3, prefix="host")
+    spec = yaml.safe_load((REPO / "examples" / "gpt" / "job-resilient.yaml").read_text())
+    spec["spec"]["replicaSpecs"][0]["spares"] = 1
+    spec["spec"]["trainguard"]["partitionTimeoutSeconds"] = 10
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    job = HostsJob(hosts)
+    argv = ["-f", str(path), "--rdzv-endpoint", endpoint(hosts), "--join-timeout", "120"]
+    controller = job.start(hosts[0], [*argv, "--inject", "partition:node=1@step=150"], tmp_path)
+    cut = job.start(hosts[1], argv, tmp_path)
+    wait_for_text(cut, "joined job", 120)
+    spare = job.start(hosts[2], argv, tmp_path)
+    assert [controller.proc.wait(400), spare.proc.wait(60)] == [0, 0], job.outputs()
+    text = controller.output()
+    assert "NodeReplacing" in text and "node-2 takes the ranks of node-1" in text, text
+    recovered = re.search(
+        r"Recovered: NodeLost .*\(in-process restart\); resumed from step \d+, (\d+) steps lost",
+        text,
+    )
+    assert recovered is not None and recovered.group(1) == "0", text
+    assert "state from own memory" in text  # node 0's ranks kept their processes
+    assert re.search(r"rank [23] joined attempt \d+; state from peer rank [01]", text), text

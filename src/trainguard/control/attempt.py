@@ -51,6 +51,9 @@ class Attempt:
     # not up by then (faultyScaleDownTimeoutInSeconds).
     replacing: tuple[str, ...] = ()
     faulty_deadline: float | None = None
+    # Lost nodes being replaced in place (control/replace.py): lost id -> the spare
+    # coming up to take its ranks (in ``standby`` until it is up).
+    replacing_in_place: dict[str, str] = field(default_factory=dict)
 
     def take_standby(self) -> tuple[str, ...]:
         """The nodes brought up for this attempt's scale-up, off its hands now (they join

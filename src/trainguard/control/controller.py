@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainguard.control import recovery, rescale
+from trainguard.control import recovery, replace, rescale
 from trainguard.control.actions import (
     Action,
     AttemptPhase,
@@ -374,17 +374,26 @@ class JobController:
         faults += self._stragglers(now, attempt, current)
         faults += self._exit_hangs(now, attempt, current)
         actions: list[Action] = []
+        if attempt.replacing_in_place:
+            faults = replace.pending_faults(attempt, faults)
+            if not faults:
+                self.record.progress(now, attempt)
+                return replace.watch(self, now, attempt, reports)
+            actions += self._give_up_replacing(attempt)
         if attempt.rejoin is not None and not faults:
-            replace, faults = recovery.watch_rejoin(self, now, attempt, attempt.rejoin, reports)
-            actions += replace
+            stuck, faults = recovery.watch_rejoin(self, now, attempt, attempt.rejoin, reports)
+            actions += stuck
         self.record.progress(now, attempt)
         scaled = rescale.preempted_lost(self, now, attempt, faults, reports)
         if scaled is not None:
             return [*actions, *scaled]
+        in_place = replace.begin(self, now, attempt, faults, reports)
+        if in_place is not None:
+            return [*actions, *in_place]
         if faults:
             for fault in faults:
                 self._record_fault(now, attempt, fault)
-            actions = rescale.abandon_growth(self, now, attempt, faults[0].message)
+            actions += rescale.abandon_growth(self, now, attempt, faults[0].message)
             if recovery.can_restart_in_place(self, attempt, reports):
                 return [*actions, recovery.restart_in_place(self, now, attempt, reports)]
             capture = any(f.type.is_hang for f in faults)
@@ -397,6 +406,14 @@ class JobController:
         if self.elastic is not None and attempt.rejoin is None and self._cancel is None:
             actions += rescale.look(self, now, attempt, reports)  # in place, or a stop
         return actions
+
+    def _give_up_replacing(self, attempt: Attempt) -> list[Action]:
+        """Another fault while spares came up to replace lost nodes in place: retire the
+        spares (back in the pool) and let the fault stop the attempt."""
+        spares = attempt.take_standby()
+        attempt.replacing_in_place = {}
+        self.spares = (*spares, *self.spares)
+        return [RetireNodes(spares)] if spares else []
 
     def _stragglers(
         self, now: float, attempt: Attempt, current: Sequence[tuple[str, NodeStatus]]

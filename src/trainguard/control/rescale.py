@@ -53,7 +53,7 @@ from trainguard.wire.status import NodeState, WorkerState
 if TYPE_CHECKING:
     from trainguard.control.controller import JobController
 
-__all__ = ["abandon_growth", "look", "preempted_lost"]
+__all__ = ["abandon_growth", "look", "preempted_lost", "reform", "running"]
 
 
 def look(
@@ -115,7 +115,7 @@ def _scale(
 ) -> list[Action]:
     """Carry a scale-down out: in place where every remaining rank runs, else by a stop."""
     keep = [n for n in attempt.nodes if n not in scale.drop]
-    if not _running(c, attempt, keep, reports):
+    if not running(c, attempt, keep, reports):
         return _stop_for(c, now, attempt, scale)
     return _reform(c, now, attempt, tuple(keep), (), scale.drop, scale.reason)
 
@@ -155,7 +155,7 @@ def _taking_away(c: JobController, attempt: Attempt) -> bool:
     )
 
 
-def _running(
+def running(
     c: JobController, attempt: Attempt, nodes: Sequence[str], reports: Mapping[str, NodeReport]
 ) -> bool:
     """Whether a scaling may be made in place: in-process restarts on, and every node
@@ -235,7 +235,7 @@ def _watch_growth(
     if not c.config.in_process:
         scale = Scale(before + len(added), reason)
         return _stop_for(c, now, attempt, scale, announce=False)  # announced when decided
-    if not _running(c, attempt, attempt.nodes, reports):
+    if not running(c, attempt, attempt.nodes, reports):
         return []  # a rank is not running: its fault, if any, ends the attempt first
     c.elastic.outcome(True)
     attempt.take_standby()
@@ -251,17 +251,14 @@ def _reform(
     dropped: tuple[str, ...],
     reason: str,
 ) -> list[Action]:
-    """End ``attempt`` and start the next on ``nodes``: the nodes that ran ``attempt``
-    rejoin, ``added`` start, ``dropped`` are retired."""
+    """An elastic scaling in place: the next attempt on ``nodes`` (:func:`reform`)."""
     assert c.elastic is not None
     before = len(attempt.nodes)
-    c.nodes = nodes
     c.growth = (*dropped, *c.growth)  # dropped ids may come back
     c.elastic.scaled(now, len(nodes))
     world = len(nodes) * c.config.nproc_per_node
     c.checkpoints.world_size = world
     c._end_attempt(now, attempt, AttemptPhase.STOPPED, reason)
-    c.phase = JobPhase.RESTARTING
     c._event(
         now,
         "ElasticScaling",
@@ -271,6 +268,22 @@ def _reform(
         data={"from": before, "to": len(nodes), "dropped": list(dropped),
               "added": list(added), "in_place": True},
     )  # fmt: skip
+    return reform(c, now, attempt, nodes, added, dropped)
+
+
+def reform(
+    c: JobController,
+    now: float,
+    attempt: Attempt,
+    nodes: tuple[str, ...],
+    added: tuple[str, ...],
+    dropped: tuple[str, ...],
+) -> list[Action]:
+    """Start the attempt after ``attempt`` (ended) on ``nodes``, in place: the nodes that
+    ran ``attempt`` rejoin (their ranks keep their processes), ``added`` start, ``dropped``
+    are retired."""
+    c.nodes = nodes
+    c.phase = JobPhase.RESTARTING
     number = len(c.attempts)
     new = Attempt(number, now, nodes, c._watch(number, now), RestartScope.IN_PROCESS.value)
     new.rejoin = Rejoin(now, ())  # every rank must join; none is replaced as stuck
