@@ -4,6 +4,7 @@ work was done (control/exit_hang.py). Light workers, no torch."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -58,3 +59,28 @@ def test_an_exit_hang_short_of_the_others_last_step_fails_the_job(
     assert fault["type"] == "ExitHang" and fault["evidence"]["finished"] is False
     assert fault["evidence"]["unfinished"] == [1]
     assert "had not reached step 20" in fault["message"]
+
+
+def test_a_hang_without_any_log_rule_is_found_by_its_missing_progress(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    """--inject hang on a job that prints Step N and has no log rule: the hung rank stops
+    making progress while the other goes on; a NoProgress fault (its stacks captured)
+    restarts the job, which completes."""
+    worker = REPO / "tests" / "scripts" / "step_worker.py"
+    spec = write_job(
+        tmp_path / "job.yaml",
+        "stall",
+        [sys.executable, "-u", str(worker), "600"],
+        runPolicy={"jobMaxRetryCount": 1},
+        trainguard={"noProgressTimeoutSeconds": 3},
+    )
+    done = tg.run("run", "-f", str(spec), "--inject", "hang:rank=1@step=100", timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    job = tg.only_job()
+    [fault] = job["faults"]
+    assert fault["type"] == "NoProgress" and fault["rank"] == 1, fault
+    assert re.search(r"rank 1 completed no step after step (9\d|10\d) for", fault["message"])
+    stack = fault["evidence"]["stacks"]["1"]
+    assert "state T (stopped)" in stack, stack  # the SIGSTOPped rank, as it was
+    assert job["restarts"] == 1 and job["phase"] == "Succeeded"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from trainguard.control.elastic import ElasticConfig
 from trainguard.control.exit_hang import DEFAULT_TIMEOUT as DEFAULT_EXIT_HANG_TIMEOUT
+from trainguard.control.no_progress import DEFAULT_TIMEOUT as DEFAULT_NO_PROGRESS_TIMEOUT
 from trainguard.control.persist import DurableCadence
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.stragglers import (
@@ -45,6 +46,9 @@ class ControlConfig:
     # A rank still running this long (or 20 mean steps, if longer) after every other rank
     # exited 0, idle, is an ExitHang (control/exit_hang.py); None: never.
     exit_hang_timeout: float | None = DEFAULT_EXIT_HANG_TIMEOUT
+    # A job that showed progress and shows none for this long (or 10 mean steps, if
+    # longer) is hung: NoProgress (control/no_progress.py); None: never.
+    no_progress_timeout: float | None = DEFAULT_NO_PROGRESS_TIMEOUT
     extra_env: dict[str, str] = field(default_factory=dict)
     active_deadline_seconds: float | None = None
 
@@ -121,9 +125,10 @@ class ControlConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
-        hang = self.exit_hang_timeout
-        if hang is not None and not (math.isfinite(hang) and hang > 0):
-            raise ValueError(f"exit_hang_timeout: must be a finite number > 0, got {hang!r}")
+        for name in ("exit_hang_timeout", "no_progress_timeout"):
+            bound = getattr(self, name)
+            if bound is not None and not (math.isfinite(bound) and bound > 0):
+                raise ValueError(f"{name}: must be a finite number > 0, got {bound!r}")
         threshold = self.straggler_threshold
         if threshold is not None and not (math.isfinite(threshold) and threshold > 1):
             raise ValueError(f"straggler_threshold: must be a finite number > 1, got {threshold!r}")

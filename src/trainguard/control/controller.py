@@ -355,6 +355,7 @@ class JobController:
             in_process=cfg.in_process,
             start_timeout=cfg.node_start_timeout,
             exit_hang_timeout=cfg.exit_hang_timeout,
+            no_progress_timeout=cfg.no_progress_timeout,
         )
 
     # -- running -------------------------------------------------------------

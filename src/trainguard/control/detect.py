@@ -15,6 +15,8 @@ from trainguard.control.contact import Contact, contact, lost, lost_reason
 from trainguard.control.events import Fault, FaultType
 from trainguard.control.exit_hang import DEFAULT_TIMEOUT as DEFAULT_EXIT_HANG_TIMEOUT
 from trainguard.control.exit_hang import ExitWatch
+from trainguard.control.no_progress import DEFAULT_TIMEOUT as DEFAULT_NO_PROGRESS_TIMEOUT
+from trainguard.control.no_progress import StallWatch
 from trainguard.control.reports import NodeReport, Refusal
 from trainguard.monitor.hang import HangWatch, HeartbeatWatch
 from trainguard.monitor.rules import LogRuleSpec
@@ -145,6 +147,7 @@ class AttemptWatch:
         in_process: bool = False,
         start_timeout: float | None = None,
         exit_hang_timeout: float | None = DEFAULT_EXIT_HANG_TIMEOUT,
+        no_progress_timeout: float | None = DEFAULT_NO_PROGRESS_TIMEOUT,
     ) -> None:
         """``start_timeout``: how long an up node may go on reporting an older attempt;
         ``exit_hang_timeout``: the floor of :class:`ExitWatch`'s bound (None: never)."""
@@ -157,6 +160,7 @@ class AttemptWatch:
         self._hang = HangWatch(rules, started_at) if rules else None
         self._beats = HeartbeatWatch(heartbeat_timeout) if heartbeat_timeout else None
         self.exits = ExitWatch(exit_hang_timeout)  # ranks that outlive the others
+        self._stalls = StallWatch(no_progress_timeout)  # progress that stops
         self._seen: set[tuple[str, str, str, int, float]] = set()
         self._exits: set[tuple[str, int, int | None]] = set()
         self.progress: Progress | None = None  # the job's, in this attempt
@@ -297,6 +301,18 @@ class AttemptWatch:
                         timer=h.kind,
                     )
                 )
+        stall = self._stalls.check(now, self.progress, current)
+        if stall is not None:
+            faults.append(
+                self._fault(
+                    FaultType.NO_PROGRESS,
+                    now,
+                    stall.node,
+                    stall.rank,
+                    stall.message(now, self._stalls.elapsed(stall, now)),
+                    **stall.evidence(),
+                )
+            )
         if self._beats is not None:
             where = {}
             for node_id, status in current:
@@ -320,11 +336,13 @@ class AttemptWatch:
         for watch in (self._hang, self._beats):
             if watch is not None:
                 watch.pause(now)
+        self._stalls.clock.pause(now)
 
     def resume(self, now: float) -> None:
         for watch in (self._hang, self._beats):
             if watch is not None:
                 watch.resume(now)
+        self._stalls.clock.resume(now)
 
     def _observe_progress(self, current: Sequence[tuple[str, NodeStatus]]) -> None:
         progress = self.progress

@@ -35,11 +35,18 @@ class FaultType(StrEnum):
     NODE_UNHEALTHY = "NodeUnhealthy"
     # A rank still running, idle, well after every other rank exited 0 (control/exit_hang.py).
     EXIT_HANG = "ExitHang"
+    # No new step for much longer than the job's own step time (control/no_progress.py).
+    NO_PROGRESS = "NoProgress"
 
     @property
     def is_hang(self) -> bool:
         """Faults where the workers are alive but stuck: their stacks are worth capturing."""
-        return self in (FaultType.LOG_HANG, FaultType.HEARTBEAT_TIMEOUT, FaultType.EXIT_HANG)
+        return self in (
+            FaultType.LOG_HANG,
+            FaultType.HEARTBEAT_TIMEOUT,
+            FaultType.EXIT_HANG,
+            FaultType.NO_PROGRESS,
+        )
 
     @property
     def loses_node(self) -> bool:

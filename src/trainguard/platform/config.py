@@ -60,6 +60,7 @@ def control_config(
         ),
         heartbeat_timeout=options.heartbeat_timeout_seconds,
         exit_hang_timeout=options.exit_hang_timeout_seconds,
+        no_progress_timeout=options.no_progress_timeout_seconds,
         lost_after=lost_after(options.node_lost_after_seconds, hosts),
         stop_grace_seconds=plan.stop_grace_seconds,
         active_deadline_seconds=plan.active_deadline_seconds,

@@ -86,6 +86,7 @@ DEFAULT_STRAGGLER_THRESHOLD = 1.3
 DEFAULT_STRAGGLER_WINDOW = 20
 DEFAULT_EXIT_HANG_TIMEOUT_SECONDS = 60.0  # trainguard.control.exit_hang.DEFAULT_TIMEOUT
 DEFAULT_PARTITION_TIMEOUT_SECONDS = 60.0
+DEFAULT_NO_PROGRESS_TIMEOUT_SECONDS = 60.0  # trainguard.control.no_progress.DEFAULT_TIMEOUT
 HOSTS_NODE_LOST_AFTER_SECONDS = 8.0  # nodeLostAfterSeconds across hosts, unless set
 MAX_STRAGGLER_WINDOW = 10_000
 
@@ -281,6 +282,13 @@ class TrainguardOptions(SpecModel):
         "using no CPU meanwhile, is an ExitHang: its stacks are captured and it is ended; the "
         "job succeeds when its work was done (its last step, if it reported one, is the "
         "others'). null: never.",
+    )
+    no_progress_timeout_seconds: Seconds | None = Field(
+        default=DEFAULT_NO_PROGRESS_TIMEOUT_SECONDS,
+        description="trainguard extension: a job that has printed progress (Step N lines, "
+        "or heartbeats with a step) and then prints none for this long, or 10 of its mean "
+        "step times if longer, is hung: a NoProgress fault, its stacks captured, with no log "
+        "rule needed. null: never.",
     )
     node_lost_after_seconds: Seconds | None = Field(
         default=None,
