@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -382,3 +383,27 @@ def test_injector_with_the_real_actuator(spawn: Callable[..., subprocess.Popen[s
 def test_the_duty_cycle_must_be_positive() -> None:
     with pytest.raises(ValueError, match="slow duty cycle"):
         SignalActuator(slow_run_seconds=0.0)
+
+
+def test_an_injection_that_never_fires_is_said_and_one_that_cannot_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A step past the job's end: a warning when the job ends (not silence); capacity
+    faults on a job that is not elastic: refused before anything starts (exit 2)."""
+    import os
+
+    from conftest import REPO
+
+    env = {**os.environ, "TRAINGUARD_STATE_DIR": str(tmp_path)}
+    worker = str(REPO / "tests" / "scripts" / "step_worker.py")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "trainguard.cli", "run", "--nnodes", "1", *args]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+
+    late = run("--inject", "kill:rank=0@step=5000", worker, "20")
+    assert late.returncode == 0, late.stderr
+    assert "warning: --inject kill:rank=0@step=5000 never fired" in late.stderr
+    refused = run("--inject", "preempt:node=0@step=5", worker, "20")
+    assert refused.returncode == 2
+    assert "only an elastic job (spec.elasticPolicy, or --nnodes MIN:MAX)" in refused.stderr

@@ -167,6 +167,11 @@ class LocalRunner:
         self.injector = Injector(injections, plan.world_size, plan.nnodes, delegate_steps=True)
         checks = plan.job.spec.trainguard.health_checks.checks
         for injection in injections:
+            if injection.kind in ("preempt", "capacity") and plan.job.spec.elastic_policy is None:
+                raise ValueError(
+                    f"--inject {injection.text!r}: only an elastic job (spec.elasticPolicy, "
+                    "or --nnodes MIN:MAX) has capacity to take away or give"
+                )
             if injection.kind == "partition" and (hosts is None or injection.node == 0):
                 where = "node 0 is the controller's host" if hosts else "the job runs on one host"
                 raise ValueError(
@@ -411,6 +416,11 @@ class LocalRunner:
         return JobResult(self.job_id, JobPhase.FAILED, reason, self.job_dir)
 
     def _result(self, controller: JobController) -> JobResult:
+        for injection in self.injector.pending:
+            self._say(
+                f"warning: --inject {injection.text} never fired: the job ended before "
+                f"{injection.trigger} (or its target never ran)"
+            )
         reason = controller.reason or ""
         self._say(f"job {self.job_id} {controller.phase.value.lower()}: {reason}")
         self._say(f"logs:  {self.logs_dir}  (trainguard logs {self.job_id} [--rank R])")
