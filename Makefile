@@ -17,8 +17,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The demo: the GPT example in resilient mode on 2 nodes x 2 processes, rank 3 killed at
+# step 100 and recovered in process (no step lost), then the job's report.
+DEMO_RUN = $(VENV)/bin/trainguard run -f examples/gpt/job-resilient.yaml --inject kill:rank=3@step=100
 demo: install
-	$(VENV)/bin/trainguard run -f examples/gpt/job.yaml
+	$(DEMO_RUN)
+	$(VENV)/bin/trainguard report "$$($(VENV)/bin/trainguard list -o json | $(PY) -c 'import json, sys; print(json.load(sys.stdin)[-1]["id"])')"
 
 # The suite in two passes: everything on two xdist workers (most tests wait on processes),
 # then the "exclusive" tests one at a time: their faults are found by hang and throughput

@@ -30,3 +30,32 @@ def test_demo_job_trains_to_completion_on_four_ranks(tg: Trainguard, tmp_path: P
     assert [n["ranks"] for n in job["nodes"]] == [[0, 1], [2, 3]]
     # The example checkpoints into the job's own directory, which trainguard gives it.
     assert (Path(job["job_dir"]) / "checkpoints").is_dir()
+
+
+def test_make_demo_shows_a_fault_recovered_in_process_with_no_step_lost(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    """`make demo`'s own commands (read from the Makefile): the job ends with a line
+    saying what the fault cost, then the report's paths."""
+    import shlex
+    import subprocess
+
+    dry = subprocess.run(
+        ["make", "-n", "-s", "demo", "VENV=.venv"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    lines = [line for line in dry.stdout.splitlines() if "trainguard run" in line]
+    [run_line] = lines
+    argv = shlex.split(run_line)
+    assert argv[0].endswith("trainguard") and argv[1] == "run"
+    done = tg.run(*argv[1:], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = re.search(
+        r"1 fault: WorkerCrash \(rank 3\) recovered in [\d.]+s by an in-process restart, "
+        r"0 steps lost",
+        done.stderr,
+    )
+    assert summary is not None, done.stderr[-3000:]
+    job = tg.only_job()
+    report = tg.run("report", job["id"], "-o", str(tmp_path / "report.html"))
+    assert report.returncode == 0 and (tmp_path / "report.html").is_file()

@@ -32,6 +32,7 @@ from trainguard.hosts.controller_host import AGENT_CONTACT_TIMEOUT, ControllerHo
 from trainguard.hosts.launcher import HostsLauncher
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
+from trainguard.observe.summary import fault_summary
 from trainguard.platform.book import ReportBook
 from trainguard.platform.config import control_config, fence_after
 from trainguard.platform.drive import drive
@@ -423,6 +424,9 @@ class LocalRunner:
             )
         reason = controller.reason or ""
         self._say(f"job {self.job_id} {controller.phase.value.lower()}: {reason}")
+        summary = fault_summary(controller.timeline.records)
+        if summary is not None:
+            self._say(summary)
         self._say(f"logs:  {self.logs_dir}  (trainguard logs {self.job_id} [--rank R])")
         self._say(f"state: {self.store.root}  (trainguard describe {self.job_id})")
         return JobResult(self.job_id, controller.phase, reason, self.job_dir)
