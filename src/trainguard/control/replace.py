@@ -28,11 +28,10 @@ from typing import TYPE_CHECKING
 
 from trainguard.control.actions import Action, AttemptPhase, LaunchNodes
 from trainguard.control.attempt import Attempt
-from trainguard.control.contact import launch_verdict
 from trainguard.control.events import Fault, FaultType
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.reports import NodeReport
-from trainguard.control.rescale import reform, running
+from trainguard.control.rescale import reform, running, standby_up
 
 if TYPE_CHECKING:
     from trainguard.control.controller import JobController
@@ -97,22 +96,11 @@ def watch(
 ) -> list[Action]:
     """While the spares come up: once all are up and warm, the next attempt in place; a
     spare that does not come up stops the attempt (the policy takes over)."""
-    spares = attempt.standby
-    assert attempt.standby_deadline is not None
-    failed, waiting = launch_verdict(
-        spares,
-        reports,
-        c.config.unreachable_after,
-        now >= attempt.standby_deadline,
-        c.config.node_start_timeout,
-        c.config.lost_after,
-    )
+    failed, up = standby_up(c, now, attempt, reports)
     if failed:
         why = "; ".join(w for _, w in failed)
         return [c._stop(now, attempt, "process", f"replacing in place failed: {why}")]
-    if waiting or any(
-        c.health.checking(reports.get(n)) or _warming(reports.get(n)) for n in spares
-    ):
+    if not up:
         return []
     swap = dict(attempt.replacing_in_place)
     attempt.take_standby()
@@ -133,8 +121,3 @@ def watch(
         data={"scope": scope.value, "replaced": swap},
     )
     return reform(c, now, attempt, nodes, tuple(swap.values()), lost)
-
-
-def _warming(report: NodeReport | None) -> bool:
-    status = report.status if report is not None else None
-    return status is not None and status.warming

@@ -53,7 +53,7 @@ from trainguard.wire.status import NodeState, WorkerState
 if TYPE_CHECKING:
     from trainguard.control.controller import JobController
 
-__all__ = ["abandon_growth", "look", "preempted_lost", "reform", "running"]
+__all__ = ["abandon_growth", "look", "preempted_lost", "reform", "running", "standby_up"]
 
 
 def look(
@@ -182,6 +182,27 @@ def _warming(report: NodeReport | None) -> bool:
     return status is not None and status.warming
 
 
+def standby_up(
+    c: JobController, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
+) -> tuple[list[tuple[str, str]], bool]:
+    """The nodes brought up ahead of a change (``attempt.standby``): those lost (each with
+    why; late ones too, past ``standby_deadline``), and whether all are up, idle, done
+    with their health checks and their worker template warm (a warming node joins once
+    its workers can start at once)."""
+    assert attempt.standby_deadline is not None
+    added = attempt.standby
+    lost, waiting = launch_verdict(
+        added,
+        reports,
+        c.config.unreachable_after,
+        now >= attempt.standby_deadline,
+        c.config.node_start_timeout,
+        c.config.lost_after,
+    )
+    busy = any(c.health.checking(reports.get(n)) or _warming(reports.get(n)) for n in added)
+    return lost, not lost and not waiting and not busy
+
+
 def _launch_growth(c: JobController, now: float, attempt: Attempt, size: int) -> list[Action]:
     """Bring up the nodes a scale-up of ``attempt`` to ``size`` nodes adds, while it trains
     on: ahead of the decision (``scalingTimeoutInSeconds`` runs meanwhile), or after."""
@@ -212,21 +233,14 @@ def _watch_growth(
     """The nodes coming up for a scale-up: retired if lost, else they join once they are
     up and warm and the scale-up is decided: in place (the ranks rejoin, the new nodes
     start), or by a stop and a restart with them."""
-    assert c.elastic is not None and attempt.standby_deadline is not None
+    assert c.elastic is not None
     added = attempt.standby
-    lost, waiting = launch_verdict(
-        added,
-        reports,
-        c.config.unreachable_after,
-        now >= attempt.standby_deadline,
-        c.config.node_start_timeout,
-        c.config.lost_after,
-    )
+    lost, up = standby_up(c, now, attempt, reports)
     if lost:
         c.elastic.outcome(False)
         return abandon_growth(c, now, attempt, "; ".join(why for _, why in lost))
-    if waiting or any(c.health.checking(reports.get(n)) or _warming(reports.get(n)) for n in added):
-        return []  # (a warming node joins once its workers can start at once)
+    if not up:
+        return []
     due = attempt.scale_due
     if due is None:
         return []  # up and warm, ahead of the decision
