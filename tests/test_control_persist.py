@@ -63,18 +63,32 @@ def test_every_steps_persists_the_newest_complete_multiple_on_every_node() -> No
     assert p.observe(3.0, NODES, both([20]))[0] == [], "one step in flight at a time"
 
 
-def test_every_seconds_asks_for_the_next_step_saved_after_the_period() -> None:
+def test_every_seconds_asks_for_the_newest_step_every_rank_holds() -> None:
     p = planner(every_seconds=30.0)
     assert p.observe(10.0, NODES, both([5]))[0] == []
-    # The agents persist the first step >= 9 their ranks save (held for them in memory).
+    # The agents persist the first step >= 8 their ranks hold (held for them in memory).
     [first], _ = p.observe(31.0, NODES, both([7, 8]))
-    assert first.step == 9
+    assert first.step == 8
     assert p.observe(31.5, NODES, both([9]))[0] == [] and p.busy
-    _, notes = p.observe(32.0, NODES, both([9, 10], committed=(9,)))
+    _, notes = p.observe(32.0, NODES, both([9, 10], committed=(8,)))
     assert [n.kind for n in notes] == ["CheckpointCommitted"] and not p.busy
     assert p.observe(50.0, NODES, both([12]))[0] == [], "30 s since the last request"
-    [second], _ = p.observe(61.5, NODES, both([14]))
-    assert second.step == 15
+    [second], _ = p.observe(61.5, NODES, both([13, 14]))
+    assert second.step == 14
+
+
+def test_every_seconds_persists_the_newest_step_when_the_ranks_save_no_more() -> None:
+    """Regression: the request named the step after the newest complete one (101), which
+    no rank saved within the agents' 120 s; step 100, in memory all along, was never
+    persisted. It names step 100 now, and nothing until a newer step is complete."""
+    p = planner(every_seconds=30.0)
+    [request], _ = p.observe(31.0, NODES, both([99, 100]))
+    assert request.step == 100
+    _, notes = p.observe(32.0, NODES, both([99, 100], committed=(100,)))
+    assert [n.kind for n in notes] == ["CheckpointCommitted"] and not p.busy
+    assert p.observe(90.0, NODES, both([99, 100]))[0] == [], "nothing newer to persist"
+    [later], _ = p.observe(95.0, NODES, both([100, 101]))
+    assert later.step == 101, "the first newer step once the period has passed"
 
 
 def test_a_forced_save_is_persisted_at_once() -> None:
@@ -163,14 +177,17 @@ def test_success_waits_for_the_final_step_to_be_durable() -> None:
     assert isinstance(finish, Finish) and c.phase is JobPhase.SUCCEEDED
 
 
-def test_success_asks_again_for_the_final_step_when_a_later_one_was_awaited() -> None:
+def test_success_waits_for_the_final_step_a_timed_request_already_asked_for() -> None:
     c = controller(every_seconds=1.0)
-    [ahead] = c.observe(2.0, both([7]))
-    assert isinstance(ahead, PersistCheckpoint) and ahead.step == 8
-    done = both([7], state=NodeState.COMPLETED)  # the job ended before saving step 8
+    [timed] = c.observe(2.0, both([7]))
+    assert isinstance(timed, PersistCheckpoint) and timed.step == 7
+    done = both([7], state=NodeState.COMPLETED)  # the job ended with step 7 its newest
     done["node-1"] = node("node-1", {7: (2, 3)}, state=NodeState.COMPLETED)
-    [final] = c.observe(3.0, done)
-    assert isinstance(final, PersistCheckpoint) and final.step == 7
+    assert c.observe(3.0, done) == [], "the request in flight is for the final step"
+    committed = both([7], state=NodeState.COMPLETED, committed=(7,))
+    committed["node-1"] = node("node-1", {7: (2, 3)}, state=NodeState.COMPLETED)
+    [finish] = c.observe(4.0, committed)
+    assert isinstance(finish, Finish) and c.phase is JobPhase.SUCCEEDED
 
 
 def test_success_does_not_wait_forever_for_the_final_step() -> None:

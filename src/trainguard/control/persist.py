@@ -9,10 +9,13 @@ persist the newest complete step that is due:
   and hold the newest in memory until it is persisted);
 - a step a worker saved with ``force=True`` (flagged likewise);
 - ``every_seconds``: once that long has passed since the last request (counted from the
-  job's start for the first one), the next step the ranks save: the request names the
-  step after the newest complete one, and each agent persists its ranks' first snapshot
-  at or after it, which they hold for it. So a fast training loop cannot overwrite the
-  step between the controller's decision and the agents' copy.
+  job's start for the first one), the newest complete step newer than any requested
+  before, as soon as there is one. Each agent persists its ranks' first snapshot at or
+  after it, which they hold for it from then on: the step itself, or, when a fast loop
+  has already overwritten it, the first one after it they still hold. A request never
+  names a step no rank has saved yet: waiting for the next save (as this once did) waited
+  in vain when the loop saved rarely or had stopped saving, and gave up with the newest
+  step in memory never persisted.
 
 One request is in flight at a time; the first node commits the step once every rank's
 shard is durable. Because one controller picks the step for all nodes, every rank
@@ -180,8 +183,8 @@ class CheckpointPlanner:
         if due:
             return max(due)
         seconds = self.cadence.every_seconds
-        if seconds is not None and complete and now - self._last_request_at >= seconds:
-            return max(max(complete), self._last_requested) + 1  # the next step saved
+        if seconds is not None and fresh and now - self._last_request_at >= seconds:
+            return max(fresh)  # in memory on every rank: never a step that may not come
         return None
 
     def _request(self, now: float, step: int, node_ids: Sequence[str]) -> PersistCheckpoint:
