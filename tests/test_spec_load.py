@@ -156,7 +156,8 @@ def test_hyperpod_manifest_unknown_field_is_an_error() -> None:
         parse_job(data, "hp.yaml")
     assert str(info.value).splitlines() == [
         "hp.yaml: spec.runPolicy.logMonitoringConfiguration[0].logPattern: field required",
-        "hp.yaml: spec.runPolicy.logMonitoringConfiguration[0].logPatern: unknown field",
+        "hp.yaml: spec.runPolicy.logMonitoringConfiguration[0].logPatern: unknown field; "
+        "did you mean logPattern?",
     ]
 
 

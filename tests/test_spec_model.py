@@ -131,14 +131,34 @@ def test_bounds_and_types_read_naturally() -> None:
     )
 
 
-def test_unknown_field_is_an_error_naming_it() -> None:
+def test_unknown_field_is_an_error_naming_it_and_the_nearest_known_one() -> None:
     data = job_with(**{"spec.runPolicy.jobMaxRetryCuont": 3})
-    assert errors_of(data) == "job.yaml: spec.runPolicy.jobMaxRetryCuont: unknown field"
-    data = job_with(**{"spec.replicaSpecs.0.replica": 3})
-    assert errors_of(data) == "job.yaml: spec.replicaSpecs[0].replica: unknown field"
-    assert errors_of(job_with(**{"metadata.lables": {}})) == (
-        "job.yaml: metadata.lables: unknown field"
+    assert errors_of(data) == (
+        "job.yaml: spec.runPolicy.jobMaxRetryCuont: unknown field; did you mean jobMaxRetryCount?"
     )
+    data = job_with(**{"spec.replicaSpecs.0.replica": 3})
+    assert errors_of(data) == (
+        "job.yaml: spec.replicaSpecs[0].replica: unknown field; did you mean replicas?"
+    )
+    assert errors_of(job_with(**{"metadata.lables": {}})) == (
+        "job.yaml: metadata.lables: unknown field; did you mean labels?"
+    )
+    # The friction report's own: a letter short, a case slip, nested under a list.
+    assert errors_of(job_with(**{"spec.nprocPerNod": 2})) == (
+        "job.yaml: spec.nprocPerNod: unknown field; did you mean nprocPerNode?"
+    )
+    assert errors_of(job_with(**{"spec.trainguard.warmstart": False})).endswith(
+        "did you mean warmStart?"
+    )
+    data = job_with(
+        **{"spec.runPolicy.restartPolicy": {"evalPeriodSeconds": 60, "maxFullJobRestart": 1}}
+    )
+    assert errors_of(data) == (
+        "job.yaml: spec.runPolicy.restartPolicy.maxFullJobRestart: unknown field; "
+        "did you mean maxFullJobRestarts?"
+    )
+    # Nothing close: no guess.
+    assert errors_of(job_with(**{"spec.colour": "blue"})) == "job.yaml: spec.colour: unknown field"
 
 
 def test_pod_template_keeps_unknown_kubernetes_fields() -> None:

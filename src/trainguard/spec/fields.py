@@ -7,8 +7,11 @@ snake_case attributes in Python.
 
 from __future__ import annotations
 
+import difflib
 import re
-from typing import Annotated
+import types
+from collections.abc import Sequence
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
@@ -117,3 +120,55 @@ class KubeModel(BaseModel):
         frozen=True,
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
+
+
+# -- "did you mean" ----------------------------------------------------------------------
+
+
+def did_you_mean(root: type[BaseModel], loc: Sequence[int | str]) -> str | None:
+    """For an unknown field at ``loc`` (a pydantic error's location, the field last): the
+    known field of that object its name is closest to (``nprocPerNod`` -> ``nprocPerNode``),
+    or None when none is close or the object is not a spec model."""
+    if not loc or not isinstance(loc[-1], str):
+        return None
+    types_here: list[Any] = [root]
+    for part in loc[:-1]:
+        types_here = [t for tp in types_here for t in _inside(tp, part)]
+    names = sorted({name for tp in types_here for m in _members(tp) for name in _field_names(m)})
+    close = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.6)
+    if not close:  # a case slip: nprocpernode
+        close = [n for n in names if n.lower() == loc[-1].lower()][:1]
+    return close[0] if close else None
+
+
+def _field_names(tp: Any) -> list[str]:
+    """A spec model's field names as YAML spells them (camelCase)."""
+    if not (isinstance(tp, type) and issubclass(tp, BaseModel)):
+        return []
+    return [field.alias or name for name, field in tp.model_fields.items()]
+
+
+def _inside(tp: Any, part: int | str) -> list[Any]:
+    """The types that ``tp``'s value holds at key or index ``part``."""
+    out: list[Any] = []
+    for member in _members(tp):
+        if isinstance(member, type) and issubclass(member, BaseModel) and isinstance(part, str):
+            out += [
+                field.annotation
+                for name, field in member.model_fields.items()
+                if part in (name, field.alias)
+            ]
+        elif get_origin(member) in (list, tuple, Sequence) and isinstance(part, int):
+            out += [a for a in get_args(member) if a is not Ellipsis][:1]
+        elif get_origin(member) is dict and isinstance(part, str):
+            out += list(get_args(member)[1:2])
+    return out
+
+
+def _members(tp: Any) -> list[Any]:
+    """``tp`` without ``Annotated``, ``Optional`` and unions: the types it may be."""
+    if get_origin(tp) is Annotated:
+        return _members(get_args(tp)[0])
+    if get_origin(tp) in (Union, types.UnionType):
+        return [m for arg in get_args(tp) for m in _members(arg)]
+    return [tp]

@@ -20,6 +20,7 @@ import yaml
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from trainguard.spec.fields import did_you_mean
 from trainguard.spec.limits import (
     MAX_NESTING,
     MAX_SPEC_FILE_BYTES,
@@ -170,7 +171,8 @@ def _parse_yaml(text: str, source: str) -> object:
 
 
 def problems_of(err: ValidationError) -> list[tuple[str, str]]:
-    """Translate pydantic's errors into (dotted/indexed field path, short message)."""
+    """Translate pydantic's errors into (dotted/indexed field path, short message); an
+    unknown field of the TrainingJob gets the nearest known one ("did you mean")."""
     problems: list[tuple[str, str]] = []
     for detail in err.errors(include_url=False):
         loc = list(detail["loc"])
@@ -178,6 +180,8 @@ def problems_of(err: ValidationError) -> list[tuple[str, str]]:
         ctx = detail.get("ctx") or {}
         if detail["type"] == FIELD_PROBLEM:
             loc.append(str(ctx["field"]))
+        if message == _SIMPLE["extra_forbidden"] and (near := did_you_mean(TrainingJob, loc)):
+            message += f"; did you mean {near}?"
         problems.append((format_path(loc), message))
     return problems
 
