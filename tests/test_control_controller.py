@@ -239,3 +239,19 @@ def test_nothing_happens_after_the_end() -> None:
     c.observe(1.0, reports(NodeState.COMPLETED))
     assert c.observe(2.0, reports(NodeState.FAULTED)) == []
     assert c.cancel(3.0, "late") == []
+
+
+def test_a_workers_event_is_on_the_node_that_runs_its_rank() -> None:
+    """Agents on one host share the attempt's event directory, so node-0 reports rank 2's
+    event too (friction: describe's events put ranks 2 and 3 on node-0)."""
+    c = make()
+    h.begin(c)
+    c.drain_events()
+    restored = [
+        h.WorkerEvent(rank=r, seq=1, time=0.5, kind="CheckpointRestored", message=f"rank {r}")
+        for r in (0, 2)
+    ]
+    both = {n: h.report(n, workers=h.workers(i), events=restored) for i, n in enumerate(NODES)}
+    c.observe(1.0, both)
+    events = [(e.rank, e.node) for e in c.drain_events() if e.kind == "CheckpointRestored"]
+    assert events == [(0, "node-0"), (2, "node-1")]

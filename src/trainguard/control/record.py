@@ -127,7 +127,11 @@ class JobRecord:
                 self.timeline.update_fault(fault, updated)
 
     def worker_events(self, attempt: Attempt, reports: Mapping[str, NodeReport]) -> None:
-        """Events the workers reported (a checkpoint restored, ...), each added once."""
+        """Events the workers reported (a checkpoint restored, ...), each added once, on
+        the node that runs its rank in the attempt. Not the node that reported it: agents
+        that share a host share the attempt's event directory, and each reports every
+        rank's events there (node-0 reported node-1's ranks first)."""
+        node_of: dict[int, str] | None = None  # rank -> its node, made once news comes
         for node_id in attempt.nodes:
             report = reports.get(node_id)
             status = report.about(attempt.number) if report is not None else None
@@ -139,7 +143,10 @@ class JobRecord:
                 key = (e.rank, e.seq, e.time)
                 if key not in self._seen_worker_events:
                     self._seen_worker_events.add(key)
-                    self.event(e.time, e.kind, e.message, attempt.number, node_id, e.rank, e.data)
+                    if node_of is None:
+                        node_of = _rank_nodes(attempt)
+                    node = node_of.get(e.rank, node_id)
+                    self.event(e.time, e.kind, e.message, attempt.number, node, e.rank, e.data)
 
     def progress(self, now: float, attempt: Attempt) -> None:
         """The attempt's first completed step recovers every earlier open fault."""
@@ -159,3 +166,8 @@ class JobRecord:
                 attempt.number,
                 data=record.to_json(),
             )
+
+
+def _rank_nodes(attempt: Attempt) -> dict[int, str]:
+    """Each global rank of the attempt -> the node that runs it."""
+    return {rank: a.node_id for a in attempt.assignments for rank in a.global_ranks}
