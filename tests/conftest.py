@@ -15,6 +15,8 @@ import pytest
 import yaml
 
 from netns_hosts import NamespaceHosts, factory
+from slurm_cluster import SlurmCluster
+from slurm_cluster import factory as slurm_factory
 from trainguard.platform.inbox import Inbox
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,4 +131,15 @@ def namespace_hosts() -> Iterator[Callable[..., NamespaceHosts]]:
     """``make(count, prefix=None)``: network-namespace hosts on a bridge (tests/netns_hosts.py),
     all closed after the test; skips when this machine cannot make them (not root, no ip)."""
     with factory() as make:
+        yield make
+
+
+@pytest.fixture
+def slurm_cluster(
+    namespace_hosts: Callable[..., NamespaceHosts],
+) -> Iterator[Callable[..., SlurmCluster]]:
+    """``make(nodes=3, *, prefix=None, **cluster_kw)``: a real Slurm cluster, one slurmd per
+    namespace host (tests/slurm_cluster.py), installed with apt-get when missing; closed
+    before its hosts after the test; skips when this machine cannot run it (not root)."""
+    with slurm_factory(namespace_hosts) as make:
         yield make
