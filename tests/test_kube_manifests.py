@@ -19,7 +19,7 @@ import yaml
 from conftest import REPO
 from trainguard.cli import main
 from trainguard.kube import cli as kube_cli
-from trainguard.kube.config import OperatorConfig
+from trainguard.kube.config import DEFAULT_IMAGE, OperatorConfig
 from trainguard.kube.crd import crd
 from trainguard.kube.manifests import operator_objects
 from trainguard.kube.plan import kube_plan
@@ -535,17 +535,74 @@ def test_install_and_uninstall_apply_every_object(
     try:
         kubeconfig = str(server.write_kubeconfig(tmp_path / "kubeconfig"))
         for verb, word in (("install", "created"), ("install", "configured")):
-            out = io.StringIO()
-            with contextlib.redirect_stdout(out):
-                assert main([verb, "--kubeconfig", kubeconfig]) == 0
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                assert main([verb, "--kubeconfig", kubeconfig, "--wait", "0"]) == 0
             lines = out.getvalue().splitlines()
             assert len(lines) == 10 and all(line.endswith(f" {word}") for line in lines), lines
+            # The default image is named, with how to get it onto the cluster.
+            assert f"the operator's image is {DEFAULT_IMAGE}" in err.getvalue()
+            assert f"kind load docker-image {DEFAULT_IMAGE}" in err.getvalue()
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             assert main(["uninstall", "--kubeconfig", kubeconfig]) == 0
         assert out.getvalue().splitlines()[0] == "service/trainguard-operator-metrics deleted"
     finally:
         server.stop()
+
+
+def test_the_default_image_is_what_the_dockerfile_builds() -> None:
+    """`install` defaulted to an image that did not exist, and no Dockerfile built one."""
+    import trainguard
+
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    assert f"docker build -f deploy/Dockerfile -t {DEFAULT_IMAGE} ." in dockerfile
+    assert f"trainguard:{trainguard.__version__}" == DEFAULT_IMAGE
+    for source in re.findall(r"^COPY (.+) \S+$", dockerfile, re.MULTILINE):
+        for path in source.split():
+            assert (REPO / path).exists(), path
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["image"]
+    assert f"{values['repository']}:{values['tag']}" == DEFAULT_IMAGE
+    assert "../deploy/Dockerfile" in (REPO / "docs" / "kubernetes.md").read_text()
+
+
+class _Pods:
+    """The one call `install --wait` makes, answering with these pods in turn."""
+
+    def __init__(self, *answers: list[dict[str, Any]]) -> None:
+        self.answers = list(answers)
+
+    def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        assert namespace == "trainguard-system" and selector
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def _pod(**state: Any) -> dict[str, Any]:
+    status = {"image": DEFAULT_IMAGE, "state": state}
+    return {
+        "metadata": {"name": "trainguard-operator-1"},
+        "status": {"containerStatuses": [status]},
+    }
+
+
+def test_install_says_when_the_operator_image_cannot_be_pulled(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(kube_cli, "FOLLOW_INTERVAL_SECONDS", 0.0)
+    [deployment] = [o for o in operator_objects() if o["kind"] == "Deployment"]
+    back_off = _pod(waiting={"reason": "ImagePullBackOff", "message": "not found"})
+    pending = _pod(waiting={"reason": "ContainerCreating"})
+    api: Any = _Pods([], [pending], [back_off])
+    assert kube_cli._wait_for_operator(api, deployment, DEFAULT_IMAGE, 30.0) == 1
+    err = capsys.readouterr().err
+    assert f"ImagePullBackOff for {DEFAULT_IMAGE}: not found" in err
+    assert "deploy/Dockerfile" in err and "--image REGISTRY/NAME:TAG" in err
+    api = _Pods([pending], [_pod(running={"startedAt": "now"})])
+    assert kube_cli._wait_for_operator(api, deployment, DEFAULT_IMAGE, 30.0) == 0
+    assert capsys.readouterr().out == "deployment/trainguard-operator running\n"
+    assert kube_cli._wait_for_operator(_Pods([pending]), deployment, DEFAULT_IMAGE, 0.01) == 0
+    assert "not running after 0.01s" in capsys.readouterr().err
+    assert kube_cli._wait_for_operator(_Pods([back_off]), deployment, DEFAULT_IMAGE, 0) == 0
 
 
 def test_pods_carry_the_jobs_worker_start_options() -> None:

@@ -286,6 +286,15 @@ def _parser() -> argparse.ArgumentParser:
         cluster = sub.add_parser(verb, help=f"{text} the CRD, RBAC and operator on the cluster")
         add_install_flags(cluster)
         add_cluster_flags(cluster, kube_flag=False)
+        if verb == "install":
+            cluster.add_argument(
+                "--wait",
+                type=_seconds,
+                default=60.0,
+                metavar="SECONDS",
+                help="then watch the operator's pods this long: exit 1 when its image cannot "
+                "be pulled (default 60; 0: do not wait)",
+            )
 
     sub.add_parser("schema", parents=[common], help="print the TrainingJob JSON Schema")
     add_health_check_parser(sub)

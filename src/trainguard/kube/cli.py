@@ -16,7 +16,13 @@ from typing import Any
 import yaml
 
 from trainguard.kube.api import ConfigError, KubeApi, KubeError, NotFound
-from trainguard.kube.config import API_VERSION_FULL, DEFAULT_JOB_NAMESPACE, KIND, OperatorConfig
+from trainguard.kube.config import (
+    API_VERSION_FULL,
+    DEFAULT_IMAGE,
+    DEFAULT_JOB_NAMESPACE,
+    KIND,
+    OperatorConfig,
+)
 from trainguard.kube.health_manifests import HealthAgentOptions
 from trainguard.kube.manifests import all_objects, to_yaml
 from trainguard.kube.plan import kube_plan
@@ -27,8 +33,11 @@ from trainguard.spec.secrets import redact_spec
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 TERMINAL_PHASES = ("Succeeded", "Failed", "Stopped")
-# How often `logs -f` and `delete` look again.
+# How often `logs -f`, `delete` and `install --wait` look again.
 FOLLOW_INTERVAL_SECONDS = 1.0
+# A container waiting for these cannot start until its image is fixed (or pushed).
+IMAGE_PROBLEMS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
+DOCKERFILE = "deploy/Dockerfile"
 
 Obj = dict[str, Any]
 
@@ -99,9 +108,70 @@ def _install_objects(args: argparse.Namespace) -> list[Obj]:
 
 
 def _install(api: KubeApi, args: argparse.Namespace) -> int:
-    for obj in _install_objects(args):
+    if args.image == DEFAULT_IMAGE:
+        print(
+            f"trainguard: the operator's image is {DEFAULT_IMAGE} (the default: what "
+            f"{DOCKERFILE} builds, `docker build -f {DOCKERFILE} -t {DEFAULT_IMAGE} .`); the "
+            f"cluster's nodes must have it (`kind load docker-image {DEFAULT_IMAGE}`), or push "
+            f"it and pass --image REGISTRY/{DEFAULT_IMAGE}",
+            file=sys.stderr,
+        )
+    objects = _install_objects(args)
+    for obj in objects:
         print(f"{_ref(obj)} {api.apply(obj)}")
-    return 0
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    return _wait_for_operator(api, deployment, args.image, args.wait)
+
+
+def _wait_for_operator(api: KubeApi, deployment: Obj, image: str, timeout: float) -> int:
+    """Watch the operator's pods for up to ``timeout`` seconds: 0 once one runs, or when
+    none does in time (a notice says so); 1 when its image cannot be pulled."""
+    if timeout <= 0:
+        return 0
+    namespace = deployment["metadata"]["namespace"]
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    deadline = time.monotonic() + timeout
+    while True:
+        pods = api.list_pods(namespace, selector)
+        for pod in pods:
+            problem = image_problem(pod)
+            if problem is not None:
+                print(
+                    f"trainguard: the operator cannot start: pod {pod['metadata']['name']}: "
+                    f"{problem}. Build the image ({DOCKERFILE}) and put it where the cluster "
+                    f"pulls from: `kind load docker-image {image}`, or push it to a registry "
+                    "and install again with --image REGISTRY/NAME:TAG",
+                    file=sys.stderr,
+                )
+                return EXIT_FAILED
+        if any(_running(pod) for pod in pods):
+            print(f"deployment/{deployment['metadata']['name']} running")
+            return 0
+        if time.monotonic() >= deadline:
+            print(
+                f"trainguard: the operator is not running after {timeout:g}s (pulling its "
+                f"image?): kubectl -n {namespace} get pods",
+                file=sys.stderr,
+            )
+            return 0
+        time.sleep(FOLLOW_INTERVAL_SECONDS)
+
+
+def image_problem(pod: Obj) -> str | None:
+    """Why a pod's container cannot get its image (``ImagePullBackOff: ...``), if so."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    for status in statuses:
+        waiting = (status.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in IMAGE_PROBLEMS:
+            image = status.get("image") or "its image"
+            detail = f": {waiting['message']}" if waiting.get("message") else ""
+            return f"{waiting['reason']} for {image}{detail}"
+    return None
+
+
+def _running(pod: Obj) -> bool:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return any("running" in (status.get("state") or {}) for status in statuses)
 
 
 def _uninstall(api: KubeApi, args: argparse.Namespace) -> int:

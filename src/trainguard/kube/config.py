@@ -41,7 +41,10 @@ POD_NAME_ENV: Final = "TRAINGUARD_POD_NAME"
 DEFAULT_NAMESPACE: Final = "trainguard-system"
 # Where the operator runs jobs unless told otherwise (install's --job-namespace).
 DEFAULT_JOB_NAMESPACE: Final = "default"
-DEFAULT_IMAGE: Final = "ghcr.io/trainguard/trainguard:latest"
+# What deploy/Dockerfile builds (`docker build -f deploy/Dockerfile -t trainguard:0.1.0 .`):
+# a local name, for a cluster that has it (kind load docker-image); otherwise push it and
+# pass --image (docs/kubernetes.md). Tagged with trainguard's version, never "latest".
+DEFAULT_IMAGE: Final = "trainguard:0.1.0"
 
 # Node health: HyperPod's two labels on every Kubernetes Node, under trainguard's prefix
 # (GROUP) or, with OperatorConfig.hyperpod_labels, HyperPod's own; and the taint an
