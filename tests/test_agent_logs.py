@@ -43,6 +43,21 @@ def test_console_writes_each_prefixed_line_in_one_write() -> None:
     assert stream.writes == [b"[rank3]: loss 0.5\n"]
 
 
+def test_console_prefixes_a_line_torch_already_prefixed_once() -> None:
+    """torch.distributed's excepthook writes ``[rank0]: Traceback...``: printed with one
+    prefix, not ``[rank0]: [rank0]:`` (friction: every traceback line read so)."""
+    stream = RecordingStream()
+    console = Console(stream)
+    console.write_line(0, b"[rank0]: Traceback (most recent call last):")
+    console.write_line(0, b"[rank1]: a line about another rank")
+    console.write_line(0, b"")
+    assert stream.writes == [
+        b"[rank0]: Traceback (most recent call last):\n",
+        b"[rank0]: [rank1]: a line about another rank\n",
+        b"[rank0]: \n",
+    ]
+
+
 def test_console_survives_a_closed_stream() -> None:
     stream = RecordingStream()
     stream.close()

@@ -223,6 +223,7 @@ def test_a_template_with_python_threads_is_not_used(tmp_path: Path) -> None:
         assert spawner.spawn(argv, dict(os.environ), tmp_path / "o", tmp_path / "e") is None
         assert spawner.template is not None
         assert "threads" in (spawner.template.why_not or "")
+        assert "no worker template: " in (tmp_path / "t.log").read_text()  # said where looked
     finally:
         spawner.close()
 
@@ -230,6 +231,8 @@ def test_a_template_with_python_threads_is_not_used(tmp_path: Path) -> None:
 def test_every_worker_is_forked_by_the_one_template(spawner: Spawner, workdir: Path) -> None:
     sleepers = [fork(spawner, workdir, f"n{n}", "sleep")[0] for n in range(3)]
     assert spawner.template is not None
+    # Its readiness is in its log (logs/template-node-N.log), where the docs say it is.
+    assert "worker template ready in " in (workdir / "template.log").read_text()
     for proc in sleepers:
         stat = Path(f"/proc/{proc.pid}/stat").read_text()
         assert int(stat.rsplit(")", 1)[1].split()[1]) == spawner.template.pid  # its ppid

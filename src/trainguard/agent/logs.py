@@ -11,7 +11,8 @@ machine; each global rank belongs to exactly one agent at a time)::
     DIR/rank-{R}.log.1 .. .{keep}         its rotations, newest first
 
 The agent's console (its stdout) gets every line of its workers as
-``[rank{R}]: line``. No torch import here.
+``[rank{R}]: line``, once (a line torch already prefixed so keeps its one prefix). No
+torch import here.
 
 Disk use (``spec.trainguard.logs``: ``maxBytesPerRank`` = C, ``keep`` = K). ``rank-{R}.log``
 is rotated by rename before it passes C, K old files kept (:mod:`trainguard.agent.logcap`):
@@ -98,7 +99,10 @@ class Console:
         self._broken = False
 
     def write_line(self, rank: int, line: bytes) -> None:
-        data = b"[rank%d]: %s\n" % (rank, line)
+        """``[rank{R}]: line``; a line that already starts so (torch.distributed's
+        excepthook prefixes each line of a rank's traceback the same way) is left as is."""
+        prefix = b"[rank%d]: " % rank
+        data = (line if line.startswith(prefix) else prefix + line) + b"\n"
         with self._lock:
             if self._broken:
                 return

@@ -118,6 +118,7 @@ class WorkerTemplate:
         under which the modules are imported; ``on_exit``: called after a worker's exit
         code arrived (the supervisor looks at once)."""
         self._on_exit = on_exit
+        self._log_file = log_file  # the template's output; its readiness is said there too
         self._lock = threading.Lock()
         self._replies: dict[int, dict[str, object]] = {}
         self._replied = threading.Condition(self._lock)
@@ -241,14 +242,17 @@ class WorkerTemplate:
             if self._ok:
                 self.preloaded = [str(m) for m in message.get("preloaded") or []]  # type: ignore[attr-defined]
                 seconds = message.get("seconds")
-                logger.info(
+                self._note(
+                    logging.INFO,
                     "worker template ready in %.2f s (preloaded %s)",
                     seconds if isinstance(seconds, int | float) else 0.0,
                     ", ".join(self.preloaded) or "nothing",
                 )
             else:
                 self.why_not = str(message.get("why"))
-                logger.warning("no worker template: %s; starting workers fresh", self.why_not)
+                self._note(
+                    logging.WARNING, "no worker template: %s; starting workers fresh", self.why_not
+                )
             self._ready.set()
         elif "forked" in message:
             ident = message["forked"]
@@ -266,6 +270,12 @@ class WorkerTemplate:
                 if process is not None:
                     process.exited(code)
                     self._on_exit()
+
+    def _note(self, level: int, text: str, *args: object) -> None:
+        """Log a line, and add it to the template's log file, where its output is."""
+        logger.log(level, text, *args)
+        with contextlib.suppress(OSError), open(self._log_file, "a", encoding="utf-8") as log:
+            log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text % args}\n")
 
     def _gone(self) -> None:
         """The template exited: its workers die of their parent-death signal."""
