@@ -32,7 +32,9 @@ STATE_TIMEOUT = 30.0
 # A light worker (no torch). Prints its torchrun environment, one stderr line, then
 # does what FAKE_ACTIONS says for its rank ("0=exit3,1=sleep"; "*" for any rank):
 # exitN | sleep | ignore-term (sleep, ignoring SIGTERM) | handle-term (sleep; on SIGTERM print
-# "got SIGTERM" and exit 0) | error (torch-style error file, exit 1).
+# "got SIGTERM" and exit 0) | error (torch-style error file, exit 1) | raise (an uncaught
+# ValueError, whose traceback goes to stderr as torch.distributed's excepthook prints it:
+# every line prefixed with [rankN]:, exit 1).
 FAKE_WORKER = textwrap.dedent(
     """
     import json, os, signal, sys, time
@@ -54,6 +56,12 @@ FAKE_WORKER = textwrap.dedent(
             signal.signal(signal.SIGTERM, on_term)
         print("sleeping", flush=True)
         time.sleep(600)
+    if action == "raise":
+        sys.excepthook = lambda *exc: sys.stderr.write("".join(
+            f"[rank{rank}]: {line}\\n"
+            for line in "".join(__import__("traceback").format_exception(*exc)).splitlines()
+        ))
+        raise ValueError("lr must be positive")
     if action == "error":
         message = {"message": "RuntimeError: boom", "extraInfo": {"timestamp": "0"}}
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:

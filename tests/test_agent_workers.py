@@ -6,6 +6,7 @@ import itertools
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -162,6 +163,17 @@ def test_error_file_message_is_reported(agent: AgentProcess, attempt: int) -> No
     assert status.reason == "rank 0 exited with exit code 1: RuntimeError: boom"
 
 
+def test_an_uncaught_exception_is_the_reason_without_an_error_file(
+    agent: AgentProcess, attempt: int
+) -> None:
+    """No @record, so no error file: the traceback's last line on stderr is the error
+    (friction: 'rank 1 exited with exit code 1', and the evidence had 'error': None)."""
+    agent.client.start(start(make_assignment(attempt=attempt, actions="0=sleep,1=raise")))
+    status = agent.wait_state("faulted", attempt=attempt)
+    assert status.workers[1].error == "ValueError: lr must be positive"
+    assert status.reason == "rank 1 exited with exit code 1: ValueError: lr must be positive"
+
+
 @pytest.mark.parametrize("mode", ["graceful", "process"])
 def test_stop_kills_workers_then_next_attempt_starts(
     agent: AgentProcess, attempt: int, mode: str
@@ -239,3 +251,56 @@ def test_worker_envs_follow_torchrun_rules() -> None:
     assert worker_envs(two, {"OMP_NUM_THREADS": "8"}, inherited={})[0]["OMP_NUM_THREADS"] == "8"
     assert "OMP_NUM_THREADS" not in worker_envs(make_assignment(nproc_per_node=1), {}, {})[0]
     assert {"RANK", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"} <= reserved_env_keys()
+    # torchrun's other two: NCCL's async error handling unless set, and no agent store.
+    assert envs[0]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert envs[0]["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    mine = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    assert worker_envs(two, {}, inherited=mine)[0].get("TORCH_NCCL_ASYNC_ERROR_HANDLING") is None
+    assert worker_envs(two, mine, inherited={})[0]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+
+
+@pytest.mark.filterwarnings("ignore:Failed to initialize NumPy")
+def test_workers_of_nodes_sharing_a_host_count_together_for_omp() -> None:
+    """2 simulated nodes x 1 process: the platform says 2 workers share the host, so each
+    gets OMP_NUM_THREADS=1 (torchrun's rule counts one node's; friction: a thread per core
+    in every worker, 4x slower)."""
+    from trainguard.agent.workers import HOST_WORKERS_ENV, worker_envs
+
+    one = make_assignment(nproc_per_node=1)
+    env = worker_envs(one, {HOST_WORKERS_ENV: "2"}, inherited={})[0]
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert HOST_WORKERS_ENV not in env  # the agent's input, not the worker's
+    assert "OMP_NUM_THREADS" not in worker_envs(one, {HOST_WORKERS_ENV: "1"}, inherited={})[0]
+    assert "OMP_NUM_THREADS" not in worker_envs(one, {HOST_WORKERS_ENV: "x"}, inherited={})[0]
+    set_ = worker_envs(one, {HOST_WORKERS_ENV: "2"}, inherited={"OMP_NUM_THREADS": "4"})[0]
+    assert "OMP_NUM_THREADS" not in set_  # inherited from the agent: the worker has it
+
+
+def test_last_exception_reads_the_last_traceback_through_rank_prefixes(tmp_path: Path) -> None:
+    from trainguard.agent.workers import last_exception, tail_lines
+
+    chained = [
+        "warming up",
+        "Traceback (most recent call last):",
+        '  File "t.py", line 3, in <module>',
+        "KeyError: 'a'",
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "",
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "t.py", line 5, in <module>',
+        "[rank1]:     raise ValueError('bad lr')",
+        "[rank1]:     ^^^^^^^^^^^^^^^^^^^^^^^^^^",
+        "[rank1]: ValueError: bad lr",
+        "[rank1]: second line of the message",
+        "some atexit output",
+    ]
+    assert last_exception(chained) == "ValueError: bad lr"
+    assert last_exception(["exit 3 without a traceback"]) is None
+    assert last_exception(["Traceback (most recent call last):", '  File "t.py"']) is None
+    # A stream file whose read part the tailer gave back (a hole: zeros) keeps its end.
+    spool = tmp_path / "stderr.log"
+    spool.write_bytes(b"\0" * 5000 + b"\n".join(line.encode() for line in chained) + b"\n")
+    assert last_exception(tail_lines(spool)) == "ValueError: bad lr"
+    assert tail_lines(spool, size=30) == ["some atexit output"]  # a cut first line dropped
+    assert tail_lines(tmp_path / "absent.log") == []

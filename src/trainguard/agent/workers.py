@@ -9,6 +9,10 @@ group), gets torchrun's environment plus ``TORCHELASTIC_ERROR_FILE`` (where torc
 elastic's ``@record`` writes the error of a failing worker), and writes stdout and
 stderr to the attempt's files in :class:`~trainguard.agent.logs.LogLayout`.
 
+A failed worker's error (its fault's reason) is what its error file says, else the
+exception line of the last Python traceback in its stderr (:func:`last_exception`):
+``ValueError: bad lr``, not only "exit code 1".
+
 Plain ``subprocess``: the agent supervises, it never imports torch.
 """
 
@@ -18,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from trainguard.agent.logs import STREAMS, LogLayout
+from trainguard.agent.logs import ATTEMPT_MARKER, STREAMS, LogLayout
 from trainguard.agent.warm import Process, Spawner
 from trainguard.wire.requests import NodeAssignment
 
@@ -35,6 +40,15 @@ logger = logging.getLogger(__name__)
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 MAX_ERROR_CHARS = 2000
+TRACEBACK_TAIL_BYTES = 64 * 1024
+"""How much of the end of a failed worker's stderr (and rank log) is searched for its
+traceback."""
+HOST_WORKERS_ENV = "TRAINGUARD_HOST_WORKERS"
+"""Set by a platform whose nodes share one host (local simulated nodes): how many workers
+run on it in all. Read by the agent (``OMP_NUM_THREADS``), never passed to workers."""
+_TRACEBACK = "Traceback (most recent call last):"
+# torch.distributed's excepthook prefixes every line of a traceback with ``[rankN]: ``.
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 
 Spawned = Callable[[int], None]
 """Called with the pid of every process the group starts (the agent watches its exit)."""
@@ -64,22 +78,37 @@ def worker_envs(
 ) -> dict[int, dict[str, str]]:
     """Each local rank's environment on top of ``inherited`` (the agent's own).
 
-    The agent's ``--env`` values, then the assignment's torchrun contract;
-    ``OMP_NUM_THREADS=1`` when several workers share the node and nobody set it
-    (torchrun's rule). ``TORCHELASTIC_ERROR_FILE`` is added per process.
+    The agent's ``--env`` values, then the assignment's torchrun contract; what torchrun
+    adds when nobody set it: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, and
+    ``OMP_NUM_THREADS=1`` when several workers share the host: this node's, or every
+    worker of the host where the platform says how many (``TRAINGUARD_HOST_WORKERS``:
+    simulated nodes on one machine; torchrun counts one node's only, so each of 2 nodes x
+    1 process would start a thread per core). ``TORCHELASTIC_ERROR_FILE`` is added per
+    process.
     """
+    base = dict(agent_env)
+    host_workers = _count(base.pop(HOST_WORKERS_ENV, None))
+    sharing = max(assignment.nproc_per_node, host_workers)
     envs: dict[int, dict[str, str]] = {}
     for local_rank in range(assignment.nproc_per_node):
-        env = dict(agent_env)
+        env = dict(base)
         env.update(assignment.worker_env(local_rank))
-        if (
-            assignment.nproc_per_node > 1
-            and "OMP_NUM_THREADS" not in inherited
-            and "OMP_NUM_THREADS" not in env
+        for name, value, wanted in (
+            ("OMP_NUM_THREADS", "1", sharing > 1),
+            ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", True),
         ):
-            env["OMP_NUM_THREADS"] = "1"
+            if wanted and name not in inherited and name not in env:
+                env[name] = value
         envs[local_rank] = env
     return envs
+
+
+def _count(text: str | None) -> int:
+    """A count from the environment (0 when absent or not a number)."""
+    try:
+        return max(0, int(text or 0))
+    except ValueError:
+        return 0
 
 
 def shim_args(agent_pid: int, worker_argv: Sequence[str], cwd: Path | None) -> tuple[str, ...]:
@@ -102,6 +131,33 @@ def read_error_message(path: str | Path) -> str | None:
     if not isinstance(message, str) or not message:
         return None
     return message[:MAX_ERROR_CHARS]
+
+
+def last_exception(lines: Sequence[str]) -> str | None:
+    """The exception line (``ValueError: bad lr``) of the last Python traceback in
+    ``lines`` (a ``[rankN]: `` prefix, torch's, is read through), or None."""
+    text = [_RANK_PREFIX.sub("", line, count=1) for line in lines]
+    starts = [i for i, line in enumerate(text) if line.startswith(_TRACEBACK)]
+    if not starts:
+        return None
+    for line in text[starts[-1] + 1 :]:
+        if line.strip() and not line[0].isspace():
+            return line.rstrip()[:MAX_ERROR_CHARS]
+    return None
+
+
+def tail_lines(path: Path, size: int = TRACEBACK_TAIL_BYTES) -> list[str]:
+    """The complete lines in the last ``size`` bytes of ``path`` ([] if it cannot be read).
+    A stream file's parts already read by the tailer may be holes (zeros): dropped."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(0, end - size))
+            data = f.read(size)
+    except OSError:
+        return []
+    lines = data.replace(b"\0", b"").decode("utf-8", errors="replace").splitlines()
+    return lines[1:] if end > size else lines
 
 
 def signal_group(pid: int, sig: signal.Signals) -> None:
@@ -225,9 +281,22 @@ class WorkerGroup:
         return len(self._exitcodes) == len(self.ranks)
 
     def error_message(self, local: int) -> str | None:
-        """What the worker's error file says (torch elastic's ``@record``), if anything."""
+        """What the worker's error file says (torch elastic's ``@record``), else the
+        exception of the last traceback it wrote to stderr: where the log tailer has not
+        read it yet, its stderr file; where it has (and gave the file's space back), the
+        rank's log since this attempt's marker."""
         worker = self._workers.get(local)
-        return read_error_message(worker.error_file) if worker is not None else None
+        if worker is None:
+            return None
+        message = read_error_message(worker.error_file)
+        if message is None:
+            message = last_exception(tail_lines(worker.paths["stderr"]))
+        if message is None:
+            rank_log = tail_lines(self._layout.combined(self.ranks[local]))
+            marker = ATTEMPT_MARKER.format(attempt=self.assignment.attempt)
+            since = max((i for i, line in enumerate(rank_log) if line == marker), default=-1)
+            message = last_exception(rank_log[since + 1 :])
+        return message
 
     def close(self, first_signal: signal.Signals, grace: float) -> dict[int, int]:
         """Signal every live process's group, SIGKILL after ``grace``; returns the exits

@@ -26,6 +26,7 @@ from wsgiref.simple_server import WSGIServer
 
 from trainguard.agent.logcap import RotatingFile
 from trainguard.agent.warm import StartOptions
+from trainguard.agent.workers import HOST_WORKERS_ENV
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.hosts.addresses import resolve
 from trainguard.hosts.controller_host import AGENT_CONTACT_TIMEOUT, ControllerHost, interface_env
@@ -97,13 +98,16 @@ def agent_launcher(
     durable_url: str | None = None,
     fence_after: float | None = None,
     tls_ca: str | None = None,
+    host_workers: int | None = None,
 ) -> AgentLauncher:
     """What launches this host's node agents for ``plan``: each node's group, its memory
     tier under ``memory_root``, the job's checkpoint settings (``durable_url``: where the
     durable tier is when the spec names none; default ``<job_dir>/durable``), ``host``:
     the address the agents bind, ``host_env``: more for every worker of this host (a
     multi-host job's ``GLOO_SOCKET_IFNAME``), ``fence_after``: the agents' durable-tier
-    fence (agent/lease.py); ``fail``: rehearsed health-check failures."""
+    fence (agent/lease.py); ``fail``: rehearsed health-check failures; ``host_workers``:
+    how many workers this host runs in all when its nodes share it (simulated nodes: the
+    agents set ``OMP_NUM_THREADS=1`` by that count, not one node's)."""
     checkpointing = plan.job.spec.checkpointing
     config = json.dumps(checkpointing.env_json(durable_url or str(job_dir / "durable")))
     env = {
@@ -112,6 +116,7 @@ def agent_launcher(
             "TRAINGUARD_JOB_DIR": str(job_dir),
             "TRAINGUARD_CHECKPOINT_MEMORY_DIR": str(memory_root / node_id / "memory"),
             "TRAINGUARD_CHECKPOINT_CONFIG": config,
+            **({HOST_WORKERS_ENV: str(host_workers)} if host_workers is not None else {}),
         }
         for node_id in groups
     }
@@ -354,9 +359,11 @@ class LocalRunner:
         }
         hosts = self.hosts
         if hosts is None:
+            most = max(len(node_ids), self.config.elastic.max_nodes if self.config.elastic else 0)
             return agent_launcher(
-                self.plan, self.job_dir, self.token_file, self.memory_root, self.groups, fail=fail
-            )
+                self.plan, self.job_dir, self.token_file, self.memory_root, self.groups,
+                fail=fail, host_workers=most * self.plan.nproc_per_node,
+            )  # fmt: skip
         assert hosts.service is not None
         user_env = {k: v for _, g in self.groups.values() for k, v in g.env.items()}
         local = agent_launcher(
