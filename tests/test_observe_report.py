@@ -179,6 +179,28 @@ def test_report_has_the_faults_goodput_and_escapes_the_job_strings() -> None:
     assert page.count("data:image/png;base64,") == 2
 
 
+def test_a_failed_jobs_report_starts_with_why_it_failed() -> None:
+    """The reason the controller gave up with, the rank's exception in it, escaped; none
+    for a job that did not fail (friction: a failed job's report never said why)."""
+    reason = (
+        f"rank 1 exited with exit code 1: ValueError: {EVIL}; retry budget exhausted "
+        "(--max-restarts=3, restarts=3)"
+    )
+    failed = _history(
+        phase="Failed",
+        events=(
+            Event(T0 + 1.0, "JobFailed", "an older reason"),  # the last one is the job's
+            Event(T0 + 41.0, "JobFailed", reason),
+        ),
+    )
+    page = render(failed, T0 + 100.0).html
+    why = re.search(r'<p id="why"[^>]*>(.*?)</p>', page)
+    assert why is not None
+    assert "Why it failed:" in why.group(1) and html.escape(reason) in why.group(1)
+    assert page.index('id="why"') < page.index("<h2>")  # at the top
+    assert 'id="why"' not in render(_history(), T0 + 100.0).html
+
+
 def test_report_of_a_running_job_without_samples_or_faults() -> None:
     history = _history(
         phase="Running", finished_at=None, faults=(), samples=(), events=(), attempts=()

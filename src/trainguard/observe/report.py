@@ -39,7 +39,7 @@ from trainguard.observe.history import JobHistory, load_history
 from trainguard.observe.page import Html, cell, chip, document, esc, facts, img, table
 from trainguard.platform.store import Store
 
-__all__ = ["Report", "png_path", "render", "report_command", "write"]
+__all__ = ["Report", "png_path", "render", "report_command", "why_failed", "write"]
 
 MAX_RANK_ROWS = 16
 """The per-rank table shows this many ranks, slowest first."""
@@ -124,9 +124,16 @@ def _header(history: JobHistory, acc: Accounting, now: float, world_size: int | 
         ("Steps kept", str(acc.kept_steps)),
         ("Steps lost", str(acc.lost_steps)),
     ]
+    why = why_failed(history)
     return (
         f"<header><h1>{esc(history.name)}</h1>"
         f'<p class="sub">trainguard job report</p></header>\n'
+        + (
+            f'<p id="why" style="border-left:4px solid {FAULT_COLOR};padding:4px 10px">'
+            f'<b>Why it failed:</b> <span class="msg">{esc(why)}</span></p>\n'
+            if why
+            else ""
+        )
         + facts(known)
         + '<div class="cards">'
         + "".join(
@@ -134,6 +141,15 @@ def _header(history: JobHistory, acc: Accounting, now: float, world_size: int | 
         )
         + "</div>"
     )
+
+
+def why_failed(history: JobHistory) -> str | None:
+    """A failed job's reason, as its controller recorded it when it gave up (the fault,
+    with the failed rank's exception where it wrote one, and the exhausted budget)."""
+    if history.phase != "Failed":
+        return None
+    ends = [e.message for e in history.events if e.kind == "JobFailed" and e.message]
+    return ends[-1] if ends else None
 
 
 def _time_section(acc: Accounting) -> str:
