@@ -94,6 +94,20 @@ def test_budget_exhausted_exactly_at_job_max_retry_count() -> None:
     assert "restart 3 of jobMaxRetryCount=3" in r.reason
 
 
+def test_budget_messages_name_what_the_user_set_it_with() -> None:
+    """A job from torchrun's flags reads --max-restarts, a spec its field (friction: a
+    user of --max-restarts was told about jobMaxRetryCount)."""
+    flag = config(job_max_retry_count=1, budget_name="--max-restarts")
+    assert "restart 1 of --max-restarts=1" in restart(decide(cfg=flag)).reason
+    g = give_up(decide(past=history((60, P)), cfg=flag))
+    assert g.reason.endswith("retry budget exhausted (--max-restarts=1, restarts=1)")
+    field = "spec.runPolicy.jobMaxRetryCount"
+    spec = PolicyConfig.from_spec(None, 0, field)
+    assert f"({field}=0, restarts=0)" in give_up(decide(cfg=spec)).reason
+    restart_policy = RunPolicy(restart_policy=RestartPolicy(eval_period_seconds=60))
+    assert PolicyConfig.from_spec(restart_policy, 2, field).budget_name == field
+
+
 def test_zero_retries_gives_up_at_once_even_for_a_lost_node() -> None:
     g = give_up(decide([lost()], spares=["spare-0"], cfg=config(job_max_retry_count=0)))
     assert "jobMaxRetryCount=0, restarts=0" in g.reason

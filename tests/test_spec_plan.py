@@ -9,6 +9,9 @@ from typing import Any
 
 import pytest
 
+from trainguard.control.events import Fault, FaultType
+from trainguard.control.policy import GiveUp, decide_restart
+from trainguard.platform.config import control_config
 from trainguard.spec import (
     JobPlan,
     SpecError,
@@ -18,6 +21,7 @@ from trainguard.spec import (
     parse_job,
     resolve_plan,
 )
+from trainguard.spec.scripts import check_scripts, python_script
 
 CMD = "spec.replicaSpecs[0].template.spec.containers[0].command"
 
@@ -112,6 +116,64 @@ def test_torchrun_line_is_stripped_and_fills_unset_fields() -> None:
     assert plan.groups[0].command == (sys.executable, "-u", "train.py", "--epochs", "1")
     assert (plan.nnodes, plan.nproc_per_node, plan.max_restarts) == (2, 3, 5)
     assert plan.groups[0].ignored_flags == ("--standalone",)
+
+
+def test_the_plan_says_where_the_retry_budget_was_set(tmp_path: Path) -> None:
+    """And the controller's give-up reason names it (friction: --max-restarts users were
+    told about jobMaxRetryCount)."""
+    field = "spec.runPolicy.jobMaxRetryCount"
+    assert plan_of(["python", "t.py"]).max_restarts_from == field
+    assert plan_of(["torchrun", "--max-restarts=2", "t.py"]).max_restarts_from == "--max-restarts"
+    spec = {"runPolicy": {"jobMaxRetryCount": 2}}
+    assert plan_of(["torchrun", "--max-restarts=2", "t.py"], spec=spec).max_restarts_from == field
+    script = tmp_path / "t.py"
+    script.write_text("")
+    built = cli_job(str(script), [], nnodes=1, nproc_per_node=1, max_restarts=0)
+    plan = resolve_plan(built, "command line")
+    policy = control_config(plan, "j-1", durable=False)[0].policy
+    assert policy.budget_name == "--max-restarts"
+    crash = Fault(FaultType.WORKER_CRASH, 0.0, 0, node="node-0", rank=0, message="rank 0 died")
+    reason = decide_restart(0.0, [crash], [], {}, ["node-0"], [], policy)
+    assert reason == GiveUp("rank 0 died; retry budget exhausted (--max-restarts=0, restarts=0)")
+
+
+def test_a_missing_python_script_is_found_before_anything_starts(tmp_path: Path) -> None:
+    """Relative paths: from workingDir, else from where trainguard run runs (friction: 4
+    attempts burned on FileNotFoundError)."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "t.py").write_text("")
+    check_scripts(plan_of(["python", "sub/t.py"]), "job.yaml", tmp_path)
+    check_scripts(plan_of(["python", "t.py"], container={"workingDir": "sub"}), "j", tmp_path)
+    check_scripts(plan_of(["python", "-m", "pkg"]), "job.yaml", tmp_path)  # not read
+    check_scripts(plan_of(["bash", "-c", "python x.py"]), "job.yaml", tmp_path)
+    with pytest.raises(SpecError) as info:
+        check_scripts(plan_of(["python", "-u", "t.py"]), "job.yaml", tmp_path)
+    assert str(info.value) == f"job.yaml: {CMD}: script t.py: not found (relative to {tmp_path})"
+    with pytest.raises(SpecError) as info:
+        check_scripts(plan_of(["torchrun", "sub"]), "job.yaml", tmp_path)
+    assert "script sub: is a directory" in str(info.value)
+    with pytest.raises(SpecError) as info:
+        check_scripts(plan_of(["python", "t.py"], container={"workingDir": "nope"}), "j", tmp_path)
+    assert ".containers[0].workingDir: " in str(info.value) and "no such directory" in str(
+        info.value
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "script"),
+    [
+        (["python", "t.py", "--x"], "t.py"),
+        ([sys.executable, "-u", "-u", "/a/t.py"], "/a/t.py"),
+        (["python3.11", "t.py"], "t.py"),
+        (["python", "-m", "pkg"], None),
+        (["python", "-X", "dev", "t.py"], None),
+        (["python"], None),
+        (["./run.sh", "t.py"], None),
+        ([], None),
+    ],
+)
+def test_python_script(argv: list[str], script: str | None) -> None:
+    assert python_script(argv) == script
 
 
 def test_launcher_module_and_no_python() -> None:

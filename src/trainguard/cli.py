@@ -19,8 +19,10 @@ from trainguard.kube.flags import (
 from trainguard.platform import views
 from trainguard.platform.inject import INJECT_HELP
 from trainguard.platform.store import JobNotFound, StateDirError, open_store
+from trainguard.spec.cli_job import DEFAULT_MAX_RESTARTS
 
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a reader gone early
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
         "--max_restarts",
         dest="max_restarts",
         type=non_negative_int,
-        help="restarts before the job fails",
+        help=f"restarts before the job fails (default {DEFAULT_MAX_RESTARTS}; torchrun's is 0)",
     )
     run.add_argument("--name", help="job name (default: the script's name)")
     run.add_argument(
@@ -76,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--no-python", action="store_true", help="run the script directly instead of through Python"
+    )
+    run.add_argument(
+        "--standalone",
+        action="store_true",
+        help="torchrun's one-machine rendezvous: accepted; every job without --rdzv-endpoint "
+        "or --master-addr runs on this machine",
     )
     run.add_argument("--inject", action="append", default=[], metavar="SPEC", help=INJECT_HELP)
     run.add_argument(

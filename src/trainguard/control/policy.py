@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from trainguard.spec.model import RunPolicy
 
 __all__ = [
+    "DEFAULT_BUDGET_NAME",
     "DEFAULT_MAX_NUM_REPEAT_OFFENDERS_TO_AVOID",
     "DEFAULT_NUM_RESTART_BEFORE_FULL_JOB_RESTART",
     "DEFAULT_REPEAT_OFFENDER_FAULTS",
@@ -65,6 +66,7 @@ __all__ = [
 DEFAULT_NUM_RESTART_BEFORE_FULL_JOB_RESTART: Final[int | None] = None  # never escalate on count
 DEFAULT_MAX_NUM_REPEAT_OFFENDERS_TO_AVOID: Final = 0  # avoid no node unless asked
 DEFAULT_REPEAT_OFFENDER_FAULTS: Final = 2
+DEFAULT_BUDGET_NAME: Final = "jobMaxRetryCount"
 
 NODE_FAULTS: Final = frozenset(t for t in FaultType if t.loses_node)
 """Fault types after which the node cannot be used again as it is: it must be replaced."""
@@ -92,6 +94,9 @@ class PolicyConfig:
     max_full_job_restarts: int | None
     max_num_repeat_offenders_to_avoid: int
     repeat_offender_faults: int = DEFAULT_REPEAT_OFFENDER_FAULTS
+    # What the user set the retry budget with, as its messages name it: the spec's field,
+    # or ``--max-restarts`` for a job from torchrun's flags (``budget_name=N`` in reasons).
+    budget_name: str = DEFAULT_BUDGET_NAME
 
     def __post_init__(self) -> None:
         _at_least("jobMaxRetryCount", self.job_max_retry_count, 0)
@@ -104,11 +109,17 @@ class PolicyConfig:
             raise ValueError(f"evalPeriodSeconds: must be > 0, got {period!r}")
 
     @classmethod
-    def from_spec(cls, run_policy: RunPolicy | None, max_restarts: int) -> PolicyConfig:
+    def from_spec(
+        cls,
+        run_policy: RunPolicy | None,
+        max_restarts: int,
+        budget_name: str = DEFAULT_BUDGET_NAME,
+    ) -> PolicyConfig:
         """The policy of a job spec.
 
         ``max_restarts`` is the resolved ``jobMaxRetryCount`` (the plan's, which may come from
-        a launcher's ``--max-restarts``); ``run_policy.jobMaxRetryCount`` is not read. Unset
+        a launcher's ``--max-restarts``); ``run_policy.jobMaxRetryCount`` is not read;
+        ``budget_name``: where the user set it (messages name it so). Unset
         fields: no ``restartPolicy`` means no window, no escalation on count, no limit on
         full job restarts but the retry budget, and no offender avoidance; inside a
         ``restartPolicy``, the ``DEFAULT_*`` constants of this module apply.
@@ -121,6 +132,7 @@ class PolicyConfig:
                 eval_period_seconds=None,
                 max_full_job_restarts=None,
                 max_num_repeat_offenders_to_avoid=DEFAULT_MAX_NUM_REPEAT_OFFENDERS_TO_AVOID,
+                budget_name=budget_name,
             )
         num = restart.num_restart_before_full_job_restart
         avoid = restart.max_num_repeat_offenders_to_avoid
@@ -134,6 +146,7 @@ class PolicyConfig:
             max_num_repeat_offenders_to_avoid=(
                 DEFAULT_MAX_NUM_REPEAT_OFFENDERS_TO_AVOID if avoid is None else avoid
             ),
+            budget_name=budget_name,
         )
 
 
@@ -184,12 +197,10 @@ def decide_restart(
     _check_inputs(faults, nodes, spares)
     cause = fault_cause(faults)
     restarts = len(history)
+    allowed = f"{config.budget_name}={config.job_max_retry_count}"
     if restarts >= config.job_max_retry_count:
-        return GiveUp(
-            f"{cause}; retry budget exhausted "
-            f"(jobMaxRetryCount={config.job_max_retry_count}, restarts={restarts})"
-        )
-    budget = f"restart {restarts + 1} of jobMaxRetryCount={config.job_max_retry_count}"
+        return GiveUp(f"{cause}; retry budget exhausted ({allowed}, restarts={restarts})")
+    budget = f"restart {restarts + 1} of {allowed}"
     window = _window_text(config)
     lost = _lost_nodes(faults, nodes)
     faulting = {f.node for f in faults if f.node is not None}

@@ -51,7 +51,7 @@ def control_config(
         job_id=job_id,
         node_ids=tuple(active),
         nproc_per_node=plan.nproc_per_node,
-        policy=PolicyConfig.from_spec(run_policy, plan.max_restarts),
+        policy=PolicyConfig.from_spec(run_policy, plan.max_restarts, plan.max_restarts_from),
         spare_node_ids=tuple(spares),
         log_rules=tuple(LogRuleSpec.from_model(r) for r in run_policy.log_monitoring_configuration),
         progress_pattern=options.progress_pattern,

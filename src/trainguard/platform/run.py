@@ -18,7 +18,9 @@ from trainguard.platform.local import (
 from trainguard.platform.resume_command import lost_twin, resume_job
 from trainguard.platform.store import StateDirError, open_store
 from trainguard.spec import SpecError, TrainingJob, cli_job, load_job, resolve_plan
+from trainguard.spec.cli_job import DEFAULT_MAX_RESTARTS
 from trainguard.spec.plan import check_local_size
+from trainguard.spec.scripts import check_scripts
 from trainguard.spec.secrets import SecretSource
 
 EXIT_USAGE = 2
@@ -30,9 +32,17 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error(f"give either -f FILE or a script, not both (got script {args.script!r})")
     if not args.file and not args.script:
         parser.error("nothing to run: give -f job.yaml, or a script (trainguard run train.py)")
+    if args.standalone and (args.rdzv_endpoint or args.master_addr):
+        parser.error(
+            "--standalone runs the job on this machine: not with --rdzv-endpoint or --master-addr"
+        )
     try:
         if args.file:
-            given = [f"--{f.replace('_', '-')}" for f in _TORCHRUN_FLAGS if getattr(args, f)]
+            given = [
+                f"--{f.replace('_', '-')}"
+                for f in _TORCHRUN_FLAGS
+                if getattr(args, f) not in (None, False)
+            ]
             if given:
                 parser.error(
                     f"{', '.join(given)} only apply to the torchrun-style form; "
@@ -47,7 +57,9 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 args.script_args,
                 nnodes=args.nnodes or (1, 1),
                 nproc_per_node=args.nproc_per_node or "1",
-                max_restarts=args.max_restarts or 0,
+                max_restarts=(
+                    DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts
+                ),
                 name=args.name,
                 module=args.module,
                 no_python=args.no_python,
@@ -64,14 +76,17 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         print(f"trainguard: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except SpecError as exc:
-        for line in str(exc).splitlines():
-            print(f"trainguard: {line}", file=sys.stderr)
-        return EXIT_USAGE
+        return _spec_error(exc)
     try:
         store = open_store(args.state_dir)
     except StateDirError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        check_scripts(plan, source)  # a missing script would fail every attempt
+    except SpecError as exc:
+        store.close()
+        return _spec_error(exc)
     try:
         lost = lost_twin(store, plan) if args.file and not injections else None
         if lost is not None:
@@ -107,6 +122,12 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         return result.exit_code
     finally:
         store.close()
+
+
+def _spec_error(exc: SpecError) -> int:
+    for line in str(exc).splitlines():
+        print(f"trainguard: {line}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def cold_started(job: TrainingJob) -> TrainingJob:

@@ -19,6 +19,10 @@ from trainguard.spec.model import TrainingJob
 
 CLI_SOURCE = "command line"
 CLI_GROUP_NAME = "worker"
+DEFAULT_MAX_RESTARTS = 3
+"""The torchrun form's restart budget when ``--max-restarts`` is not given. torchrun's is
+0, but a job run under trainguard is run to survive faults: 3 restarts ride out a crash or
+a lost node or two, and a script that fails at every start still fails within a minute."""
 
 # Spec fields set from command-line flags, so errors can name the flag the user typed.
 _FLAG_OF_FIELD = {

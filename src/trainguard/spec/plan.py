@@ -79,6 +79,9 @@ class JobPlan:
     poll_interval_seconds: float
     node_start_timeout_seconds: float
     job: TrainingJob  # the validated spec, for everything else (restartPolicy, log rules, ...)
+    # Where ``max_restarts`` was set, as messages name it: the spec's field, or
+    # ``--max-restarts`` (torchrun's flags, or a launcher line in the command).
+    max_restarts_from: str = "spec.runPolicy.jobMaxRetryCount"
 
     @property
     def nnodes(self) -> int:
@@ -129,6 +132,10 @@ def resolve_plan(job: TrainingJob, source: str, secrets: SecretSource | None = N
         problem = f"{world_size} ranks in all; a job has at most {MAX_WORLD_SIZE}"
         raise SpecError(source, [("spec.nprocPerNode", problem)])
     options = spec.trainguard
+    by_flag = source == "command line" or (  # torchrun's flags, or a launcher line's
+        spec.run_policy.job_max_retry_count is None
+        and any(line.max_restarts is not None for _, line in launchers)
+    )
     return JobPlan(
         name=job.metadata.name,
         nproc_per_node=nproc_per_node,
@@ -139,6 +146,7 @@ def resolve_plan(job: TrainingJob, source: str, secrets: SecretSource | None = N
         poll_interval_seconds=options.poll_interval_seconds,
         node_start_timeout_seconds=options.node_start_timeout_seconds,
         job=job,
+        max_restarts_from="--max-restarts" if by_flag else "spec.runPolicy.jobMaxRetryCount",
     )
 
 
