@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import signal
 import sqlite3
+import subprocess
 from pathlib import Path
 
-from conftest import FAKE_WORKER, Trainguard, pid_alive, wait_for, worker_pids, write_job
+from conftest import FAKE_WORKER, REPO, Trainguard, pid_alive, wait_for, worker_pids, write_job
+from trainguard.cli import main
 from trainguard.platform.store import DB_NAME, Store
 
 TORCHRUN_KEYS = (
@@ -123,7 +128,7 @@ def test_budget_exhausted_fails_with_reason(tg: Trainguard, tmp_path: Path) -> N
     assert "rank 1 exited with exit code 7" in done.stderr
     assert "retry budget exhausted" in done.stderr
     job = tg.only_job()
-    assert job["phase"] == "Failed" and "jobMaxRetryCount=1" in job["reason"]
+    assert job["phase"] == "Failed" and "(--max-restarts=1, restarts=1)" in job["reason"]
     assert not any(pid_alive(p) for p in worker_pids(out))
 
 
@@ -278,3 +283,104 @@ def test_a_state_directory_from_an_older_trainguard_is_upgraded(tmp_path: Path) 
     store.update_job("j-1", faults=[{"type": "WorkerCrash"}])
     assert store.job("j-1").phase
     store.close()
+
+
+def test_a_rank_that_raises_fails_the_job_saying_why(tg: Trainguard, tmp_path: Path) -> None:
+    """torchrun's form, as the friction report ran it: --standalone is accepted, the
+    budget is 3 restarts and its message names --max-restarts, the reason quotes the
+    exception, and 2 simulated nodes x 1 process share this machine's cores."""
+    out = tmp_path / "out"
+    done = tg.run(
+        "run", "--standalone", "--nnodes", "2", "--nproc-per-node", "1",
+        str(FAKE_WORKER), "--out", str(out), "--raise-rank", "1",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    why = "rank 1 exited with exit code 1: ValueError: lr must be positive"
+    assert f"{why}; retry budget exhausted (--max-restarts=3, restarts=3)" in done.stderr
+    job = tg.only_job()
+    assert (job["phase"], job["restarts"], len(job["attempts"])) == ("Failed", 3, 4)
+    assert job["reason"].startswith(why)
+    assert job["faults"][0]["evidence"]["error"] == "ValueError: lr must be positive"
+    assert [e["message"] for e in job["events"] if e["kind"] == "JobFailed"] == [job["reason"]]
+    assert f"Reason:    {why}" in tg.run("describe", job["id"]).stdout
+    env = json.loads((out / "rank-0-attempt-0.json").read_text())["env"]
+    assert env["OMP_NUM_THREADS"] == "1"  # 2 workers on this machine, though 1 per node
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    assert env["TORCHELASTIC_MAX_RESTARTS"] == "3"
+    assert "TRAINGUARD_HOST_WORKERS" not in env
+
+
+def test_standalone_is_not_a_multi_host_job(tg: Trainguard) -> None:
+    done = tg.run("run", "--standalone", "--rdzv-endpoint", "h:1", str(FAKE_WORKER))
+    assert done.returncode == 2 and "--standalone" in done.stderr
+
+
+def test_a_specs_missing_script_is_exit_2_naming_it(tg: Trainguard, tmp_path: Path) -> None:
+    spec = write_job(tmp_path / "job.yaml", "missing", ["python", "no_such_train.py"])
+    done = tg.run("run", "-f", str(spec))
+    assert done.returncode == 2
+    assert f"script no_such_train.py: not found (relative to {REPO})" in done.stderr
+    assert tg.run("list", "-o", "json").stdout.strip() == "[]"
+
+
+def cli(tg: Trainguard, *args: str) -> tuple[int, str, str]:
+    """``trainguard ARGS`` in this process (no interpreter to start): code, out, err."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([*args, "--state-dir", str(tg.state_dir)])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_stop_keeps_the_job_and_delete_keeps_its_checkpoints(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    argv = ("run", "--max-restarts", "0", "--name", "keep", str(FAKE_WORKER), "--out", str(out))
+    proc = tg.popen(*argv, "--sleep", "120")
+    wait_for(lambda: len(list(out.glob("rank-*.json"))) == 1)
+    pids = worker_pids(out)
+    job_id = json.loads(cli(tg, "list", "-o", "json")[1])[0]["id"]
+    assert cli(tg, "stop", job_id) == (0, f"job {job_id} stopped\n", "")
+    proc.communicate(timeout=60)
+    wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=30)
+    job = json.loads(cli(tg, "describe", job_id, "-o", "json")[1])
+    assert (job["phase"], job["reason"]) == ("Stopped", "stopped by user")
+    assert "hello from rank 0" in cli(tg, "logs", job_id)[1]  # the record stays
+    assert cli(tg, "stop", job_id)[1] == f"job {job_id} is already Stopped\n"
+
+    # A second job of that name: the name no longer picks one.
+    assert tg.run(*argv).returncode == 0
+    ids = [j["id"] for j in json.loads(cli(tg, "list", "-o", "json")[1])]
+    code, _, err = cli(tg, "describe", "keep")
+    assert code == 2
+    assert f"2 jobs are named 'keep': {ids[1]}, {ids[0]}; give one of these ids" in err
+
+    job_dir = Path(job["job_dir"])
+    (job_dir / "checkpoints").mkdir()
+    (job_dir / "checkpoints" / "step-10.pt").write_text("weights")
+    code, printed, _ = cli(tg, "delete", job_id)
+    assert code == 0 and f"its checkpoints are kept: {job_dir / 'checkpoints'}" in printed
+    assert (job_dir / "checkpoints" / "step-10.pt").exists()
+    assert not (job_dir / "logs").exists() and cli(tg, "describe", job_id)[0] == 2
+
+    other = Path(json.loads(cli(tg, "describe", "keep", "-o", "json")[1])["job_dir"])
+    (other / "durable").mkdir()
+    code, printed, _ = cli(tg, "delete", "--checkpoints", "keep")  # one job of that name now
+    assert code == 0 and "kept" not in printed
+    assert not other.exists()
+
+
+def test_output_into_a_closed_pipe_is_no_traceback(tg: Trainguard) -> None:
+    """`trainguard list | head` printed a BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            tg.argv("list"), env=tg.env, stdout=write, stderr=subprocess.PIPE, text=True,
+            cwd=REPO, timeout=60,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.returncode == 141
+    assert done.stderr == ""

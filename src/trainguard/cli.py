@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -265,13 +266,32 @@ def _parser() -> argparse.ArgumentParser:
         "--capacity", type=non_negative_int, required=True, metavar="N", help="nodes available"
     )
 
-    delete = sub.add_parser("delete", parents=[common], help="stop a job and remove it")
-    delete.add_argument("job", help="job id or name")
+    stop = sub.add_parser(
+        "stop",
+        parents=[common],
+        help="stop a running job and keep its record (its phase becomes Stopped)",
+        description="Stop a running local job: every rank is stopped, the job's record, logs "
+        "and checkpoints are kept (describe, logs and report go on working). A job whose "
+        "controller died (Lost) has what is left of it killed.",
+    )
+    delete = sub.add_parser(
+        "delete",
+        parents=[common],
+        help="stop a job and remove its record and logs (its checkpoints are kept)",
+    )
+    for verb in (stop, delete):
+        verb.add_argument("job", help="job id or name")
+        verb.add_argument(
+            "--timeout",
+            type=float,
+            default=60.0,
+            help="seconds to wait for a running job to stop (default 60)",
+        )
     delete.add_argument(
-        "--timeout",
-        type=float,
-        default=60.0,
-        help="seconds to wait for a running job to stop (default 60)",
+        "--checkpoints",
+        action="store_true",
+        help="also remove the job's durable checkpoints (kept by default: "
+        "<job dir>/durable and <job dir>/checkpoints, or <durableUrl>/<job id> on local disk)",
     )
     delete.add_argument(
         "--force",
@@ -344,6 +364,20 @@ def _seconds(text: str) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe is a traceback again
+        return code
+    except BrokenPipeError:
+        # Whoever read our output stopped (`trainguard list | head`): no traceback, and
+        # nothing more to flush into the closed pipe at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.verb == "schema":
@@ -379,8 +413,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return report_command(store, args.job, args.output)
         if args.verb == "logs":
             return views.logs(store, args.job, args.rank, args.follow)
+        if args.verb == "stop":
+            from trainguard.platform.stop import stop
+
+            return stop(store, args.job, args.timeout)
         if args.verb == "delete":
-            return views.delete(store, args.job, args.timeout, args.force)
+            from trainguard.platform.stop import delete
+
+            return delete(store, args.job, args.timeout, args.force, args.checkpoints)
         if args.verb == "nodes":
             from trainguard.platform import nodes_view
 

@@ -20,6 +20,9 @@ parser.add_argument(
     help="fail on attempts [0, N); -1 fails on every attempt",
 )
 parser.add_argument("--exit-code", type=int, default=3)
+parser.add_argument(
+    "--raise-rank", type=int, default=-1, help="this rank raises ValueError on every attempt"
+)
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--beats", type=int, default=0, help="call trainguard.heartbeat N times")
 parser.add_argument(
@@ -40,6 +43,9 @@ os.replace(record + ".tmp", record)
 print(f"hello from rank {rank} attempt {attempt}", flush=True)
 print(f"stderr line from rank {rank}", file=sys.stderr, flush=True)
 
+if rank == args.raise_rank:
+    time.sleep(0.2)
+    raise ValueError("lr must be positive")
 if rank == args.fail_rank and (args.fail_attempts < 0 or attempt < args.fail_attempts):
     time.sleep(0.5)
     sys.exit(args.exit_code)

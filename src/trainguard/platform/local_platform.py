@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_CONCURRENCY = 64
 LOCATE_INTERVAL = 0.02  # how often the loop looks for a starting agent's port file (s)
 FAST_LOCATE_MAX = 64  # more starting agents than this: found at the loop's own pace
+# What the store's ``desired`` asks of a running job, and the reason it is stopped with.
+STOP_REQUESTS = {"delete": "deleted by user", "stop": "stopped by user"}
 
 
 class LocalPlatform:
@@ -199,8 +201,8 @@ class LocalPlatform:
         job = self.store.job(self.job_id)
         if self._interrupted():
             cancel = Cancel("interrupted (Ctrl-C)")
-        elif job.desired == "delete":
-            cancel = Cancel("deleted by user")
+        elif (asked := STOP_REQUESTS.get(job.desired or "")) is not None:  # delete, stop
+            cancel = Cancel(asked)
         self._take_preempted(now)
         capacity = job.capacity if self.preempt_grace is not None else None
         preempted = tuple(self._preempted)

@@ -48,11 +48,8 @@ def resume_command(args: argparse.Namespace) -> int:
 def lost_twin(store: Store, plan: JobPlan) -> JobRow | None:
     """The newest job named like ``plan``'s when it is Lost and ran the very same spec
     (``trainguard run -f job.yaml`` of a job whose controller died goes on with it)."""
-    try:
-        job = store.job(plan.name)
-    except JobNotFound:
-        return None
-    if effective_phase(job) != "Lost":
+    job = store.newest_named(plan.name)
+    if job is None or effective_phase(job) != "Lost":
         return None
     same = redact_spec(plan.job.model_dump(mode="json", by_alias=True))
     return job if json.loads(job.spec_json) == same else None

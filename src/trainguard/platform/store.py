@@ -151,6 +151,16 @@ class JobNotFound(LookupError):
     pass
 
 
+class AmbiguousJob(JobNotFound):
+    """A name that several jobs have: ``str()`` names them, so the user can pick an id."""
+
+    def __init__(self, name: str, ids: Sequence[str]) -> None:
+        super().__init__(
+            f"{len(ids)} jobs are named {name!r}: {', '.join(ids)}; give one of these ids"
+        )
+        self.ids = list(ids)
+
+
 # Specs (redacted), commands, paths, logs and tokens are this user's only: the state dir is
 # 0700 and its database 0600 (SQLite gives its -wal and -shm files the database's mode).
 _DIR_MODE, _FILE_MODE = 0o700, 0o600
@@ -358,15 +368,26 @@ class Store:
             )
 
     def job(self, ref: str) -> JobRow:
-        """A job by id, or by name when the name is unique (the newest is taken)."""
+        """A job by id, or by name when one job has it; :class:`AmbiguousJob` (newest
+        first) when several do, :class:`JobNotFound` when none."""
         row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (ref,)).fetchone()
-        if row is None:
-            row = self._db.execute(
-                "SELECT * FROM jobs WHERE name = ? ORDER BY created_at DESC LIMIT 1", (ref,)
-            ).fetchone()
-        if row is None:
+        if row is not None:
+            return JobRow(**dict(row))
+        rows = self._db.execute(
+            "SELECT * FROM jobs WHERE name = ? ORDER BY created_at DESC", (ref,)
+        ).fetchall()
+        if not rows:
             raise JobNotFound(f"no job {ref!r} in {self.root}")
-        return JobRow(**dict(row))
+        if len(rows) > 1:
+            raise AmbiguousJob(ref, [r["id"] for r in rows])
+        return JobRow(**dict(rows[0]))
+
+    def newest_named(self, name: str) -> JobRow | None:
+        """The newest job named ``name``, if any."""
+        row = self._db.execute(
+            "SELECT * FROM jobs WHERE name = ? ORDER BY created_at DESC LIMIT 1", (name,)
+        ).fetchone()
+        return None if row is None else JobRow(**dict(row))
 
     def jobs(self) -> list[JobRow]:
         rows = self._db.execute("SELECT * FROM jobs ORDER BY created_at").fetchall()

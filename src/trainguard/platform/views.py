@@ -1,4 +1,5 @@
-"""``list``, ``describe``, ``logs`` and ``delete``: read (and, for delete, act on) the store.
+"""``list``, ``describe`` and ``logs``: read the store (``stop`` and ``delete`` act on it:
+:mod:`trainguard.platform.stop`).
 
 The JSON of ``describe -o json`` is a stable interface; see the README's
 "describe -o json" section before changing a key.
@@ -7,7 +8,6 @@ The JSON of ``describe -o json`` is a stable interface; see the README's
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -15,13 +15,12 @@ from typing import Any
 
 from trainguard.observe.account import account
 from trainguard.observe.history import load_history
-from trainguard.platform.local import MEMORY_ROOT
-from trainguard.platform.procs import alive, kill_recorded, runs
+from trainguard.platform.procs import alive, runs
 from trainguard.platform.store import JobRow, Store
 from trainguard.spec.secrets import redact_spec
 
 TERMINAL_PHASES = ("Succeeded", "Failed", "Stopped")
-# How often `logs -f` and `delete` look again.
+# How often `logs -f`, `stop` and `delete` look again.
 FOLLOW_INTERVAL_SECONDS = 0.25
 
 
@@ -309,63 +308,3 @@ def _copy_out(path: Path, offset: int) -> int:
     sys.stdout.write(chunk.decode("utf-8", errors="replace"))
     sys.stdout.flush()
     return len(chunk)
-
-
-def delete(store: Store, ref: str, timeout: float, force: bool = False) -> int:
-    """Stop the job if it runs, then remove its records and files.
-
-    A running job's controller is asked to stop it, for up to ``timeout`` seconds. What a
-    dead controller left (agents, workers) is killed. ``force``: a controller that does
-    not stop in time is killed too, and the job is removed whatever its record says.
-    Only a recorded pid whose start time still matches is ever signalled.
-    """
-    job = store.job(ref)
-    if effective_phase(job) not in (*TERMINAL_PHASES, "Lost"):
-        store.request(job.id, "delete")
-        deadline = time.monotonic() + timeout
-        while effective_phase(job := store.job(job.id)) not in (*TERMINAL_PHASES, "Lost"):
-            if time.monotonic() > deadline:
-                if not force:
-                    print(
-                        f"trainguard: job {job.id} did not stop within {timeout:g}s; "
-                        "it was left in place (delete --force kills it)",
-                        file=sys.stderr,
-                    )
-                    return 1
-                if _kill(job.id, "controller", job.controller_pid, job.controller_started, False):
-                    print(f"trainguard: job {job.id}: killed its controller", file=sys.stderr)
-                break
-            time.sleep(FOLLOW_INTERVAL_SECONDS)
-    if force or effective_phase(store.job(job.id)) == "Lost":
-        _reap(store, job.id)
-    store.remove_job(job.id)
-    shutil.rmtree(job.job_dir, ignore_errors=True)
-    shutil.rmtree(MEMORY_ROOT / job.id, ignore_errors=True)  # its nodes' memory tiers
-    print(f"job {job.id} deleted")
-    return 0
-
-
-def _reap(store: Store, job_id: str) -> None:
-    """Kill what a dead controller left behind: its agents and their workers."""
-    for node in store.nodes(job_id):
-        _kill(job_id, "agent", node["agent_pid"], node["agent_started"])
-        starts = node["worker_starts"]
-        for i, pid in enumerate(node["worker_pids"]):
-            _kill(job_id, "worker", pid, starts[i] if i < len(starts) else None)
-
-
-def _kill(job_id: str, what: str, pid: int | None, started: str | None, group: bool = True) -> bool:
-    """SIGKILL a recorded process (and its group) if its pid still names it; a process
-    that now has the pid, but not the recorded start time, is left alone (and named)."""
-    if not pid:
-        return False
-    if kill_recorded(pid, started, group):
-        return True
-    if not alive(pid):
-        return False
-    why = "its pid was reused" if started else "no start time was recorded to tell it by"
-    print(
-        f"trainguard: job {job_id}: left pid {pid} alone: not the job's {what} ({why})",
-        file=sys.stderr,
-    )
-    return False
