@@ -279,9 +279,9 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="stop a job and remove its record and logs (its checkpoints are kept)",
     )
-    for verb in (stop, delete):
-        verb.add_argument("job", help="job id or name")
-        verb.add_argument(
+    for command in (stop, delete):
+        command.add_argument("job", help="job id or name")
+        command.add_argument(
             "--timeout",
             type=float,
             default=60.0,
