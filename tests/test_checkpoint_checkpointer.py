@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from trainguard.checkpoint import (
     RankedCheckpointer,
 )
 from trainguard.checkpoint.config import writer_attempt
+from trainguard.checkpoint.memory import default_memory_dir
 
 
 @pytest.fixture
@@ -273,6 +275,24 @@ def test_background_failure_is_raised_from_wait(shm: str, tmp_path: Path) -> Non
     # The memory tier still holds both steps.
     with _ckpt(shm) as again:
         assert again.load_latest(_blank()) == 2
+
+
+def test_close_removes_the_default_memory_directory_and_keeps_a_given_one(shm: str) -> None:
+    """Regression: under plain torchrun /dev/shm/trainguard-<uid>/<run> outlived close()."""
+    environ = {"TORCHELASTIC_RUN_ID": f"tg-test-{uuid.uuid4().hex[:8]}"}
+    ranks = [Checkpointer(environ=environ, rank=r, world_size=2) for r in (0, 1)]
+    directory = Path(ranks[0].config.memory_dir)
+    assert directory == Path(default_memory_dir(environ))
+    for ckpt in ranks:
+        ckpt.save(1, {"w": torch.ones(8)})
+    ranks[0].close()
+    assert [p.name for p in directory.iterdir() if p.name.startswith("rank-0-")] == []
+    assert any(directory.iterdir()), "rank 1 has not closed yet"
+    ranks[1].close()
+    assert not directory.exists()
+    with Checkpointer(memory_dir=shm, environ={}) as given:
+        given.save(1, {"w": torch.ones(8)})
+    assert any(Path(shm).iterdir()), "a directory the caller names is the caller's"
 
 
 def test_config_from_env_and_overrides() -> None:

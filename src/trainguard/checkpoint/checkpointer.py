@@ -26,7 +26,7 @@ from trainguard.checkpoint.copying import (
     has_cuda,
     synchronize_devices,
 )
-from trainguard.checkpoint.memory import MemoryShard, MemoryTier
+from trainguard.checkpoint.memory import MemoryShard, MemoryTier, default_memory_dir
 from trainguard.checkpoint.save_times import SaveTimes
 from trainguard.checkpoint.shard import (
     ShardInvalid,
@@ -96,6 +96,9 @@ class Checkpointer:
         )
         self._environ = environ  # read again at each save and load: the attempt may change
         cfg = self.config
+        # Outside trainguard the memory tier is in a directory of its own choosing, which
+        # close() removes: nothing else would (an agent's directory is the agent's).
+        self._owns_memory_dir = cfg.memory_dir == default_memory_dir(environ)
         if cfg.replicas:
             log.debug("checkpoint replicas (%d) are not implemented yet; ignored", cfg.replicas)
         self.memory = MemoryTier(
@@ -197,7 +200,13 @@ class Checkpointer:
         self._background.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish background work (see :meth:`wait`), stop the thread, unmap the slots."""
+        """Finish background work (see :meth:`wait`), stop the thread, unmap the slots.
+
+        Outside trainguard, with the default memory directory
+        (``/dev/shm/trainguard-<uid>/<run>``), also delete this rank's slots and the
+        directory once empty: the run is over. A crashed worker never gets here, so its
+        restart still finds them. A directory given by the job or by ``memory_dir`` stays.
+        """
         if self._closed:
             return
         try:
@@ -209,6 +218,8 @@ class Checkpointer:
             if self._cuda_device is not None:  # no copy may still write into a slot
                 torch.cuda.synchronize(self._cuda_device)
             self.memory.close()
+            if self._owns_memory_dir:
+                self.memory.remove()
 
     def __enter__(self) -> Checkpointer:
         return self

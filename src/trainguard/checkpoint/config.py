@@ -108,7 +108,7 @@ class CheckpointConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         config = cls(**values)
         if not config.memory_dir:
-            config = replace(config, memory_dir=default_memory_dir())
+            config = replace(config, memory_dir=default_memory_dir(env))
         config.validate()
         return config
 

@@ -42,6 +42,7 @@ import logging
 import mmap
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,9 +62,10 @@ GROWTH = 1.0625
 MIN_SLOT_BYTES = 1 << 16
 
 
-def default_memory_dir() -> str:
+def default_memory_dir(environ: Mapping[str, str] | None = None) -> str:
     """``/dev/shm/trainguard-<uid>/<TORCHELASTIC_RUN_ID or "local">`` (outside trainguard)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+    env = os.environ if environ is None else environ
+    run_id = env.get("TORCHELASTIC_RUN_ID") or "local"
     return os.path.join("/dev/shm", f"trainguard-{os.getuid()}", run_id)
 
 
@@ -370,3 +372,13 @@ class MemoryTier:
         for mapped in self._slots.values():
             mapped.close()
         self._slots.clear()
+
+    def remove(self) -> None:
+        """Delete this rank's slot files, then the directory once no rank has any left
+        (the last rank of the node to call this removes it). After :meth:`close`."""
+        for slot in self._slot_indexes():
+            for path in (self.data_path(slot), self.meta_path(slot), f"{self.meta_path(slot)}.tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        with contextlib.suppress(OSError):  # another rank's files are still there
+            os.rmdir(self.directory)
