@@ -2,16 +2,12 @@
 
 ::
 
-    from trainguard.checkpoint import Checkpointer
+    from trainguard.checkpoint import Checkpointer, RNGState
 
-    state = {"model": model.state_dict(), "optim": optimizer.state_dict(),
-             "rng": torch.get_rng_state(), "step": 0, "data": {"epoch": 0, "offset": 0}}
+    state = {"model": model, "optim": optimizer, "rng": RNGState()}  # objects, read at save()
     ckpt = Checkpointer()              # from the job's env under trainguard; kwargs override
-    step = ckpt.load_latest(state)     # restores in place; None if there is no checkpoint
-    if step is not None:
-        optimizer.load_state_dict(state["optim"])   # see "Restore" below
-        torch.set_rng_state(state["rng"])
-    for step in range(...):
+    step = ckpt.load_latest(state)     # restores model, optimizer, RNG; None if no checkpoint
+    for step in range((step or 0) + 1, steps + 1):
         ...
         ckpt.save(step, state)         # returns after the copy into memory (a memcpy)
     ckpt.close()                       # waits for the background work, then stops it
@@ -38,19 +34,21 @@ off), ``durable_every_steps``, ``durable_every_seconds``, ``durable_keep`` (3),
   ``Restore(step, tier, seconds)``. Rank 0 prints ``Restored step N from memory in S s``.
 - ``close(timeout=None)``; also a context manager.
 
-**State.** Nested dicts (``str``/``int`` keys), lists and tuples of dense tensors and
-plain values (``int``, ``float``, ``str``, ``bool``, ``None``); anything else raises
-``TypeError`` naming the key path. Tuples stay tuples. Tensors are stored as raw bytes
-with dtype and shape, plain values as JSON: nothing is ever unpickled.
+**State.** Nested dicts (``str``/``int`` keys), lists and tuples of dense tensors, plain
+values (``int``, ``float``, ``str``, ``bool``, ``None``) and objects with ``state_dict()`` and
+``load_state_dict()`` (torch DCP's ``Stateful``: a model, an optimizer, a scheduler,
+:class:`RNGState`); anything else raises ``TypeError`` naming the key path. Each object is
+read through ``state_dict()`` at every ``save()``, so pass the objects, not their state
+dicts: a state dict captured once goes stale (an Adam's has no moments before its first
+step), and nothing can tell it from a right one. Tuples stay tuples. Tensors are stored as
+raw bytes with dtype and shape, plain values as JSON: nothing is ever unpickled.
 
-**Restore** is in place: each tensor is ``copy_``-ed into the state's tensor (so the
-model's parameters and the optimizer's state tensors are updated through their
-references), plain values and tuples are put into their containers, and entries the
-state lacks (e.g. a fresh optimizer's empty ``state``) are added as new tensors. Every
-mismatch (shape, dtype, structure) is detected before anything changes and raised as
-``StateMismatch`` naming the key. An optimizer's ``state_dict()`` returns new dicts for
-its hyper-parameters, so call ``optimizer.load_state_dict(state["optim"])`` after a
-restore (cheap; it also covers an optimizer that never stepped).
+**Restore** is in place: each tensor is ``copy_``-ed into the state's tensor (an object's
+into what its ``state_dict()`` returns at the restore: a model's parameters directly), plain
+values and tuples are put into their containers, and entries the state lacks (e.g. a fresh
+optimizer's empty ``state``) are added as new tensors; then each object gets its part
+through ``load_state_dict()``. Every mismatch (shape, dtype, structure) is detected before
+anything changes and raised as ``StateMismatch`` naming the key.
 
 **Tiers.** The memory tier (:mod:`trainguard.checkpoint.memory`) keeps ``memory_keep``
 pre-faulted slots per rank in ``/dev/shm`` (the agent's directory under trainguard);
@@ -79,17 +77,21 @@ if TYPE_CHECKING:
     from trainguard.checkpoint.checkpointer import Checkpointer, CheckpointError, Restore
     from trainguard.checkpoint.config import CheckpointConfig
     from trainguard.checkpoint.ranked import RankedCheckpointer
+    from trainguard.checkpoint.rng import RNGState
     from trainguard.checkpoint.shard import ShardInvalid
     from trainguard.checkpoint.state import StateMismatch
+    from trainguard.checkpoint.stateful import Stateful
 
 __all__ = [
     "CheckpointConfig",
     "CheckpointError",
     "Checkpointer",
+    "RNGState",
     "RankedCheckpointer",
     "Restore",
     "ShardInvalid",
     "StateMismatch",
+    "Stateful",
 ]
 
 # Imported on first use: the node agent reads this package's torch-free modules
@@ -100,8 +102,10 @@ _HOME = {
     "Restore": "checkpointer",
     "CheckpointConfig": "config",
     "RankedCheckpointer": "ranked",
+    "RNGState": "rng",
     "ShardInvalid": "shard",
     "StateMismatch": "state",
+    "Stateful": "stateful",
 }
 
 

@@ -35,6 +35,7 @@ from trainguard.checkpoint.shard import (
     verify,
 )
 from trainguard.checkpoint.state import Layout, flatten, restore
+from trainguard.checkpoint.stateful import apply, capture
 from trainguard.monitor import worker_events
 
 if TYPE_CHECKING:
@@ -123,6 +124,10 @@ class Checkpointer:
     def save(self, step: int, state: Any, force: bool = False, *, blocking: bool = True) -> bool:
         """Snapshot ``state`` into the memory tier if ``step`` is due (or ``force``).
 
+        Each object of ``state`` with ``state_dict()``/``load_state_dict()`` (a model, an
+        optimizer, :class:`~trainguard.checkpoint.RNGState`) is read now, through its
+        ``state_dict()`` (:mod:`trainguard.checkpoint.stateful`).
+
         Returns once the copy is done and committed as *copy-complete* (so a crash from
         here on still restores this step on this node); the checksum and the durable
         write (if due, or ``force``) go on in the background. Returns whether it saved.
@@ -143,7 +148,7 @@ class Checkpointer:
         if not force and step % self.config.memory_every_steps:
             return False
         started = time.perf_counter()
-        layout, tensors = flatten(state)
+        layout, tensors = flatten(capture(state))
         cuda = has_cuda(tensors)
         slot = self.memory.choose_slot(step)
         self._background.wait_for_slot(slot, step)
@@ -232,6 +237,8 @@ class Checkpointer:
     def load_latest(self, state: Any) -> int | None:
         """Restore ``state`` in place from the newest step every rank can load; None if none.
 
+        An object of ``state`` with ``state_dict()``/``load_state_dict()`` is restored into
+        what its ``state_dict()`` returns now, then given it with ``load_state_dict()``.
         Each rank reads its shard from the fastest tier that has the step (memory, then
         durable) and verifies it before anything is changed; a corrupt, foreign or
         missing shard is logged and skipped, and the ranks fall back to an older step.
@@ -263,7 +270,8 @@ class Checkpointer:
                 break
             offer.discard(step)
             loaded = None
-        own, tensors = flatten(state)
+        target = capture(state)
+        own, tensors = flatten(target)
         cuda = has_cuda(tensors)
         if step is None or loaded is None:
             log.info("no checkpoint to restore (rank %d offered %s)", cfg.rank, sorted(offer))
@@ -272,8 +280,9 @@ class Checkpointer:
         tier, layout, buffer = loaded
         if cuda and tier == "memory":  # page-locked: the host-to-device copies run at DMA speed
             self.memory.prepare_slot(memory[step].slot, layout.nbytes, pin=True)
-        restore(state, layout, buffer, non_blocking=cuda)
+        restore(target, layout, buffer, non_blocking=cuda)
         synchronize_devices(tensors)
+        apply(state, target)
         seconds = time.perf_counter() - started
         self.last_restore = Restore(step, tier, seconds)
         del buffer, loaded

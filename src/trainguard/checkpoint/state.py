@@ -145,7 +145,8 @@ def flatten(state: Any) -> tuple[Layout, list[torch.Tensor]]:
             return {"v": node}
         raise TypeError(
             f"{format_path(path)}: a {type(node).__name__} cannot be checkpointed; leaves must be "
-            "tensors or int/float/str/bool/None (inside dicts, lists or tuples)"
+            "tensors, int/float/str/bool/None (inside dicts, lists or tuples) or objects with "
+            "state_dict()/load_state_dict()"
         )
 
     tree = walk(state, ())
