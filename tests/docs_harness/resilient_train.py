@@ -1,8 +1,8 @@
 """docs/checkpointless.md: a `@resilient.restartable` training loop's surroundings.
 
-A model, its optimizer, the data position and the loop's pieces, which the page's block
-uses but leaves to the script around it. docs/elastic.md's block (`resilient_elastic`)
-uses the same.
+A model, its optimizer, the data position, a real Checkpointer and the loop's pieces,
+which the page's block uses but leaves to the script around it. docs/elastic.md's block
+(`resilient_elastic`) uses the same.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import trainguard.resilient as resilient
+from trainguard.checkpoint import Checkpointer
 
 TOTAL_STEPS = 5
 GLOBAL_BATCH = 8
@@ -34,16 +35,12 @@ def namespace() -> dict[str, Any]:
                 dist.all_reduce(param.grad)
                 param.grad /= dist.get_world_size()
 
-    class Checkpointer:
-        def load_latest(self, state: Any) -> None:
-            return None  # no checkpoint: start at step 0
-
     return {
         "resilient": resilient,  # imported at the top of the script
         "model": model,
         "optimizer": optimizer,
         "loader_state": {"position": 0},
-        "checkpointer": Checkpointer(),
+        "checkpointer": Checkpointer(),  # the job's tiers: the block saves and falls back
         "DistributedDataParallel": DistributedDataParallel,
         "total_steps": TOTAL_STEPS,
         "state": resilient.TrainState(model=model, optimizer=optimizer),
@@ -52,3 +49,11 @@ def namespace() -> dict[str, Any]:
         "forward_backward": forward_backward,
         "all_reduce_gradients": all_reduce_gradients,
     }
+
+
+def after(namespace: dict[str, Any]) -> None:
+    """The block saved each step's TrainState (its fallback found no checkpoint yet)."""
+    checkpointer = namespace["checkpointer"]
+    assert checkpointer.last_restore is None
+    assert max(checkpointer.memory.shards()) == TOTAL_STEPS
+    checkpointer.close()
