@@ -31,6 +31,7 @@ PYTHON = ("python",)
 YAML = ("yaml",)
 SHELL = ("sh", "bash", "console")
 NOT_CODE = ("text", "dockerfile")  # output samples; a Dockerfile (see its marker)
+DIFF = ("diff",)  # the unified diff of two files of the repository, named in its header
 # Pages whose blocks may have no language: docs/architecture.md is kept as it is (its
 # diagram is a block without one).
 UNLABELLED_ALLOWED = ("docs/architecture.md",)

@@ -14,6 +14,8 @@
   ``tests/docs_shell.py`` says: ``trainguard`` lines parsed by trainguard's own parser
   (never run), make targets, repository paths.
 - ``text``, ``dockerfile``: output samples and a Dockerfile; not code to run here.
+- ``diff``: a unified diff between two files of the repository (its ``---``/``+++``
+  lines name them): it must be what ``difflib`` makes of them now.
 - ``<!-- snippet: skip REASON -->``: not run; ``test_skipped_block`` reports each as a
   skip with its reason (``pytest -rs`` lists them).
 """
@@ -21,6 +23,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import subprocess
 import sys
 from collections import defaultdict
@@ -33,6 +36,7 @@ from pydantic import BaseModel
 
 from conftest import Trainguard
 from docs_blocks import (
+    DIFF,
     MARKER_KINDS,
     NOT_CODE,
     PYTHON,
@@ -84,7 +88,7 @@ def _ids(found: list[Block]) -> list[str]:
 
 
 def test_every_block_is_in_a_known_language() -> None:
-    known = (*PYTHON, *YAML, *SHELL, *NOT_CODE)
+    known = (*PYTHON, *YAML, *SHELL, *NOT_CODE, *DIFF)
     unknown = [
         f"{b.id}: ```{b.language}"
         for b in blocks()
@@ -231,6 +235,20 @@ def test_shell_block_is_accepted(block: Block) -> None:
             for words in simple_commands(variant):
                 found += problems(words)
     assert not found, f"{block.id}:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("block", of_language(DIFF), ids=_ids(of_language(DIFF)))
+def test_diff_block_is_the_diff_of_its_files(block: Block) -> None:
+    lines = block.code.rstrip("\n").splitlines()
+    assert len(lines) > 2 and lines[0].startswith("--- ") and lines[1].startswith("+++ "), block.id
+    old, new = lines[0].removeprefix("--- "), lines[1].removeprefix("+++ ")
+    a = (REPO / old).read_text(encoding="utf-8").splitlines()
+    b = (REPO / new).read_text(encoding="utf-8").splitlines()
+    made = [  # with as many lines of context as the block shows; blank lines as blank
+        [line.rstrip() for line in difflib.unified_diff(a, b, old, new, lineterm="", n=n)]
+        for n in range(len(a) + len(b) + 1)
+    ]
+    assert [line.rstrip() for line in lines] in made, f"{block.id}: not the diff of {old}, {new}"
 
 
 @pytest.mark.parametrize("block", skipped(), ids=_ids(skipped()))

@@ -1,8 +1,18 @@
 """Checkpointless recovery inside the worker: in-process restart, hot spares, peer state.
 
-A training script adds a few lines::
+A torchrun script changes three places (:mod:`trainguard.resilient.loop`)::
 
     import trainguard.resilient as resilient
+
+    resilient.init_process_group("gloo")            # was dist.init_process_group("gloo")
+    ddp = resilient.DistributedDataParallel(model)  # made again on each attempt's group
+
+    def train_step(step: int) -> None:              # was the body of the training loop
+        ...  # forward, backward (gradient all_reduce), optimizer.step()
+
+    resilient.loop(train_step, range(1, steps + 1), {"model": model, "optim": optimizer})
+
+The lower-level form wraps a function of the attempt (:mod:`trainguard.resilient.restartable`)::
 
     state = resilient.TrainState(model=model, optimizer=optimizer)
 
@@ -15,26 +25,34 @@ A training script adds a few lines::
     train()
 
 See :mod:`trainguard.resilient.protocol` for the files the node agent and the workers
-exchange, and :mod:`trainguard.resilient.restartable` for what happens on a fault.
+exchange, and :mod:`trainguard.resilient.supervisor` for what happens on a fault.
 """
 
 from trainguard.resilient.config import ResilientConfig
+from trainguard.resilient.ddp import DistributedDataParallel
 from trainguard.resilient.group import AttemptInterrupted, is_collective_failure
+from trainguard.resilient.loop import StepFunction, loop
 from trainguard.resilient.protocol import EXIT_BARRIER_TIMEOUT, StateSource
 from trainguard.resilient.restartable import Fallback, TrainFunction, restartable
 from trainguard.resilient.run import Run
-from trainguard.resilient.state import Stateful, TrainState
+from trainguard.resilient.session import init_process_group
+from trainguard.resilient.state import State, Stateful, TrainState
 
 __all__ = [
     "EXIT_BARRIER_TIMEOUT",
     "AttemptInterrupted",
+    "DistributedDataParallel",
     "Fallback",
     "ResilientConfig",
     "Run",
+    "State",
     "StateSource",
     "Stateful",
+    "StepFunction",
     "TrainFunction",
     "TrainState",
+    "init_process_group",
     "is_collective_failure",
+    "loop",
     "restartable",
 ]

@@ -10,7 +10,7 @@ from trainguard.elastic.data import EpochShard, shard_indices
 from trainguard.resilient.group import AttemptInterrupted
 from trainguard.resilient.protocol import StateSource
 
-__all__ = ["Progress", "Run"]
+__all__ = ["Fallback", "Progress", "Run", "TrainFunction"]
 
 
 @dataclass
@@ -85,11 +85,26 @@ class Run:
         Raises :class:`AttemptInterrupted` when a newer attempt has been announced, so the
         wrapper rejoins at once instead of at the next collective.
         """
+        self._advance(step)
+        self._check(step)
+
+    def _advance(self, step: int) -> None:
+        """Count ``step`` as completed (the first half of :meth:`completed`)."""
         if step != self._progress.steps:
             raise ValueError(
                 f"run.completed({step}): expected step {self._progress.steps} "
                 f"(steps are numbered from 0, one call per step, from run.start_step)"
             )
         self._progress.steps = step + 1
+
+    def _check(self, step: int) -> None:
+        """Raise :class:`AttemptInterrupted` once a newer attempt is announced."""
         if self._interrupted():
             raise AttemptInterrupted(f"attempt {self.attempt} superseded after step {step}")
+
+
+TrainFunction = Callable[[Run], None]
+"""What ``@restartable`` wraps: the training loop of one attempt."""
+Fallback = Callable[[], int | None]
+"""Restores the state from a checkpoint when no rank holds it; returns the number of
+completed steps it holds, or None (start at step 0)."""

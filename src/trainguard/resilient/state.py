@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-__all__ = ["Stateful", "TrainState"]
+from trainguard.checkpoint.stateful import Stateful
 
+__all__ = ["State", "Stateful", "TrainState"]
 
-@runtime_checkable
-class Stateful(Protocol):
-    """Anything with ``state_dict()``/``load_state_dict()``: a module, an optimizer, ..."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state_dict: Any, /) -> Any: ...
+State = Stateful | dict[str, Any]
+"""What the ranks hold and hand to a peer: a ``Stateful`` (a :class:`TrainState`), or a
+dict of them and of plain values and tensors, as a checkpoint state
+(:mod:`trainguard.checkpoint.stateful`)."""
 
 
 class TrainState:

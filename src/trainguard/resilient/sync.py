@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint.state import Layout, TensorEntry, flatten, restore
+from trainguard.checkpoint.stateful import apply, capture
 from trainguard.collectives import control_group, device_backends
 from trainguard.resilient.protocol import StateSource
 from trainguard.resilient.run import Progress
-from trainguard.resilient.state import Stateful
+from trainguard.resilient.state import State
 
 __all__ = [
     "Offer",
@@ -93,10 +94,10 @@ def data_device(tensors: Sequence[torch.Tensor]) -> torch.device:
 
 
 def encode_state(
-    state: Stateful, steps: int, device: torch.device | None = None
+    state: State, steps: int, device: torch.device | None = None
 ) -> tuple[bytes, torch.Tensor]:
     """``state`` as JSON metadata and one uint8 buffer (on ``device``) of every tensor."""
-    layout, tensors = flatten({"state": state.state_dict()})
+    layout, tensors = flatten({"state": capture(state)})
     where = device if device is not None else data_device(tensors)
     data = torch.empty(layout.nbytes, dtype=torch.uint8, device=where)
     with torch.no_grad():
@@ -112,7 +113,7 @@ def encode_state(
     return json.dumps(meta).encode(), data
 
 
-def decode_state(state: Stateful, meta: bytes, data: torch.Tensor) -> int:
+def decode_state(state: State, meta: bytes, data: torch.Tensor) -> int:
     """Load what :func:`encode_state` produced into ``state``; returns its steps.
 
     A tensor the state lacks is made on the device type it had on the sender (this
@@ -125,11 +126,11 @@ def decode_state(state: Stateful, meta: bytes, data: torch.Tensor) -> int:
     devices = [torch.device("cuda" if kind == "cuda" and cuda else "cpu") for kind in kinds]
     built: dict[str, Any] = {}
     restore(built, Layout(entries, int(raw["nbytes"]), raw["tree"]), data, devices)
-    state.load_state_dict(built["state"])
+    apply(state, built["state"])
     return int(raw["steps"])
 
 
-def send_state(state: Stateful, steps: int, receivers: Sequence[int]) -> int:
+def send_state(state: State, steps: int, receivers: Sequence[int]) -> int:
     """Send ``state`` (having completed ``steps``) to each receiver; returns the bytes sent."""
     meta, data = encode_state(state, steps)
     meta_tensor = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
@@ -142,7 +143,7 @@ def send_state(state: Stateful, steps: int, receivers: Sequence[int]) -> int:
     return len(receivers) * (len(meta) + int(data.numel()))
 
 
-def receive_state(state: Stateful, source: int) -> tuple[int, int]:
+def receive_state(state: State, source: int) -> tuple[int, int]:
     """Load the state ``source`` sends into ``state``; returns (steps, bytes received)."""
     control = control_group()
     header = torch.empty(3, dtype=torch.int64)
@@ -158,7 +159,7 @@ def receive_state(state: Stateful, source: int) -> tuple[int, int]:
 
 
 def synchronise(
-    state: Stateful, progress: Progress, fallback: Callable[[], int | None] | None
+    state: State, progress: Progress, fallback: Callable[[], int | None] | None
 ) -> tuple[StateSource, str]:
     """Bring every rank to the same state; returns this rank's source and a description.
 
