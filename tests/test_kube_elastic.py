@@ -349,10 +349,16 @@ def test_a_resilient_job_scales_down_and_back_up_in_place(cluster: Cluster) -> N
     """``inProcessRestart`` on Kubernetes: an evicted pod's rank leaves and the survivor
     trains on in the same process; the replica count is still 2, so a fresh pod comes up
     while it trains and joins after scalingTimeoutInSeconds, its worker taking the state
-    from the survivor. No restart, no fault, every sample of the epoch taken once."""
+    from the survivor. No restart, no fault, every sample of the epoch taken once.
+
+    The steps are slow from the eviction until the fresh pod's rank has started (the
+    script's ``--slow-while``): a busy machine may take longer to start its worker than
+    the rest of the epoch takes at full speed."""
     name, out, steps, batch = "inplace", cluster.root / "out-inplace", 400, 12
+    slow = cluster.root / "slow-inplace"
     script = ["python", str(SCRIPTS / "elastic_resilient.py"), "--out", str(out), "--steps",
-              str(steps), "--global-batch", str(batch), "--step-sleep", "0.05"]  # fmt: skip
+              str(steps), "--global-batch", str(batch), "--step-sleep", "0.05",
+              "--slow-while", str(slow)]  # fmt: skip
     cluster.submit(
         name,
         script,
@@ -370,7 +376,11 @@ def test_a_resilient_job_scales_down_and_back_up_in_place(cluster: Cluster) -> N
     wait_for(lambda: len(starts(0)) == 2 and cluster.status(name).get("phase") == "Running",
              JOB_TIMEOUT)  # fmt: skip
     pods = {n["nodeId"]: n["pod"] for n in cluster.status(name)["nodes"]}
+    slow.touch()
     cluster.kubelet.evict(pods["node-1"], grace=3.0)
+    wait_for(lambda: len(starts(2)) == 2 or cluster.status(name).get("phase") != "Running",
+             JOB_TIMEOUT)  # fmt: skip
+    slow.unlink()
     status = cluster.wait_phase(name, "Succeeded", "Failed", timeout=300)
     said = cluster.resilient_lines(name)
     assert status["phase"] == "Succeeded", f"{status.get('conditions')}\n{said}"

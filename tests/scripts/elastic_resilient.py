@@ -6,6 +6,10 @@ samples a step used are in its records. Each process appends one JSON object a l
 ``<out>/pid-<pid>.jsonl``: ``start`` per attempt (rank, world, first step, state source,
 the split) and ``step`` per step (rank, world, the step's samples on this rank), written
 before ``run.completed``, which may end the attempt after counting the step.
+
+``--slow-while PATH``: while PATH exists each step sleeps ``--slow-sleep`` instead of
+``--step-sleep``, so a test can keep training going until a scaling it waits for has
+happened, however slow the machine is to start a pod's worker.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--steps", type=int, default=100)
 parser.add_argument("--global-batch", type=int, default=12)
 parser.add_argument("--step-sleep", type=float, default=0.1)
+parser.add_argument("--slow-while", type=Path, default=None)
+parser.add_argument("--slow-sleep", type=float, default=0.5)
 args = parser.parse_args()
 args.out.mkdir(parents=True, exist_ok=True)
 
@@ -68,7 +74,8 @@ def train(run: resilient.Run) -> None:
         if run.rank == 0:
             print(f"Batch {step} world {run.world_size}", flush=True)
         run.completed(step)
-        time.sleep(args.step_sleep)
+        slow = args.slow_while is not None and args.slow_while.exists()
+        time.sleep(args.slow_sleep if slow else args.step_sleep)
     dist.barrier()
 
 
