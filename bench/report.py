@@ -160,8 +160,8 @@ def lost_time_table(res: dict[str, Any] | None) -> str:
 def _notes(results: dict[str, Any]) -> list[str]:
     """Every distinct note a run left (why a baseline did not recover, ...)."""
     seen: list[str] = []
-    for scenario in ("recovery", "hang", "goodput"):
-        for name, side in (results.get(scenario) or {}).items():
+    for scenario, res in _fault_results(results):
+        for name, side in res.items():
             if not isinstance(side, dict):
                 continue
             for run in side.get("runs", []):
@@ -169,7 +169,18 @@ def _notes(results: dict[str, Any]) -> list[str]:
                 text = f"{scenario}, {name}: {note}" if note else None
                 if text and text not in seen:
                     seen.append(text)
+    hosts = results.get("hosts") or {}
+    if "skipped" in hosts:
+        seen.append(f"hosts: not measured: {hosts['skipped']}")
     return seen
+
+
+def _fault_results(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The results whose sides keep runs with notes: (label, result)."""
+    found = [(s, results.get(s) or {}) for s in ("recovery", "hang", "goodput")]
+    hosts = results.get("hosts") or {}
+    found += [(f"hosts ({part})", hosts[part]) for part in ("kill", "cut") if part in hosts]
+    return found
 
 
 def _read(path: str) -> str:

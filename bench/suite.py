@@ -24,6 +24,10 @@ from bench.clean import CLEAN_VARIANTS, LIKE_FOR_LIKE, CleanRecord
 from bench.elastic import ElasticPlan
 from bench.elastic import scenario as elastic_scenario
 from bench.goodput import GOODPUT_VARIANTS, GoodputSetup
+from bench.hosts import CUT_NODE, HOSTS_CUT_VARIANTS, HOSTS_KILL_VARIANTS
+from bench.hosts import HANG_RULE_SECONDS as HOSTS_HANG_RULE_SECONDS
+from bench.hosts import HOSTS as HOSTS_COUNT
+from bench.hosts import unavailable as hosts_unavailable
 from bench.layout import ratio_key, sides
 from bench.recovery import (
     HANG_RULE_SECONDS,
@@ -33,8 +37,9 @@ from bench.recovery import (
     FaultSetup,
     Variant,
 )
-from bench.report import ratio, summary
+from bench.report import load_average, ratio, summary
 from bench.runs import NNODES, NPROC_PER_NODE, REPO, TrainArgs
+from trainguard.spec.model import HOSTS_NODE_LOST_AFTER_SECONDS
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,9 @@ class Settings:
     agent_repeats: int = 5
     # A node preempted, then capacity given back (bench/elastic.py); `repeats` times.
     elastic: ElasticPlan = field(default_factory=ElasticPlan)
+    # The host cut off (bench/hosts.py): its capped baseline's cap. A node is lost after
+    # 8 s, and a job restart on two busy cores can take a minute (torch imported again).
+    hosts_cap: float = 120.0
     run_timeout: float = 300.0
 
     def to_json(self) -> dict[str, Any]:
@@ -158,6 +166,7 @@ def _fault_scenario(
             "repeats": s.repeats,
             "cap_s": s.cap,
             "capped_baseline_repeats": s.capped_baseline_repeats,
+            "capped_baselines": [v for v, _ in variants if v in CAPPED_BASELINES],
         }
     }
     metrics = ("stall_s", "lost_steps", "detect_s")
@@ -210,12 +219,45 @@ def hang(ctx: Context) -> dict[str, Any]:
     result["setup"] |= {
         "hang_rule_s": HANG_RULE_SECONDS,
     }
-    for key in ("detect_s", "stall_s"):
-        ours, theirs = result["trainguard"][key], result["baseline_torchrun"][key]
-        if ours["max"] is not None and ours["max"] < s.cap and theirs["n"] == 0:
-            # The baseline got nowhere within the cap, trainguard always did: an upper bound.
-            result["ratio"][f"{key}_vs_baseline_torchrun_at_most"] = ours["median"] / s.cap
+    capped_bounds(result, s.cap, ("detect_s", "stall_s"))
     return result
+
+
+def capped_bounds(result: dict[str, Any], cap: float, metrics: Sequence[str]) -> None:
+    """Where the capped baseline got nowhere within the cap and trainguard always did,
+    trainguard's median / the cap: an upper bound on the ratio (``..._at_most``)."""
+    for key in metrics:
+        ours, theirs = result["trainguard"][key], result["baseline_torchrun"][key]
+        if ours["max"] is not None and ours["max"] < cap and theirs["n"] == 0:
+            result["ratio"][f"{key}_vs_baseline_torchrun_at_most"] = ours["median"] / cap
+
+
+def hosts(ctx: Context) -> dict[str, Any]:
+    """One job on three namespace hosts (:mod:`bench.hosts`): a rank SIGKILLed on another
+    host, and a host cut off. Skipped, with the reason, where namespace hosts cannot be
+    made (not root, no ``ip``, no network namespaces)."""
+    why = hosts_unavailable()
+    if why is not None:
+        ctx.log(f"hosts: skipped: {why}")
+        return {"skipped": why}
+    s = ctx.settings
+    load_before = load_average()
+    kill = _fault_scenario(
+        ctx, "hosts-kill", HOSTS_KILL_VARIANTS, f"SIGKILL of rank 3 (host 1) at step {s.fault_step}"
+    )
+    what = f"host 1 cut off at step {s.fault_step} (on one host: node-kill of node {CUT_NODE})"
+    capped = replace(ctx, settings=replace(s, cap=s.hosts_cap))
+    cut = _fault_scenario(capped, "hosts-cut", HOSTS_CUT_VARIANTS, what)
+    capped_bounds(cut, s.hosts_cap, ("detect_s", "stall_s"))
+    setup = {
+        "hosts": HOSTS_COUNT,
+        "spares": 1,
+        "node_lost_after_s": HOSTS_NODE_LOST_AFTER_SECONDS,  # the default across hosts
+        "hang_rule_s": HOSTS_HANG_RULE_SECONDS,
+        "load_before": load_before,
+        "load_after": load_average(),
+    }
+    return {"setup": setup, "kill": kill, "cut": cut}
 
 
 def _clean_runs(ctx: Context) -> dict[str, list[CleanRecord]]:
@@ -436,6 +478,7 @@ SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "startup": startup,
     "agent": agent,
     "elastic": elastic,
+    "hosts": hosts,
 }
 
 

@@ -134,10 +134,16 @@ _FAULT_METRICS: dict[str, list[tuple[str, str, Fmt, bool]]] = {
 
 # Metrics only some baselines measure (torchrun restarting its workers itself says
 # nothing of when it noticed): compared with those baselines alone, and with the goal.
-_ONLY_WHERE_MEASURED = {("recovery", "detect_s")}
+_ONLY_WHERE_MEASURED = {("recovery", "detect_s"), ("hosts", "detect_s")}
 
 
-def fault_rows(scenario: str, res: dict[str, Any]) -> list[Row]:
+def fault_rows(
+    scenario: str,
+    res: dict[str, Any],
+    metrics: list[tuple[str, str, Fmt, bool]] | None = None,
+) -> list[Row]:
+    """Each trainguard variant against each baseline, for ``metrics`` (by default the
+    scenario's in :data:`_FAULT_METRICS`), and against the goals."""
     rows = []
     goals = res.get("goals") or {}
     if "injection_lag_steps" in goals:
@@ -145,7 +151,7 @@ def fault_rows(scenario: str, res: dict[str, Any]) -> list[Row]:
             lag = (res[variant].get("injection_lag_steps") or {}).get("max")
             label = _labelled("step injection: steps past the named step, worst run", variant)
             rows.append(goal_row(scenario, label, lag, goals["injection_lag_steps"], count))
-    for key, label, fmt, lower in _FAULT_METRICS[scenario]:
+    for key, label, fmt, lower in metrics or _FAULT_METRICS[scenario]:
         for variant in sides(res, "trainguard"):
             if key not in res[variant]:
                 continue  # results of an older harness
@@ -153,7 +159,10 @@ def fault_rows(scenario: str, res: dict[str, Any]) -> list[Row]:
                 stats = res[variant][key]
                 rows.append(goal_row(scenario, _labelled(label, variant), stats, goals[key], fmt))
             for name in sides(res, "baseline"):
-                if (scenario, key) in _ONLY_WHERE_MEASURED and not res[name][key]["n"]:
+                # A capped baseline's "none within the cap" is a measurement too.
+                bounded = ratio_key(variant, key, name) + "_at_most" in res["ratio"]
+                unmeasured = (scenario, key) in _ONLY_WHERE_MEASURED and not res[name][key]["n"]
+                if unmeasured and not bounded:
                     continue
                 theirs, ratio_cell, v = _fault_cells(scenario, res, variant, name, key, fmt, lower)
                 ours = cell(res[variant][key], fmt)
@@ -186,7 +195,10 @@ def _fault_cells(
         return cell(theirs[key], fmt), _x(r), v
     if at_most is not None:
         return f"none within the {cap:g} s cap", f"< {at_most:.2f}x", "trainguard better"
-    if cap is not None and scenario == "hang":
+    capped = scenario == "hang" or name in res.get("setup", {}).get("capped_baselines", ())
+    if cap is not None and capped:
+        if key == "lost_steps":  # nothing to compare: the baseline never resumed
+            return f"none within the {cap:g} s cap", "—", "—"
         inconclusive = "inconclusive (trainguard took longer than the cap)"
         return f"none within the {cap:g} s cap", "—", inconclusive
     if not theirs["recovered"]:
@@ -524,6 +536,7 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
         "agent",
         "scale",
         "elastic",
+        "hosts",
     ):
         res = results.get(scenario)
         if not res:
@@ -532,6 +545,10 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
             from bench.elastic_rows import elastic_rows
 
             rows += elastic_rows(res)
+        elif scenario == "hosts":  # and these in bench/hosts_rows.py
+            from bench.hosts_rows import hosts_rows
+
+            rows += hosts_rows(res)
         elif scenario in _FAULT_METRICS:
             rows += fault_rows(scenario, res)
         elif scenario == "checkpoint":
