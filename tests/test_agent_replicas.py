@@ -88,6 +88,31 @@ def test_memory_tier_is_replicated_and_restored_after_node_loss(tmp_path: Path) 
         b.close()
 
 
+def test_a_spare_in_a_lost_nodes_place_restores_that_nodes_memory_tier(tmp_path: Path) -> None:
+    # node-0 is lost with its RAM; spare node-2 takes its place (node rank 0, its ranks),
+    # and its assignment names node-0 as the node whose replica holds them.
+    a, b, memory, replica = replicate(tmp_path)
+    try:
+        a.close()
+        shutil.rmtree(memory)
+        saved = {p.name: p.read_bytes() for p in replica.iterdir()}
+        spare = agent_for(tmp_path, "node-2", worker="pass")
+        try:
+            assignment = make_assignment("node-2", attempt=1, nproc_per_node=1, nnodes=2)
+            update = {"replica_peers": ("node-1",), "replica_source": "node-0"}
+            spare.client.start(start(assignment.model_copy(update=update), {"node-1": b.url}))
+            spare.wait_state("completed", attempt=1)
+        finally:
+            spare.close()
+        restored = tmp_path / "shm" / "node-2" / "memory"
+        assert {p.name: p.read_bytes() for p in restored.iterdir()} == saved
+        tier = MemoryTier(str(restored), rank=0, world_size=2, job_id="job-test", keep=2)
+        assert sorted(tier.shards()) == [7]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_torn_replica_is_dropped_not_restored(tmp_path: Path) -> None:
     a, b, memory, replica = replicate(tmp_path)
     try:

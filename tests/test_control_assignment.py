@@ -2,7 +2,12 @@
 
 import pytest
 
-from trainguard.control.assignment import Endpoint, NodeAssignment, assign_ranks
+from trainguard.control.assignment import (
+    Endpoint,
+    NodeAssignment,
+    assign_ranks,
+    replica_sources,
+)
 
 EP = Endpoint("10.0.0.1", 29500)
 
@@ -87,3 +92,22 @@ def test_local_rank_out_of_range() -> None:
     node = assign_ranks("j", ["a"], 2, 0, EP, 0, 0)[0]
     with pytest.raises(ValueError, match="local_rank"):
         node.worker_env(2)
+
+
+def test_a_node_in_another_nodes_place_restores_that_nodes_replicas() -> None:
+    # node-2 took lost node-1's place: its ranks' memory tier is node-1's replica, which
+    # node-0 (the replica peer of node rank 1 before and after) holds under node-1's id.
+    sources = replica_sources(["node-0", "node-1"], ["node-0", "node-2"])
+    assert sources == {"node-2": "node-1"}
+    nodes = assign_ranks("j", ["node-0", "node-2"], 2, 1, EP, 1, 3, replicas=1, sources=sources)
+    assert [(n.replica_source, n.replica_peers) for n in nodes] == [
+        (None, ("node-2",)),
+        ("node-1", ("node-0",)),
+    ]
+    assert NodeAssignment.from_json(nodes[1].to_json()) == nodes[1]
+    # The same nodes (a process restart, a lost node restarted fresh under its id): none.
+    assert replica_sources(["a", "b"], ["a", "b"]) == {}
+    # Another size: other ranks and world size, no shard of the old nodes fits.
+    assert replica_sources(["a", "b"], ["a", "b", "c"]) == {}
+    # Several places taken at once, each from the node at its node rank.
+    assert replica_sources(["a", "b", "c"], ["d", "b", "e"]) == {"d": "a", "e": "c"}

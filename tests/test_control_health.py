@@ -194,3 +194,27 @@ def test_where_a_fresh_node_lands_elsewhere_no_spare_means_a_fresh_node() -> Non
         notes[-1]
         == "node-1 restarts fresh on another machine (was UnschedulablePendingReplacement)"
     )
+
+
+def test_a_spare_swapped_at_launch_for_a_lost_nodes_spare_restores_the_lost_nodes_ranks() -> None:
+    # node-1 is lost; node-2 comes up in its place but fails its check before any rank
+    # starts; node-3 then runs node-1's ranks, whose memory tier is node-1's replica.
+    c = controller(spares=("node-2", "node-3"))
+    [start] = c.observe(1.0, ready(NODES, "Passed"))
+    assert isinstance(start, StartNodes) and {a.replica_source for a in start.assignments} == {None}
+    after = running()
+    after["node-1"] = h.lost("node-1")
+    c.observe(2.0, after)
+    after = stopped()
+    after["node-1"] = h.lost("node-1")
+    c.observe(3.0, after)
+    assert c.nodes == ("node-0", "node-2")
+    failed = with_health(h.report("node-2", NodeState.READY, None), deep="Failed", checks=(FAILED,))
+    c.observe(4.0, ready(("node-0",), "Passed", **{"node-2": failed}))
+    assert c.nodes == ("node-0", "node-3")
+    [start] = c.observe(5.0, ready(("node-0", "node-3"), "Passed"))
+    assert isinstance(start, StartNodes)
+    assert [(a.node_id, a.replica_source) for a in start.assignments] == [
+        ("node-0", None),
+        ("node-3", "node-1"),
+    ]

@@ -160,6 +160,8 @@ def test_lost_node_gets_a_full_restart_on_a_spare() -> None:
     assert isinstance(start, StartNodes)
     assert start.scope == "job"
     assert [a.node_id for a in start.assignments] == ["node-0", "node-2"]
+    # node-2 runs node-1's ranks: it restores node-1's memory tier from its replica.
+    assert [a.replica_source for a in start.assignments] == [None, "node-1"]
     assert c.spares == ()
 
 

@@ -56,6 +56,8 @@ def test_a_lost_node_is_replaced_in_place_by_a_spare_and_every_rank_keeps_its_nu
     assert isinstance(rejoin, RejoinNodes) and isinstance(start, StartNodes)
     assert [a.node_id for a in rejoin.assignments] == ["node-0"]
     assert [(a.node_id, a.global_ranks) for a in start.assignments] == [("node-2", [2, 3])]
+    # Its ranks take their state from a peer, not from node-1's memory-tier replica.
+    assert start.assignments[0].replica_source is None
     assert retire == RetireNodes(("node-1",))
     assert c.nodes == ("node-0", "node-2") and c.spares == ()
     assert c.restarts == 1 and c.history[0].scope.value == "in-process"

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import SCRIPTS, Trainguard, write_job
 from trainguard.checkpoint.durable import DurableTier
@@ -105,3 +106,21 @@ def test_lost_node_restores_from_a_peer_replica_bit_identical(
     assert restored[0][0] >= 5
     agent_log = (Path(tg.only_job()["job_dir"]) / "agents" / "node-1.log").read_text()
     assert "memory tier of node-1 restored from node-0's replica" in agent_log
+
+
+def test_a_spare_in_a_lost_nodes_place_restores_from_its_replica_bit_identical(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    # node-1 is lost and spare node-2 takes its ranks in a full job restart: node-2 has no
+    # memory tier of its own, and pulls node-1's back from node-0's replica.
+    spec = job(tmp_path, memoryEverySteps=5)
+    data = yaml.safe_load(spec.read_text())
+    data["spec"]["replicaSpecs"][0]["spares"] = 1
+    spec.write_text(yaml.safe_dump(data))
+    output, restored = run(tg, spec, "node-kill:node=1@step=22")
+    assert "replacing node-1 -> node-2" in output
+    assert restored[2][0] >= 5
+    for rank in (2, 3):
+        assert f"rank {rank} restored step {restored[rank][0]} from memory" in output
+    agent_log = (Path(tg.only_job()["job_dir"]) / "agents" / "node-2.log").read_text()
+    assert "memory tier of node-2 restored from node-0's replica of node-1" in agent_log

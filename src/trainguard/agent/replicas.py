@@ -5,7 +5,10 @@ nodes (ring order of the attempt's node ranks) over the agent API, and keeps
 the copies it receives under its own replica directory (also RAM). When a node
 is replaced, its new agent finds its memory tier empty and pulls its files
 back from whichever peer holds them, before its workers start; the workers'
-Checkpointer then finds them as if they had never been lost.
+Checkpointer then finds them as if they had never been lost. A node that takes a lost
+node's place under another id (a spare) pulls the lost node's files: its assignment's
+``replica_source`` names it (the shards are named by global rank, and the spare runs
+the lost node's ranks).
 
 Consistency: only shards whose meta carries a checksum are pushed (data, then
 meta), and files are read while the worker may be rewriting them, so a copy
@@ -306,22 +309,28 @@ class ReplicaPusher:
 
 
 def restore_from_peers(
-    node_id: str, memory_dir: Path, peers: Mapping[str, str], token: str
+    node_id: str,
+    memory_dir: Path,
+    peers: Mapping[str, str],
+    token: str,
+    source: str | None = None,
 ) -> str | None:
-    """Fill an empty memory tier from the first peer holding this node's replica.
+    """Fill an empty memory tier from the first peer holding ``source``'s replica: the
+    node that last ran this node's ranks (a node this one replaces; default: itself).
 
     Returns the peer's node id, or None when nothing was restored.
     """
+    source = source or node_id
     if list_files(memory_dir):
         return None
     for peer_id, base in peers.items():
-        if peer_id == node_id:
+        if peer_id in (node_id, source):
             continue
         try:
-            with _request(replica_url(base, node_id), token) as response:
+            with _request(replica_url(base, source), token) as response:
                 files = json.loads(response.read())["files"]
         except (OSError, urllib.error.URLError, ValueError, KeyError) as exc:
-            logger.info("no replica of %s on %s: %s", node_id, peer_id, exc)
+            logger.info("no replica of %s on %s: %s", source, peer_id, exc)
             continue
         if not files:
             continue
@@ -331,7 +340,7 @@ def restore_from_peers(
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.parent / f".tmp-{target.name}"
             with (
-                _request(replica_url(base, node_id, entry["path"]), token) as response,
+                _request(replica_url(base, source, entry["path"]), token) as response,
                 open(tmp, "wb") as out,
             ):
                 shutil.copyfileobj(response, out, CHUNK_BYTES)
@@ -339,7 +348,7 @@ def restore_from_peers(
         dropped = drop_unverified(memory_dir)
         if dropped:
             logger.warning("replica shards from %s failed their checksum: %s", peer_id, dropped)
-        logger.info("restored %d memory-tier files of %s from %s", len(files), node_id, peer_id)
+        logger.info("restored %d memory-tier files of %s from %s", len(files), source, peer_id)
         return peer_id
     return None
 

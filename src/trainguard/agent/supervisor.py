@@ -373,8 +373,9 @@ class Supervisor:
             self.board.set(state or self.board.state, workers=workers)
 
     def _replicate(self, request: AttemptRequest) -> None:
-        """Before the workers start: refill an empty memory tier from a replica peer, then
-        keep pushing this node's memory tier to its replica peers."""
+        """Before the workers start: refill an empty memory tier from a replica peer (the
+        replica of the node that last ran these ranks: this one, or the one it replaces),
+        then keep pushing this node's memory tier to its replica peers."""
         if self._pusher is not None:
             self._pusher.stop()
             self._pusher = None
@@ -383,10 +384,14 @@ class Supervisor:
         peers = {n: request.peers[n] for n in wanted if n in request.peers}
         if not memory_dir or not peers or not self._token:
             return
-        restored = restore_from_peers(self.node_id, Path(memory_dir), peers, self._token)
+        source = request.assignment.replica_source or self.node_id  # whose ranks it runs
+        restored = restore_from_peers(self.node_id, Path(memory_dir), peers, self._token, source)
         if restored is not None:
             self.restored_from = restored
-            logger.info("memory tier of %s restored from %s's replica", self.node_id, restored)
+            logger.info(
+                "memory tier of %s restored from %s's replica of %s",
+                self.node_id, restored, source,
+            )  # fmt: skip
         urls = list(peers.values())
         self._pusher = ReplicaPusher(self.node_id, Path(memory_dir), urls, self._token)
         self._pusher.start()

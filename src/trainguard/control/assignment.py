@@ -11,12 +11,15 @@ torchrun's own ``--max-restarts`` on gloo.
 
 An assignment names the few peers a node talks to (its memory-tier replica peers: the
 next ``replicas`` nodes in node-rank order), never the whole job: starting N nodes
-costs O(N), not O(N^2).
+costs O(N), not O(N^2). A node that takes another's place in the node order (a spare
+for a lost node) is also told whose replicas hold its ranks' memory tier
+(:func:`replica_sources`): the replica peers of a node rank are the same nodes before
+and after the swap, and they keep what they hold under the id of the node that pushed it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +29,14 @@ from trainguard.wire.requests import MonitorConfig, NodeAssignment
 if TYPE_CHECKING:
     from trainguard.control.config import ControlConfig
 
-__all__ = ["Endpoint", "NodeAssignment", "assign_attempt", "assign_ranks", "replica_peers"]
+__all__ = [
+    "Endpoint",
+    "NodeAssignment",
+    "assign_attempt",
+    "assign_ranks",
+    "replica_peers",
+    "replica_sources",
+]
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,18 @@ def replica_peers(node_ids: Sequence[str], index: int, replicas: int) -> tuple[s
     return tuple(ring[: max(0, replicas)])
 
 
+def replica_sources(before: Sequence[str], after: Sequence[str]) -> dict[str, str]:
+    """For each node of ``after`` (node-rank order) that did not run in ``before`` (the
+    node order that last ran ranks), the node whose place it takes: the one at its node
+    rank in ``before``. Its ranks are that node's, so that node's memory-tier replicas are
+    its own. Empty when the sizes differ (other ranks, another world size: no shard of
+    ``before`` fits)."""
+    if len(before) != len(after):
+        return {}
+    old = set(before)
+    return {new: prev for prev, new in zip(before, after, strict=True) if new not in old}
+
+
 def assign_ranks(
     job_id: str,
     node_ids: Sequence[str],
@@ -55,6 +77,7 @@ def assign_ranks(
     monitor: MonitorConfig | None = None,
     *,
     replicas: int = 0,
+    sources: Mapping[str, str] | None = None,
     in_process: bool = False,
     hot_spares: int = 0,
     barrier_timeout: float = 60.0,
@@ -64,6 +87,8 @@ def assign_ranks(
     The order of ``node_ids`` is the placement decision (made by the caller);
     node rank ``i`` hosts global ranks ``[i * nproc, (i + 1) * nproc)``. ``hot_spares``
     is the job's total, spread by :func:`~trainguard.control.inprocess.hot_spares_per_node`.
+    ``sources``: the nodes that take another's place, and whose (see
+    :func:`replica_sources`).
     """
     if not node_ids:
         raise ValueError("no nodes to assign")
@@ -74,6 +99,7 @@ def assign_ranks(
     if attempt < 0 or restart_count < 0:
         raise ValueError("attempt and restart_count must be >= 0")
     spares = hot_spares_per_node(hot_spares, len(node_ids))
+    taken = dict(sources or {})
     return [
         NodeAssignment(
             job_id=job_id,
@@ -89,6 +115,7 @@ def assign_ranks(
             extra_env=dict(extra_env or {}),
             monitor=monitor or MonitorConfig(),
             replica_peers=replica_peers(node_ids, node_rank, replicas),
+            replica_source=taken.get(node_id),
             in_process=in_process,
             hot_spares=spares[node_rank],
             barrier_timeout=barrier_timeout,
@@ -98,9 +125,14 @@ def assign_ranks(
 
 
 def assign_attempt(
-    config: ControlConfig, node_ids: Sequence[str], attempt: int, endpoint: Endpoint
+    config: ControlConfig,
+    node_ids: Sequence[str],
+    attempt: int,
+    endpoint: Endpoint,
+    sources: Mapping[str, str] | None = None,
 ) -> tuple[NodeAssignment, ...]:
-    """Every node's assignment for ``attempt`` of the job ``config`` describes."""
+    """Every node's assignment for ``attempt`` of the job ``config`` describes
+    (``sources``: see :func:`assign_ranks`)."""
     return tuple(
         assign_ranks(
             config.job_id,
@@ -113,6 +145,7 @@ def assign_attempt(
             extra_env=config.extra_env,
             monitor=config.monitor(),
             replicas=config.replicas,
+            sources=sources,
             in_process=config.in_process,
             hot_spares=config.hot_spares,
             barrier_timeout=config.barrier_timeout,

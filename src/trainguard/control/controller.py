@@ -39,7 +39,7 @@ from trainguard.control.actions import (
     StartNodes,
     StopNodes,
 )
-from trainguard.control.assignment import Endpoint, assign_attempt
+from trainguard.control.assignment import Endpoint, assign_attempt, replica_sources
 from trainguard.control.attempt import Attempt
 from trainguard.control.config import ControlConfig
 from trainguard.control.contact import launch_verdict, settled
@@ -327,7 +327,8 @@ class JobController:
         cfg = self.config
         endpoint = host or self._endpoint_for(attempt.number, attempt.nodes[0])
         attempt.endpoint = endpoint
-        attempt.assignments = assign_attempt(cfg, attempt.nodes, attempt.number, endpoint)
+        sources = self._replica_sources(attempt)
+        attempt.assignments = assign_attempt(cfg, attempt.nodes, attempt.number, endpoint, sources)
         attempt.watch = self._watch(attempt.number, now)  # hang timers start with the workers
         self._event(
             now,
@@ -342,6 +343,19 @@ class JobController:
                 "nodes": list(attempt.nodes),
             },
         )
+
+    def _replica_sources(self, attempt: Attempt) -> dict[str, str]:
+        """The nodes of ``attempt`` that took another's place since ranks last ran (a spare
+        for a lost node, swapped at a restart or at launch), and whose: their ranks restore
+        from that node's memory-tier replicas. Empty in place: there the ranks a spare takes
+        get their state from a peer (control/replace.py), and no checkpoint is read."""
+        if attempt.scope == RestartScope.IN_PROCESS.value:
+            return {}
+        ran = next(
+            (a for a in reversed(self.attempts) if a.number < attempt.number and a.assignments),
+            None,
+        )
+        return {} if ran is None else replica_sources(ran.nodes, attempt.nodes)
 
     def _watch(self, number: int, now: float) -> AttemptWatch:
         cfg = self.config

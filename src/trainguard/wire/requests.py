@@ -82,6 +82,10 @@ class NodeAssignment(Wire):
     # The nodes this node pushes its memory-tier replicas to and restores from (the next
     # ``replicas`` nodes in node-rank order); their addresses come with the request.
     replica_peers: tuple[str, ...] = ()
+    # A node that took another's place in the node order (a spare for a lost node): the
+    # node that last ran its ranks, under whose id the replica peers hold their memory
+    # tier. None: the node's own id.
+    replica_source: Name | None = None
     # In-process restarts (workers adopt trainguard.resilient): hot spare processes on
     # this node, and how long ranks have to rejoin after a restart.
     in_process: bool = False
