@@ -27,8 +27,9 @@ import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from trainguard.cli import _parser
+from trainguard.cli import _parser, parse_command_line
 from trainguard.platform.inject import parse_injection
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,7 +121,7 @@ def _missing_path(word: str) -> bool:
 
 
 def _trainguard(argv: list[str]) -> list[str]:
-    args, error = parse(_parser(), argv)
+    args, error = parse(_parser(), argv, trainguard=True)
     if args is None:
         return [f"trainguard {shlex.join(argv)}: refused by trainguard's parser: {error}"]
     found = []
@@ -140,11 +141,16 @@ def _trainguard(argv: list[str]) -> list[str]:
     return found
 
 
-def parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[object, str]:
-    """``parser.parse_args(argv)`` without exiting: (namespace, "") or (None, its error)."""
+def parse(
+    parser: argparse.ArgumentParser, argv: list[str], trainguard: bool = False
+) -> tuple[Any, str]:
+    """``parser.parse_args(argv)`` without exiting: (namespace, "") or (None, its error);
+    ``trainguard``: as trainguard's CLI parses its command line (sbatch's options)."""
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
         try:
+            if trainguard:
+                return parse_command_line(parser, argv), ""
             return parser.parse_args(argv), ""
         except SystemExit:
             lines = stderr.getvalue().strip().splitlines()

@@ -302,8 +302,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_cluster_flags(delete)
 
-    submit = sub.add_parser("submit", help="submit a job to the Kubernetes cluster")
+    submit = sub.add_parser(
+        "submit",
+        parents=[common],
+        help="submit a job to the Kubernetes cluster, or with --slurm to Slurm",
+        usage="%(prog)s -f FILE [--slurm [SBATCH OPTION ...] | cluster flags]",
+    )
     submit.add_argument("-f", "--file", required=True, help="a TrainingJob (or HyperPod) YAML")
+    submit.add_argument(
+        "--slurm",
+        action="store_true",
+        help="write the job's batch script and sbatch it; options trainguard does not "
+        "know are sbatch's (docs/slurm.md)",
+    )
     add_cluster_flags(submit, kube_flag=False)
     add_submit_flags(submit)
     manifests = sub.add_parser(
@@ -377,9 +388,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
+def parse_command_line(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, but ``submit --slurm`` keeps the options trainguard
+    does not know as sbatch's (``args.sbatch_args``)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not (args.verb == "submit" and args.slurm):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.sbatch_args = unknown
+    return args
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
+    if args.verb == "submit" and args.slurm:
+        from trainguard.slurm.submit import submit_slurm
+
+        return submit_slurm(args, args.sbatch_args)
     if args.verb == "schema":
         from trainguard.spec import json_schema
 

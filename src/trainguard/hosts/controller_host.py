@@ -17,7 +17,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,8 @@ class ControllerHost:
     tls_client: ssl.SSLContext | None = None
     tls_ca: str | None = None  # the CA file the agents check report URLs against
     service: HostsService | None = field(default=None, init=False)
+    # More listeners of the controller's events (a Slurm job drains lost nodes).
+    listeners: list[Callable[[Event], None]] = field(default_factory=list, init=False)
 
     def start(
         self,

@@ -132,10 +132,13 @@ class HostsLauncher:
         self._tls = tls
         # The nodes the job runs now (the platform's), whose hosts are not idle.
         self.busy: Callable[[], set[str]] = set
+        # Told of a node no host can run (a Slurm job requeues itself).
+        self.on_no_host: Callable[[str], None] = lambda node_id: None
 
     def __call__(self, node_id: str, incarnation: str, peers: Peers | None = None) -> LaunchedNode:
         host = self.service.bind(node_id, self.busy() - {node_id})
         if host is None:
+            self.on_no_host(node_id)
             raise DaemonError(
                 f"no host can run {node_id}: every host that joined is busy or silent"
             )

@@ -9,6 +9,7 @@ whatever happens (every agent and worker stopped, the memory tiers removed).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -34,6 +35,7 @@ from trainguard.hosts.launcher import HostsLauncher
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
 from trainguard.observe.summary import fault_summary
+from trainguard.platform.base import Cancel
 from trainguard.platform.book import ReportBook
 from trainguard.platform.config import control_config, fence_after
 from trainguard.platform.drive import drive
@@ -43,7 +45,7 @@ from trainguard.platform.local_platform import LocalPlatform
 from trainguard.platform.node import AgentLauncher, HealthLaunch, NodeLauncher
 from trainguard.platform.procs import tune_gc_for_a_controller
 from trainguard.platform.resume import resumed_begin
-from trainguard.platform.store import JobRow, Store
+from trainguard.platform.store import JobNotFound, JobRow, Store
 from trainguard.platform.throttle import LineThrottle
 from trainguard.platform.transport import DEFAULT_CONTACT_TIMEOUT, AgentTransport
 from trainguard.spec.plan import JobPlan, NodeGroupPlan
@@ -151,9 +153,19 @@ class LocalRunner:
         resume: JobRow | None = None,
         restart_blocked: str | None = None,
         hosts: ControllerHost | None = None,
+        job_id: str | None = None,
+        continue_record: bool = False,
+        stop_within: float | None = None,
     ) -> None:
         """``hosts``: the job spans hosts and this is the controller's
-        (:mod:`trainguard.hosts.controller_host`)."""
+        (:mod:`trainguard.hosts.controller_host`); ``job_id``: the job's id, when it is
+        not made up (a Slurm job's: the same in every run of a requeued job), and
+        ``continue_record``: carry on the record an earlier run of it left;
+        ``stop_within``: the seconds a stop may take at most, the ranks' grace and the
+        nodes' time to report included (a Slurm job's: SIGKILL follows ``scancel``)."""
+        self.continue_record = continue_record
+        # Told of a node no host can run (across hosts); the job then ends, failed.
+        self.on_no_host: Callable[[str], None] | None = None
         self.hosts = hosts
         self.plan = plan
         self.store = store
@@ -163,7 +175,7 @@ class LocalRunner:
         # A resumed job (its controller died) keeps its id, directory and token.
         self.resume = resume
         self.restart_blocked = restart_blocked  # why a resume may not start new agents
-        self.job_id = resume.id if resume is not None else new_job_id(plan.name)
+        self.job_id = resume.id if resume is not None else job_id or new_job_id(plan.name)
         self.job_dir = store.root / "jobs" / self.job_id
         self.logs_dir = self.job_dir / "logs"
         self.token_file = self.job_dir / "token"
@@ -191,9 +203,19 @@ class LocalRunner:
         self.config, self.groups = control_config(
             plan, self.job_id, durable=True, hosts=hosts is not None
         )
+        if stop_within is not None:
+            grace = min(self.config.stop_grace_seconds, stop_within / 2)
+            self.config = dataclasses.replace(
+                self.config,
+                stop_grace_seconds=grace,
+                stop_slack_seconds=min(self.config.stop_slack_seconds, stop_within - grace),
+            )
         self.launcher: NodeLauncher | None = None
         self.platform: LocalPlatform | None = None
         self._interrupts = 0
+        self._first_signal = 0
+        # Why a SIGTERM stops the job (a Slurm job's is scancel or its time limit).
+        self.sigterm_reason = "terminated (SIGTERM)"
         self._out_lock = threading.Lock()
         self._console_log: RotatingFile | None = None  # capped like a rank's log
         self._terminal = LineThrottle()  # worker lines to the terminal: a share of them
@@ -218,6 +240,9 @@ class LocalRunner:
             token = self.hosts.token if self.hosts is not None else secrets.token_urlsafe(32)
             self.token_file.touch(mode=0o600)
             self.token_file.write_text(token)
+        if self.resume is None and self.continue_record and self._has_record():
+            self.store.update_job(self.job_id, controller_pid=os.getpid(), phase="Running")
+        elif self.resume is None:
             self.store.create_job(
                 self.job_id,
                 self.plan.name,
@@ -251,18 +276,20 @@ class LocalRunner:
             preempt_grace=self._open_capacity_pool(),
             say=self._say,
             pump=self._pump,
-            interrupted=lambda: self._interrupts > 0,
+            interrupted=self._interrupted_by,
             observer=observer,
             live=self._live,
             address=self.hosts.local.addr if self.hosts is not None else "127.0.0.1",
         )
         if self.hosts is not None:
-            platform.listeners.append(self.hosts.on_event)
+            platform.listeners += [self.hosts.on_event, *self.hosts.listeners]
             if isinstance(platform.launcher, HostsLauncher):
                 platform.launcher.busy = lambda: set(platform.nodes)
             if self.config.elastic is not None:
                 platform.capacity_of = self._hosts_capacity(platform)
             platform.partitioner = self.hosts.partition
+            if isinstance(platform.launcher, HostsLauncher):
+                platform.launcher.on_no_host = self._no_host(platform)
         controller = JobController(self.config, platform.endpoint)
         previous = self._install_signal_handlers()
         console_log = RotatingFile(self.logs_dir / "console.log", self.config.log_limits)
@@ -399,6 +426,25 @@ class LocalRunner:
         silent_after = max(self.config.lost_after - 1.0, fence_after(self.config.lost_after))
         return lambda: service.capacity(set(platform.nodes), silent_after)
 
+    def _has_record(self) -> bool:
+        try:
+            self.store.job(self.job_id)
+        except JobNotFound:
+            return False
+        return True
+
+    def _no_host(self, platform: LocalPlatform) -> Callable[[str], None]:
+        """A node no host can run: with ``on_no_host`` (a Slurm job, which requeues
+        itself), the job ends (failed) and it is told."""
+
+        def no_host(node_id: str) -> None:
+            if self.on_no_host is None:
+                return  # the node is lost, and the restart policy goes on
+            platform.cancel = Cancel(f"no host is left to run {node_id}", phase=JobPhase.FAILED)
+            self.on_no_host(node_id)
+
+        return no_host
+
     def _wait_for_hosts(self) -> list[str]:
         """Wait (``--join-timeout``) for a host to hold every node; the ones missing."""
         hosts = self.hosts
@@ -473,12 +519,23 @@ class LocalRunner:
             if held:
                 self._say(f"{held} lines not shown; see trainguard logs {self.job_id}", locked=True)
 
+    def _interrupted_by(self) -> str | None:
+        """Why the job is stopped from the terminal or by a signal; None: it is not."""
+        if not self._interrupts:
+            return None
+        return (
+            self.sigterm_reason
+            if self._first_signal == signal.SIGTERM
+            else ("interrupted (Ctrl-C)")
+        )
+
     def _install_signal_handlers(self) -> dict[signal.Signals, SignalHandler]:
         if threading.current_thread() is not threading.main_thread():
             return {}
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             self._interrupts += 1
+            self._first_signal = self._first_signal or signum
             if self.platform is not None:
                 self.platform.book.wake()  # the loop looks at once
             if self._interrupts > 1:

@@ -68,7 +68,7 @@ class LocalPlatform:
         preempt_grace: float | None = None,
         say: Callable[[str], None],
         pump: Callable[[IO[bytes]], None],
-        interrupted: Callable[[], bool],
+        interrupted: Callable[[], str | None],
         observer: JobObserver | None = None,
         live: LiveLine | None = None,
         address: str = "127.0.0.1",
@@ -85,6 +85,9 @@ class LocalPlatform:
         # Cuts a node's host off the network for so many seconds (None: for good); None
         # where the platform cannot (one machine). Returns why it could not, or None.
         self.partitioner: Callable[[str, float | None], str | None] | None = None
+        # A stop decided outside the controller (no host left to run a node), taken at
+        # the next look.
+        self.cancel: Cancel | None = None
         self.job_id = job_id
         self.store = store
         self.transport = transport
@@ -199,8 +202,10 @@ class LocalPlatform:
                 self.book.gone(node_id, why)
         cancel = None
         job = self.store.job(self.job_id)
-        if self._interrupted():
-            cancel = Cancel("interrupted (Ctrl-C)")
+        if (why := self._interrupted()) is not None:  # Ctrl-C, SIGTERM
+            cancel = Cancel(why)
+        elif self.cancel is not None:
+            cancel = self.cancel
         elif (asked := STOP_REQUESTS.get(job.desired or "")) is not None:  # delete, stop
             cancel = Cancel(asked)
         self._take_preempted(now)

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from trainguard.hosts.addresses import Endpoint
 from trainguard.hosts.run import endpoint_of
 from trainguard.observe.live import live_wanted
 from trainguard.platform.inject import parse_injection
@@ -17,6 +18,7 @@ from trainguard.platform.local import (
 )
 from trainguard.platform.resume_command import lost_twin, resume_job
 from trainguard.platform.store import StateDirError, open_store
+from trainguard.slurm.allocation import Allocation, SlurmError, in_allocation, spare_count
 from trainguard.spec import SpecError, TrainingJob, cli_job, load_job, resolve_plan
 from trainguard.spec.cli_job import DEFAULT_MAX_RESTARTS
 from trainguard.spec.plan import check_local_size
@@ -66,13 +68,19 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             )
         if args.cold_start:
             job = cold_started(job)
+        slurm = in_allocation() and not args.standalone
+        if slurm:
+            job = with_allocation_spares(job)
         # Secrets are resolved now, into the plan (memory) only; see spec/secrets.py.
         plan = resolve_plan(job, source, SecretSource.load(args.env_file, os.environ))
         endpoint = endpoint_of(args, plan.nnodes)
-        if endpoint is None:
+        batch = slurm and endpoint is None and not Allocation.from_env().in_step
+        if slurm and endpoint is None and not batch:  # srun trainguard run on every node
+            endpoint = slurm_step_endpoint(args)
+        if endpoint is None and not batch:
             check_local_size(plan, source)  # one machine: far fewer nodes than a cluster
         injections = [parse_injection(text) for text in args.inject]
-    except ValueError as exc:  # a bad --inject SPEC, an unreadable --env-file
+    except (ValueError, SlurmError) as exc:  # a bad --inject SPEC, an unreadable --env-file
         print(f"trainguard: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except SpecError as exc:
@@ -88,7 +96,7 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         store.close()
         return _spec_error(exc)
     try:
-        lost = lost_twin(store, plan) if args.file and not injections else None
+        lost = lost_twin(store, plan) if args.file and not injections and not batch else None
         if lost is not None:
             print(
                 f"[trainguard] job {lost.id} ran this spec and is Lost (its controller died): "
@@ -100,6 +108,11 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         metrics = None
         if args.metrics_port is not None:
             metrics = MetricsOptions(args.metrics_port, args.metrics_host, args.metrics_linger)
+        if batch:  # the batch script of a Slurm job: the controller, steps for the others
+            from trainguard.slurm.run import run_in_allocation
+
+            argv = sys.argv[1:]
+            return run_in_allocation(args, plan, source, store, injections, live, metrics, argv)
         if endpoint is not None:
             from trainguard.hosts.run import run_on_hosts
 
@@ -122,6 +135,32 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         return result.exit_code
     finally:
         store.close()
+
+
+def with_allocation_spares(job: TrainingJob) -> TrainingJob:
+    """A job in a Slurm allocation: the allocation's nodes beyond the job's are spares (the
+    last replica group's)."""
+    groups = job.spec.replica_specs
+    allocated = len(Allocation.from_env().nodes)
+    nodes = sum(g.replicas for g in groups)
+    spares = sum(g.spares for g in groups)
+    extra = spare_count(nodes, spares, allocated) - spares
+    if extra <= 0:
+        return job
+    last = groups[-1].model_copy(update={"spares": groups[-1].spares + extra})
+    spec = job.spec.model_copy(update={"replica_specs": [*groups[:-1], last]})
+    return job.model_copy(update={"spec": spec})
+
+
+def slurm_step_endpoint(args: argparse.Namespace) -> Endpoint:
+    """``srun trainguard run ...`` on every node: the allocation's first node is the
+    endpoint (``--master-port``), each node's rank its ``SLURM_NODEID``."""
+    from trainguard.slurm.run import in_step_endpoint
+
+    alloc = Allocation.from_env()
+    if args.node_rank is None:
+        args.node_rank = alloc.step_node
+    return in_step_endpoint(alloc, args.master_port)
 
 
 def _spec_error(exc: SpecError) -> int:

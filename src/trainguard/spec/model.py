@@ -86,6 +86,8 @@ DEFAULT_STRAGGLER_THRESHOLD = 1.3
 DEFAULT_STRAGGLER_WINDOW = 20
 DEFAULT_EXIT_HANG_TIMEOUT_SECONDS = 60.0  # trainguard.control.exit_hang.DEFAULT_TIMEOUT
 DEFAULT_PARTITION_TIMEOUT_SECONDS = 60.0
+DEFAULT_MAX_REQUEUES = 3
+MAX_REQUEUES = 1000
 DEFAULT_NO_PROGRESS_TIMEOUT_SECONDS = 60.0  # trainguard.control.no_progress.DEFAULT_TIMEOUT
 HOSTS_NODE_LOST_AFTER_SECONDS = 8.0  # nodeLostAfterSeconds across hosts, unless set
 MAX_STRAGGLER_WINDOW = 10_000
@@ -302,6 +304,21 @@ class TrainguardOptions(SpecModel):
         description="trainguard extension: across hosts, a host that cannot reach the "
         "controller for this long stops its workers (a cut-off node that trained on would be "
         "a second copy of the job) and joins again as a new host.",
+    )
+    max_requeues: int = Field(
+        default=DEFAULT_MAX_REQUEUES,
+        ge=0,
+        le=MAX_REQUEUES,
+        description="trainguard extension: under Slurm, how many times a job requeues itself "
+        "(scontrol requeue) when its allocation can no longer hold it; counted by "
+        "SLURM_RESTART_COUNT. The requeued run resumes from the newest durable checkpoint.",
+    )
+    drain_nodes: bool = Field(
+        default=True,
+        description="trainguard extension: under Slurm, drain a node that is lost or fails a "
+        "health check (scontrol update state=drain, with a reason naming trainguard and the "
+        "fault), so no job is scheduled on it until an administrator resumes it. Needs "
+        "Slurm's operator rights; without them a warning says so and the job goes on.",
     )
     progress_pattern: Regex | None = Field(
         default=None,

@@ -1,0 +1,236 @@
+"""``trainguard run`` inside a Slurm allocation.
+
+Two ways, both on top of :mod:`trainguard.hosts` (the same job on several hosts):
+
+- **in the batch script** (``trainguard run -f job.yaml`` in an ``sbatch`` script): this
+  process, on the allocation's first node, runs the controller and node 0; every other
+  node of the allocation gets a step of its own (``srun --nodes=1 --no-kill --overlap``)
+  running the same command with ``--rdzv-endpoint`` pointing here, which joins as a
+  host. The nodes beyond the job's replicas are its spares. A node lost or found
+  unhealthy is drained (``scontrol update ... state=drain reason="trainguard: ..."``);
+  when the allocation can no longer hold the job (a node must be replaced and no node is
+  left), the job requeues itself (``scontrol requeue``, at most ``maxRequeues`` times,
+  counted by ``SLURM_RESTART_COUNT``) and the run that follows resumes it under the same
+  job id, from its newest durable checkpoint. ``scancel`` stops every rank gracefully.
+- **on every node** (``srun trainguard run ...``, torchrun's habit): the endpoint is the
+  allocation's first node, each node's rank its ``SLURM_NODEID``; the token must be in
+  ``$TRAINGUARD_TOKEN`` (the same on every node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from trainguard.control.events import Event, FaultType
+from trainguard.hosts.addresses import Endpoint, LocalAddress, resolve, route_to
+from trainguard.hosts.controller_host import ControllerHost
+from trainguard.hosts.security import TOKEN_ENV, TokenError, client_tls, server_tls
+from trainguard.platform.inject import Injection
+from trainguard.platform.local import EXIT_INTERRUPTED, LocalRunner, MetricsOptions
+from trainguard.platform.procs import free_port
+from trainguard.platform.store import Store
+from trainguard.slurm.allocation import Allocation, SlurmError
+from trainguard.slurm.commands import drain, kill_wait, node_step, requeue
+from trainguard.spec.plan import JobPlan
+
+__all__ = ["DRAINED_FAULTS", "daemon_argv", "in_step_endpoint", "run_in_allocation"]
+
+EXIT_USAGE = 2
+KILL_WAIT_MARGIN = 3.0  # of Slurm's KillWait, kept for the controller to record the stop
+STEP_EXIT_SECONDS = 30.0  # how long the nodes' steps get to end after the job
+DRAINED_FAULTS = frozenset(
+    {FaultType.NODE_LOST, FaultType.NODE_UNHEALTHY, FaultType.HEALTH_CHECK_FAILED}
+)
+"""Faults that drain the node (a lost machine, a failed check, an XID)."""
+
+
+def daemon_argv(argv: Sequence[str], endpoint: Endpoint) -> list[str]:
+    """The command the other nodes run: this one (without the flags only the controller's
+    host takes), joined to ``endpoint``; the script's own arguments as they were."""
+    split = _script_index(argv)
+    head: list[str] = []
+    skip = False
+    for arg in argv[:split]:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--inject", "--metrics-port", "--metrics-host", "--metrics-linger"):
+            skip = "=" not in arg
+            continue
+        head.append(arg)
+    return [*head, "--rdzv-endpoint", str(endpoint), *argv[split:]]
+
+
+def _script_index(argv: Sequence[str]) -> int:
+    """Where the flags of ``run`` end (the torchrun form's script, or the end)."""
+    takes_value = {
+        "-f", "--file", "--nnodes", "--nproc-per-node", "--nproc_per_node", "--max-restarts",
+        "--max_restarts", "--name", "--env-file", "--node-rank", "--node_rank", "--join-timeout",
+        "--token-file", "--tls-cert", "--tls-key", "--tls-ca", "--master-addr", "--master_addr",
+        "--master-port", "--master_port", "--rdzv-backend", "--rdzv_backend", "--rdzv-id",
+        "--rdzv_id", "--rdzv-endpoint", "--rdzv_endpoint", "--state-dir", "--inject",
+        "--metrics-port", "--metrics-host", "--metrics-linger",
+    }  # fmt: skip
+    i = 1 if argv and argv[0] == "run" else 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("-"):
+            return i
+        i += 2 if arg in takes_value else 1
+    return len(argv)
+
+
+def run_in_allocation(
+    args: argparse.Namespace,
+    plan: JobPlan,
+    source: str,
+    store: Store,
+    injections: Sequence[Injection],
+    live: bool,
+    metrics: MetricsOptions | None,
+    argv: Sequence[str],
+) -> int:
+    """The batch script's ``trainguard run`` (see the module doc); ``argv``: its own
+    command line, which the other nodes run too."""
+
+    def say(line: str) -> None:
+        print(f"[trainguard] {line}", file=sys.stderr, flush=True)
+
+    try:
+        alloc = Allocation.from_env()
+        tls_server = server_tls(args.tls_cert, args.tls_key)
+        tls_client = client_tls(args.tls_ca, args.tls_cert)
+    except (SlurmError, TokenError) as exc:
+        say(str(exc))
+        return EXIT_USAGE
+    if len(alloc.nodes) < plan.nnodes:
+        say(
+            f"the job needs {plan.nnodes} nodes (spec.replicaSpecs) and the allocation has "
+            f"{len(alloc.nodes)} (SLURM_JOB_NODELIST: {', '.join(alloc.nodes)})"
+        )
+        return EXIT_USAGE
+    token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
+    os.environ[TOKEN_ENV] = token  # the steps' environment: never their command line
+    others = [n for n in alloc.nodes if n != alloc.this_node]
+    local = route_to(resolve(others[0])) if others else LocalAddress("127.0.0.1", "lo")
+    endpoint = Endpoint(local.addr, free_port(local.addr))
+    partition = plan.job.spec.trainguard.partition_timeout_seconds
+    hosts = ControllerHost(
+        endpoint, local, token, args.join_timeout, partition, tls_server, tls_client,
+        args.tls_ca if tls_server is not None else None,
+    )  # fmt: skip
+    job_id = f"{plan.name}-slurm{alloc.job_id}"
+    # scancel's SIGTERM (to every process of the job) is followed by SIGKILL after
+    # KillWait: the stop, and its record, fit in it.
+    stop_within = max(1.0, kill_wait() - KILL_WAIT_MARGIN)
+    requeue_for: list[str] = []
+    runner = LocalRunner(
+        plan, store, source, injections, live=live, metrics=metrics, hosts=hosts,
+        job_id=job_id, continue_record=alloc.restart_count > 0, stop_within=stop_within,
+    )  # fmt: skip
+    runner.on_no_host = requeue_for.append
+    runner.sigterm_reason = "cancelled by Slurm (SIGTERM: scancel, or the job's time limit)"
+    if plan.job.spec.trainguard.drain_nodes:
+        hosts.listeners.append(_drainer(hosts, say))
+    logs = store.root / "jobs" / job_id / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    steps_argv = [sys.executable, "-m", "trainguard.cli", *daemon_argv(argv, endpoint)]
+    say(
+        f"Slurm job {alloc.job_id}: controller and node 0 on {alloc.this_node}; "
+        f"{len(others)} more nodes join through their own steps"
+        + (f" (requeued {alloc.restart_count} times)" if alloc.restart_count else "")
+    )
+    steps = [node_step(n, steps_argv, os.environ, logs / f"step-{n}.log") for n in others]
+    try:
+        try:
+            result = runner.run()
+        except KeyboardInterrupt:
+            say("interrupted; every worker was stopped")
+            return EXIT_INTERRUPTED
+        if runner.interrupted:
+            return EXIT_INTERRUPTED
+        if requeue_for and result.exit_code != 0:
+            return _requeue(alloc, plan, requeue_for, say)
+        return result.exit_code
+    finally:
+        _end_steps(steps)
+
+
+Say = Callable[[str], None]
+
+
+def _drainer(hosts: ControllerHost, say: Say) -> Callable[[Event], None]:
+    """A listener that drains the Slurm node of a node lost or found unhealthy."""
+    warned: list[bool] = []
+
+    def on_event(event: Event) -> None:
+        if event.kind != "Fault" or event.node is None or hosts.service is None:
+            return
+        kind = event.data.get("type")
+        if kind not in {t.value for t in DRAINED_FAULTS}:
+            return
+        record = next(
+            (h for h in hosts.service.roster.hosts.values() if h.node_id == event.node), None
+        )
+        if record is None:
+            return
+        reason = f"trainguard: {kind} of {event.node}: {event.message}"[:200]
+        why = drain(record.hostname, reason)
+        if why is None:
+            say(f"Slurm node {record.hostname} drained ({kind})")
+        elif not warned:
+            warned.append(True)
+            say(f"warning: could not drain Slurm node {record.hostname}: {why}")
+
+    return on_event
+
+
+def _requeue(alloc: Allocation, plan: JobPlan, nodes: list[str], say: Say) -> int:
+    budget = plan.job.spec.trainguard.max_requeues
+    if alloc.restart_count >= budget:
+        say(
+            f"the allocation can no longer hold the job ({', '.join(nodes)} had no node left) "
+            f"and it was requeued {alloc.restart_count} times already (maxRequeues {budget})"
+        )
+        return 1
+    say(
+        f"the allocation can no longer hold the job ({', '.join(nodes)} had no node left): "
+        f"requeuing Slurm job {alloc.job_id} ({alloc.restart_count + 1} of {budget}); the "
+        "next run resumes from the newest durable checkpoint"
+    )
+    why = requeue(alloc.job_id)
+    if why is not None:
+        say(f"requeue failed: {why}")
+        return 1
+    time.sleep(60)  # Slurm ends this script; should it not, the job ends as failed
+    return 1
+
+
+def _end_steps(steps: Sequence[subprocess.Popen[bytes]]) -> None:
+    """The nodes' steps end with the job (their daemons learn it from their lease); any
+    still running after :data:`STEP_EXIT_SECONDS` is signalled."""
+    deadline = time.monotonic() + STEP_EXIT_SECONDS
+    for step in steps:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            step.wait(max(0.1, deadline - time.monotonic()))
+    for step in steps:
+        if step.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(step.pid, signal.SIGTERM)
+    for step in steps:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            step.wait(5.0)
+
+
+def in_step_endpoint(alloc: Allocation, port: int) -> Endpoint:
+    """``srun trainguard run`` on every node: the allocation's first node is the endpoint."""
+    return Endpoint(resolve(alloc.nodes[0]), port)
