@@ -273,6 +273,25 @@ def test_crd_schema_is_structural_and_accepts_every_example_job() -> None:
         validator.validate({"spec": {"replicaSpecs": []}})
 
 
+def test_crd_stores_workload_mode_and_an_integer_threshold_for_the_operator_to_judge() -> None:
+    # The API server stores a HyperPod spec's runPolicy.workloadMode and an integer
+    # metricThreshold; the operator then validates the spec, and refuses the mode.
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    run_policy = schema["properties"]["spec"]["properties"]["runPolicy"]
+    assert run_policy["properties"]["workloadMode"]["type"] == "string"
+    body = yaml.safe_load((REPO / "docs" / "examples" / "job-minimal.yaml").read_text())
+    body["spec"]["runPolicy"] = {
+        "workloadMode": "Deployment",
+        "logMonitoringConfiguration": [
+            {"name": "r", "logPattern": ".*x ([0-9]+)", "metricThreshold": 80, "operator": "lt"}
+        ],
+    }
+    jsonschema.Draft4Validator(schema).validate(body)
+    body["spec"]["runPolicy"]["workloadMode"] = 3
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft4Validator(schema).validate(body)
+
+
 def test_job_pods_service_and_secret_are_valid_kubernetes() -> None:
     path = REPO / "examples" / "gpt" / "job.yaml"
     body = yaml.safe_load(path.read_text())

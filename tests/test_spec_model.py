@@ -347,3 +347,56 @@ def test_straggler_options_defaults_and_bad_values() -> None:
     ]:
         data = job_with(**{f"spec.trainguard.{key}": bad})
         assert errors_of(data) == f"{field}{key}: {message}"
+
+
+def test_workload_mode_is_refused_naming_the_field_and_null_is_no_mode() -> None:
+    # HyperPod's runPolicy.workloadMode: no value is known to trainguard, so none is run
+    # (trainguard.spec.model.WORKLOAD_MODES); the field is not "unknown" either.
+    for kind in ("trainguard", "hyperpod"):
+        data = job_with(**{"spec.runPolicy.workloadMode": "Deployment"})
+        if kind == "hyperpod":
+            data["apiVersion"], data["kind"] = "sagemaker.amazonaws.com/v1", "HyperPodPyTorchJob"
+        assert errors_of(data) == (
+            "job.yaml: spec.runPolicy.workloadMode: 'Deployment' is not a workload mode "
+            "trainguard runs (it runs none of HyperPod's yet); remove the field"
+        )
+    assert errors_of(job_with(**{"spec.runPolicy.workloadMode": 1})) == (
+        "job.yaml: spec.runPolicy.workloadMode: must be a string (quote it in YAML)"
+    )
+    job = parse_job(job_with(**{"spec.runPolicy.workloadMode": None}), "job.yaml")
+    assert job.spec.run_policy.workload_mode is None
+    schema = json_schema()["$defs"]["RunPolicy"]["properties"]["workloadMode"]
+    assert schema["type"] == "string"
+
+
+def test_metric_threshold_as_hyperpods_integer_means_the_same_as_the_number() -> None:
+    from trainguard.monitor.rules import LogRuleSpec
+
+    def rule(threshold: object) -> LogRuleSpec:
+        rules = [
+            {
+                "name": "r",
+                "logPattern": ".*x ([0-9.]+)",
+                "metricThreshold": threshold,
+                "operator": "eq",
+            }
+        ]
+        job = parse_job(job_with(**{"spec.runPolicy.logMonitoringConfiguration": rules}), "j")
+        return LogRuleSpec.from_model(job.spec.run_policy.log_monitoring_configuration[0])
+
+    whole, number = rule(80), rule(80.0)
+    assert whole == number and whole.to_json() == number.to_json()
+    assert whole.is_bad(80) and whole.is_bad(80.0) and not whole.is_bad(80.5)
+    assert rule(-3).metric_threshold == -3
+    schema = json_schema()["$defs"]["LogRule"]["properties"]["metricThreshold"]
+    assert schema["type"] == "number"  # JSON Schema and OpenAPI: integers are numbers
+    text = errors_of(
+        job_with(
+            **{
+                "spec.runPolicy.logMonitoringConfiguration": [
+                    {"name": "r", "logPattern": "(.*)", "metricThreshold": "many", "operator": "gt"}
+                ]
+            }
+        )
+    )
+    assert text.endswith("logMonitoringConfiguration[0].metricThreshold: must be a number")

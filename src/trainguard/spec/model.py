@@ -58,6 +58,7 @@ __all__ = [
     "API_VERSION",
     "FIELD_PROBLEM",
     "KIND",
+    "WORKLOAD_MODES",
     "Container",
     "ElasticPolicy",
     "EnvVar",
@@ -151,6 +152,11 @@ class RestartPolicy(SpecModel):
 
 Operator = Literal["gt", "lt", "eq", "gteq", "lteq"]
 
+WORKLOAD_MODES: Final[tuple[str, ...]] = ()
+"""``runPolicy.workloadMode`` values trainguard runs: none yet. HyperPod's SDK has the field
+(a string) but the reference this project keeps of it names no values, and a mode that
+changes how pods are deployed must not be ignored."""
+
 
 class LogRule(SpecModel):
     """A log monitoring rule: detects a hanging, slow or faulty job from worker output."""
@@ -173,7 +179,8 @@ class LogRule(SpecModel):
     metric_threshold: float | None = Field(
         default=None,
         allow_inf_nan=False,
-        description="Threshold for the metric; requires operator.",
+        description="Threshold for the metric; requires operator. An integer (as HyperPod's "
+        "schema has it) or a number with a fraction.",
     )
     operator: Operator | None = Field(
         default=None,
@@ -239,6 +246,22 @@ class RunPolicy(SpecModel):
     fault_deadline_seconds: Seconds | None = Field(
         default=None, description="The job fails if it stays faulted longer than this."
     )
+    workload_mode: str | None = Field(
+        default=None,
+        description="HyperPod's workload deployment mode for elastic training. Refused: no "
+        "mode's values or meaning are known to trainguard yet, so a spec that names one fails "
+        "rather than run differently from what it asks for.",
+    )
+
+    @field_validator("workload_mode")
+    @classmethod
+    def _known_workload_mode(cls, mode: str | None) -> str | None:
+        if mode is not None and mode not in WORKLOAD_MODES:
+            raise ValueError(
+                f"{mode!r} is not a workload mode trainguard runs (it runs none of HyperPod's "
+                "yet); remove the field"
+            )
+        return mode
 
     @field_validator("log_monitoring_configuration")
     @classmethod
