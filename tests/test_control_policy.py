@@ -426,7 +426,8 @@ def test_fault_cause_summarises() -> None:
 
 
 def test_scope_names_follow_hyperpod() -> None:
-    assert (P.hyperpod, J.hyperpod) == ("PLR", "JLR")
+    # HyperPod's restartType has PLR and JLR only: an in-process restart keeps the pods.
+    assert (RestartScope.IN_PROCESS.hyperpod, P.hyperpod, J.hyperpod) == ("PLR", "PLR", "JLR")
     assert (str(P), str(J)) == ("process", "job")
 
 

@@ -120,7 +120,9 @@ def test_worker_and_pod_faults_recover_then_delete_stops_everything(cluster: Clu
     wait_for(
         lambda: all((out / f"rank-{r}-attempt-0.json").exists() for r in range(4)), JOB_TIMEOUT
     )
-    first_pods = [n["pod"] for n in cluster.status("fake-faults")["nodes"]]
+    first_nodes = cluster.status("fake-faults")["nodes"]
+    first_pods = [n["pod"] for n in first_nodes]
+    host_of = {n["pod"]: n["hostNode"] for n in first_nodes}  # the pod's Kubernetes Node
 
     # A killed worker: process-level restart inside the same pods.
     os.kill(record(out, 1, 0)["pid"], 9)
@@ -131,7 +133,12 @@ def test_worker_and_pod_faults_recover_then_delete_stops_everything(cluster: Clu
     assert status["restartCount"] == 1
     assert status["restartStatus"] == {"restartCount": 1, "fullJobRestartCount": 0}
     faulty = status["latestFaultyPodInstanceList"]
-    assert faulty == {"restartType": "PLR", "faultyPodList": [first_pods[0]], "faultyRankList": [1]}
+    assert faulty == {
+        "restartType": "PLR",
+        "faultyPodList": [first_pods[0]],
+        "faultyInstanceIdList": [host_of[first_pods[0]]],
+        "faultyRankList": [1],
+    }
 
     # A killed pod (its agent and workers): full restart on new pods.
     cluster.kubelet.kill_pod(first_pods[1])
@@ -143,6 +150,8 @@ def test_worker_and_pod_faults_recover_then_delete_stops_everything(cluster: Clu
     assert status["restartStatus"] == {"restartCount": 1, "fullJobRestartCount": 1}
     assert status["latestFaultyPodInstanceList"]["restartType"] == "JLR"
     assert status["latestFaultyPodInstanceList"]["faultyPodList"] == [first_pods[1]]
+    faulty_hosts = status["latestFaultyPodInstanceList"]["faultyInstanceIdList"]
+    assert faulty_hosts == [host_of[first_pods[1]]]
     described = cluster.describe("fake-faults")
     messages = [e["message"] for e in described["events"] if e["reason"] == "RestartScheduled"]
     assert len(messages) == 2

@@ -80,8 +80,10 @@ class RestartScope(StrEnum):
 
     @property
     def hyperpod(self) -> str:
-        """HyperPod's name for it (``restartType`` in the job status): IPR, PLR or JLR."""
-        return {"in-process": "IPR", "process": "PLR", "job": "JLR"}[self.value]
+        """HyperPod's name for it (``restartType`` in the job status), PLR or JLR, the two
+        it has: an in-process restart, which restarts some ranks' processes and keeps the
+        pods, is a PLR; only a job-level restart (new pods) is a JLR."""
+        return {"in-process": "PLR", "process": "PLR", "job": "JLR"}[self.value]
 
 
 @dataclass(frozen=True)

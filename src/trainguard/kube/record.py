@@ -101,7 +101,7 @@ class ClusterRecord:
             logger.warning("%s: cannot record event %s: %s", self.source, event.kind, exc)
 
     def _note_fault(self, event: Event, node: PodNode | None) -> None:
-        self.faulty.note_fault(event, node.pod_name if node else None)
+        self.faulty.note_fault(event, node.pod_name if node else None, node.host if node else None)
         kind = str(event.data.get("type", "Fault"))
         if node is None or kind != FaultType.NODE_LOST.value:
             return

@@ -82,19 +82,35 @@ class PodInfo:
 
 @dataclass
 class FaultyPods:
-    """HyperPod's ``latestFaultyPodInstanceList``: the pods and ranks of the last fault."""
+    """HyperPod's ``latestFaultyPodInstanceList``: the faults of the last attempt that had
+    any (every fault of it, not only the first):
+
+    - ``restartType``: what followed, ``PLR`` (processes restarted in the same pods, in
+      place or all of them) or ``JLR`` (new pods); null (so absent: the status is a
+      merge patch) while nothing has, or when the job ended instead (:attr:`RestartScope.hyperpod
+      <trainguard.control.policy.RestartScope.hyperpod>`);
+    - ``faultyPodList``: the pods the faults happened in;
+    - ``faultyInstanceIdList``: the Kubernetes Nodes (``spec.nodeName``) those pods ran on.
+      HyperPod writes its instances' ids there; trainguard knows a pod's Node, not the
+      machine behind it;
+    - ``faultyRankList``: the faulty ranks, in order.
+    """
 
     attempt: int = -1
     restart_type: str | None = None
     pods: list[str] = field(default_factory=list)
+    instances: list[str] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
 
-    def note_fault(self, event: Event, pod: str | None) -> None:
+    def note_fault(self, event: Event, pod: str | None, host: str | None = None) -> None:
+        """Take in a ``Fault`` event, ``pod`` and ``host`` its job node's pod and Node."""
         if event.attempt != self.attempt:
             self.attempt = event.attempt if event.attempt is not None else -1
-            self.pods, self.ranks, self.restart_type = [], [], None
+            self.pods, self.instances, self.ranks, self.restart_type = [], [], [], None
         if pod is not None and pod not in self.pods:
             self.pods.append(pod)
+        if host is not None and host not in self.instances:
+            self.instances.append(host)
         if event.rank is not None and event.rank not in self.ranks:
             self.ranks.append(event.rank)
 
@@ -102,6 +118,7 @@ class FaultyPods:
         return {
             "restartType": self.restart_type,
             "faultyPodList": self.pods,
+            "faultyInstanceIdList": self.instances,
             "faultyRankList": sorted(self.ranks),
         }
 
