@@ -20,7 +20,13 @@ from trainguard.kube.api import KubeApi
 from trainguard.kube.config import OperatorConfig
 from trainguard.kube.node import PodNode
 from trainguard.kube.node_health import NodeHealthLabels
-from trainguard.kube.node_labels import HealthChange, HealthKeys, health_patch
+from trainguard.kube.node_labels import (
+    HealthChange,
+    HealthKeys,
+    NodeFault,
+    health_patch,
+    label_value,
+)
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.pods import node_pod
 from trainguard.kube.runner import KubeJob
@@ -34,7 +40,10 @@ STATUS = "trainguard.dev/node-health-status"
 DEEP = "trainguard.dev/deep-health-check-status"
 TAINT = "trainguard.dev/unhealthy"
 REASON = "trainguard.dev/node-health-reason"
+FAULT_TYPE = "trainguard.dev/fault-type"
+FAULT_REASON = "trainguard.dev/fault-reason"
 KEYS = HealthKeys(STATUS, DEEP)
+FAULT_KEYS = HealthKeys(STATUS, DEEP, FAULT_TYPE, FAULT_REASON)
 _names = itertools.count()
 
 
@@ -44,6 +53,9 @@ def test_label_keys_are_trainguards_unless_hyperpods_are_asked_for() -> None:
     hyperpod = OperatorConfig.from_env({"TRAINGUARD_HYPERPOD_LABELS": "true"})
     assert hyperpod.health_label == "sagemaker.amazonaws.com/node-health-status"
     assert hyperpod.deep_health_label == "sagemaker.amazonaws.com/deep-health-check-status"
+    assert hyperpod.fault_type_label == "sagemaker.amazonaws.com/fault-type"
+    assert hyperpod.fault_reason_label == "sagemaker.amazonaws.com/fault-reason"
+    assert (settings.fault_type_label, settings.fault_reason_label) == (FAULT_TYPE, FAULT_REASON)
     assert OperatorConfig.from_env(hyperpod.to_env()) == hyperpod
     assert (
         settings.node_labels
@@ -145,6 +157,54 @@ def test_a_status_is_never_lowered_and_the_taint_follows_it() -> None:
     assert reboot["metadata"]["labels"] == {STATUS: "UnschedulablePendingReboot"}
 
 
+def test_fault_type_and_reason_are_written_with_the_status_and_go_when_it_is_cleared() -> None:
+    xid = NodeFault("NodeUnhealthy", "XID")
+    replace = HealthChange("UnschedulablePendingReplacement", None, "XID 79", fault=xid)
+    patch = health_patch(_node(), FAULT_KEYS, replace)
+    assert patch is not None
+    assert patch["metadata"]["labels"] == {
+        STATUS: "UnschedulablePendingReplacement",
+        FAULT_TYPE: "NodeUnhealthy",
+        FAULT_REASON: "XID",
+    }
+    # Not lowered: the fault that set the status stays with it.
+    pending = _node(patch["metadata"]["labels"], patch["spec"]["taints"])
+    cpu = NodeFault("HealthCheckFailed", "cpu")
+    assert health_patch(pending, FAULT_KEYS, HealthChange("Unschedulable", fault=cpu)) is None
+    # The same status again, for another fault: the newer fault is written.
+    again = HealthChange("UnschedulablePendingReplacement", fault=NodeFault("NodeUnhealthy", "Ecc"))
+    assert health_patch(pending, FAULT_KEYS, again) == {
+        "metadata": {"labels": {FAULT_REASON: "Ecc"}, "resourceVersion": "7"}
+    }
+    # The health agent clears its own Unschedulable: the fault labels are removed.
+    held = _node({STATUS: "Unschedulable", FAULT_TYPE: "HealthCheckFailed", FAULT_REASON: "cpu"})
+    cleared = health_patch(held, FAULT_KEYS, HealthChange("Schedulable", "Passed", clear=True))
+    assert cleared is not None
+    assert cleared["metadata"]["labels"] == {
+        STATUS: "Schedulable",
+        DEEP: "Passed",
+        FAULT_TYPE: None,  # a merge patch's null removes the label
+        FAULT_REASON: None,
+    }
+    # Keys without the fault's: nothing about it is written.
+    assert FAULT_TYPE not in (health_patch(_node(), KEYS, replace) or {})["metadata"]["labels"]
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("XID", "XID"),
+        ("gpu check", "gpu-check"),
+        ("-=[NVRM: Xid 79]=-", "NVRM-Xid-79"),
+        ("x" * 70 + "!", "x" * 63),
+        ("a" * 62 + " b", "a" * 62),  # cut at 63, then no '-' left at the end
+        ("::", "Unknown"),
+    ],
+)
+def test_label_values_are_valid_kubernetes_label_values(text: str, value: str) -> None:
+    assert label_value(text) == value
+
+
 # -- against the emulated API server ------------------------------------------------------
 
 
@@ -204,7 +264,9 @@ def test_a_node_health_event_labels_and_taints_the_node_its_pod_ran_on(api: Kube
     hyperpod = NodeHealthLabels(api, OperatorConfig(hyperpod_labels=True), "ml/gpt")
     hyperpod.record(health_event("UnschedulablePendingReplacement"), pod_on(other))
     assert api.get_node(other)["metadata"]["labels"] == {
-        "sagemaker.amazonaws.com/node-health-status": "UnschedulablePendingReplacement"
+        "sagemaker.amazonaws.com/node-health-status": "UnschedulablePendingReplacement",
+        "sagemaker.amazonaws.com/fault-type": "NodeUnhealthy",  # no check or finding: asked
+        "sagemaker.amazonaws.com/fault-reason": "ReplacementRequested",
     }
 
 
@@ -247,6 +309,14 @@ def test_a_node_is_labelled_only_for_what_is_the_nodes_fault(api: KubeApi) -> No
     labels.record(cause("HealthCheck", {"name": "shm", "outcome": "failed"}, 5.0), pod_on(other))
     labels.record(unhealthy(6.0, "UnschedulablePendingReplacement"), pod_on(other))
     assert api.get_node(other)["metadata"]["labels"][STATUS] == "UnschedulablePendingReplacement"
+    # Beside the status, the fault: the Node's own cause, in HyperPod's label keys' names.
+    assert {k: v for k, v in api.get_node(cpu)["metadata"]["labels"].items() if "fault" in k} == {
+        FAULT_TYPE: "HealthCheckFailed",
+        FAULT_REASON: "cpu",
+    }
+    assert api.get_node(shm)["metadata"]["labels"][FAULT_TYPE] == "NodeUnhealthy"
+    assert api.get_node(shm)["metadata"]["labels"][FAULT_REASON] == "XID"
+    assert api.get_node(other)["metadata"]["labels"][FAULT_REASON] == "ReplacementRequested"
 
 
 def _job_body(name: str) -> Obj:

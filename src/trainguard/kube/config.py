@@ -51,6 +51,8 @@ DEFAULT_IMAGE: Final = "trainguard:0.1.0"
 # unhealthy Node gets (its value: the Node's status), with the reason as an annotation.
 HEALTH_STATUS_LABEL: Final = "node-health-status"
 DEEP_HEALTH_LABEL: Final = "deep-health-check-status"
+FAULT_TYPE_LABEL: Final = "fault-type"
+FAULT_REASON_LABEL: Final = "fault-reason"
 HYPERPOD_LABEL_PREFIX: Final = "sagemaker.amazonaws.com"
 UNHEALTHY_TAINT: Final = f"{GROUP}/unhealthy"
 HEALTH_REASON_ANNOTATION: Final = f"{GROUP}/node-health-reason"
@@ -141,6 +143,16 @@ class OperatorConfig:
     def deep_health_label(self) -> str:
         """The key of a Node's ``deep-health-check-status`` label."""
         return f"{self.label_prefix}/{DEEP_HEALTH_LABEL}"
+
+    @property
+    def fault_type_label(self) -> str:
+        """The key of a Node's ``fault-type`` label (beside ``node-health-status``)."""
+        return f"{self.label_prefix}/{FAULT_TYPE_LABEL}"
+
+    @property
+    def fault_reason_label(self) -> str:
+        """The key of a Node's ``fault-reason`` label (beside ``node-health-status``)."""
+        return f"{self.label_prefix}/{FAULT_REASON_LABEL}"
 
     def namespace(self) -> str:
         """The operator's namespace: the setting, else its service account's, else the default."""

@@ -3,7 +3,9 @@
 
 - **writes**: a ``NodeHealth`` event of the job's controller whose status is not
   ``Schedulable`` labels the Kubernetes Node the job node's pod ran on with that status
-  (and the deep-check status, when given) and taints it (:meth:`NodeHealthLabels.record`).
+  (and the deep-check status, when given), with the fault behind it (``fault-type``
+  and ``fault-reason``: the failed check or the finding, or a replacement asked for)
+  and taints it (:meth:`NodeHealthLabels.record`).
   Unless what caused it (the ``HealthCheck`` or ``HealthFinding`` event recorded with
   it) is the pod's own rather than the Node's: a full job dir or ``/dev/shm`` (the
   pod's), memory pressure (Kubernetes taints a Node under pressure itself), a slow
@@ -28,15 +30,17 @@ import logging
 from collections.abc import Mapping
 from typing import Final
 
-from trainguard.control.events import Event
+from trainguard.control.events import Event, FaultType
 from trainguard.kube.api import Conflict, KubeApi, KubeError
 from trainguard.kube.config import HEALTH_REASON_ANNOTATION, OperatorConfig
 from trainguard.kube.node import PodNode
 from trainguard.kube.node_labels import (
     MOVE_OFF,
+    PENDING_REPLACEMENT,
     SCHEDULABLE,
     HealthChange,
     HealthKeys,
+    NodeFault,
     health_patch,
 )
 from trainguard.platform.base import Replace
@@ -51,6 +55,12 @@ NODE_CHECKS: Final = frozenset({"cpu", "memory", "gpu"})
 """On-start checks whose failure is the Node's (the others: the pod's, or either end's)."""
 NODE_FINDINGS: Final = frozenset({"XID", "NVRM", "GpuCount", "Ecc"})
 """Findings that are the Node's hardware (the others: the pod's, or the workloads')."""
+REQUESTED: Final = NodeFault(FaultType.NODE_UNHEALTHY.value, "ReplacementRequested")
+"""The fault labels of a Node whose job node's replacement was asked for (no check or
+finding caused it)."""
+
+Cause = tuple[str, bool, NodeFault]
+"""What a failed check or a finding says (its name), whether it is the Node's, its fault."""
 
 
 def write_health(api: KubeApi, node_name: str, keys: HealthKeys, change: HealthChange) -> bool:
@@ -78,7 +88,7 @@ class NodeHealthLabels:
         self.source = source  # <namespace>/<job>
         self._ours: set[tuple[str, str]] = set()  # (Node, node id): labelled for that node
         self._asked: set[tuple[str, str]] = set()  # (node id, pod): replacements asked for
-        self._causes: dict[str, tuple[float, list[tuple[str, bool]]]] = {}  # see _cause
+        self._causes: dict[str, tuple[float, list[Cause]]] = {}  # see _cause
         self._warned = False
 
     def record(self, event: Event, node: PodNode | None) -> None:
@@ -94,8 +104,9 @@ class NodeHealthLabels:
         if event.kind != "NodeHealth" or not isinstance(status, str) or status == SCHEDULABLE:
             return
         time, causes = self._causes.get(event.node, (None, []))
-        if time == event.time and causes and not any(ours for _, ours in causes):
-            why = ", ".join(what for what, _ in causes)
+        causes = causes if time == event.time else []
+        if causes and not any(ours for _, ours, _ in causes):
+            why = ", ".join(what for what, _, _ in causes)
             logger.info(
                 "%s: %s is %s for the pod's own reasons (%s): its Node is not labelled",
                 self.source,
@@ -112,7 +123,10 @@ class NodeHealthLabels:
             return
         deep = event.data.get("deep")
         reason = f"{self.source} {event.node}: {event.data.get('reason') or event.message}"
-        change = HealthChange(status, deep if isinstance(deep, str) else None, reason)
+        fault = next((f for _, ours, f in causes if ours), None)
+        if fault is None and status == PENDING_REPLACEMENT:
+            fault = REQUESTED  # asked for: no check or finding of this moment caused it
+        change = HealthChange(status, deep if isinstance(deep, str) else None, reason, fault=fault)
         if status in MOVE_OFF:
             self._ours.add((host, event.node))  # no replacement asked for it: it is ours
         try:
@@ -130,10 +144,12 @@ class NodeHealthLabels:
             if event.data.get("outcome") != "failed":
                 return
             name = str(event.data.get("name"))
-            cause = (f"{name} check", name in NODE_CHECKS and not injected)
+            fault = NodeFault(FaultType.HEALTH_CHECK_FAILED.value, name)
+            cause = (f"{name} check", name in NODE_CHECKS and not injected, fault)
         else:
             kind = str(event.data.get("kind"))
-            cause = (kind, kind in NODE_FINDINGS and not injected)
+            fault = NodeFault(FaultType.NODE_UNHEALTHY.value, kind)
+            cause = (kind, kind in NODE_FINDINGS and not injected, fault)
         time, causes = self._causes.get(node_id, (event.time, []))
         if time != event.time:
             causes = []

@@ -10,6 +10,10 @@ and write it through :mod:`trainguard.kube.api`.
   the ``Unschedulable`` it set while its own checks ran (:attr:`HealthChange.clear`).
   A value nobody knows (typed by hand) counts as ``Unschedulable``;
 - ``deep-health-check-status``: ``InProgress`` | ``Passed`` | ``Failed``, as written;
+- ``fault-type`` and ``fault-reason`` (HyperPod's keys; the values are trainguard's, see
+  :class:`NodeFault`): the fault behind the status, written with it (when the status is
+  raised to, or is already, the one asked for) and removed when the status is cleared
+  to ``Schedulable``. A status that is not lowered keeps the fault that set it;
 - the taint ``trainguard.dev/unhealthy=<status>:NoSchedule`` is on a Node exactly while
   the status trainguard wrote is not ``Schedulable`` (job pods never tolerate it; they
   are kept off by their required node affinity anyway), and the annotation
@@ -21,6 +25,7 @@ and write it through :mod:`trainguard.kube.api`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -37,7 +42,9 @@ __all__ = [
     "UNSCHEDULABLE",
     "HealthChange",
     "HealthKeys",
+    "NodeFault",
     "health_patch",
+    "label_value",
     "severity",
     "unhealthy_taint",
     "untolerated",
@@ -56,18 +63,50 @@ MOVE_OFF: Final = (PENDING_REPLACEMENT, PENDING_REBOOT)
 """Statuses of a Node that a job's pod is moved off."""
 MAX_REASON: Final = 1024
 """Characters of the reason annotation."""
+MAX_LABEL_VALUE: Final = 63
+_NOT_IN_LABEL = re.compile(r"[^A-Za-z0-9._-]+")
+_LABEL_ENDS = re.compile(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$")
+
+
+def label_value(text: str) -> str:
+    """``text`` as a valid label value: runs of other characters become ``-``, at most 63
+    characters, beginning and ending with a letter or digit (``Unknown`` when none is
+    left)."""
+    value = _LABEL_ENDS.sub("", _NOT_IN_LABEL.sub("-", text))
+    value = _LABEL_ENDS.sub("", value[:MAX_LABEL_VALUE])
+    return value or "Unknown"
 
 
 @dataclass(frozen=True)
 class HealthKeys:
-    """The label keys of the two statuses (trainguard's prefix, or HyperPod's)."""
+    """The label keys of the two statuses and of the fault behind them (trainguard's
+    prefix, or HyperPod's)."""
 
     status: str
     deep: str
+    fault_type: str | None = None  # None: the fault is not written
+    fault_reason: str | None = None
 
     @classmethod
     def of(cls, settings: OperatorConfig) -> HealthKeys:
-        return cls(settings.health_label, settings.deep_health_label)
+        return cls(
+            settings.health_label,
+            settings.deep_health_label,
+            settings.fault_type_label,
+            settings.fault_reason_label,
+        )
+
+
+@dataclass(frozen=True)
+class NodeFault:
+    """The fault a Node's status is for, as its ``fault-type`` and ``fault-reason`` labels
+    say it (each made a valid label value by :func:`label_value`): the type is the fault's
+    (:class:`~trainguard.control.events.FaultType`: ``HealthCheckFailed``,
+    ``NodeUnhealthy``), the reason what caused it in one word (the failed check's name, the
+    finding's kind, ``ReplacementRequested``). The sentence is the reason annotation's."""
+
+    type: str
+    reason: str
 
 
 def severity(status: str | None) -> int:
@@ -89,6 +128,7 @@ class HealthChange:
     deep: str | None = None
     reason: str | None = None
     clear: bool = False
+    fault: NodeFault | None = None
 
 
 def unhealthy_taint(status: str) -> Obj:
@@ -109,11 +149,12 @@ def health_patch(node: Obj, keys: HealthKeys, change: HealthChange) -> Obj | Non
         lowering = severity(wanted) <= severity(current)
         if not lowering or (change.clear and current == UNSCHEDULABLE):
             status = wanted
-    new_labels: dict[str, str] = {}
+    new_labels: dict[str, str | None] = {}
     if status != current and status is not None:
         new_labels[keys.status] = status
     if change.deep is not None and labels.get(keys.deep) != change.deep:
         new_labels[keys.deep] = change.deep
+    new_labels.update(_fault_labels(labels, keys, change, status))
     taints = list((node.get("spec") or {}).get("taints") or [])
     others = [t for t in taints if t.get("key") != UNHEALTHY_TAINT]
     ours = [] if status in (None, SCHEDULABLE) else [unhealthy_taint(str(status))]
@@ -136,6 +177,23 @@ def health_patch(node: Obj, keys: HealthKeys, change: HealthChange) -> Obj | Non
     if metadata:
         patch["metadata"] = metadata
     return patch
+
+
+def _fault_labels(
+    labels: dict[str, str], keys: HealthKeys, change: HealthChange, status: str | None
+) -> dict[str, str | None]:
+    """The fault labels to write (None: remove) for a Node whose status becomes ``status``."""
+    if keys.fault_type is None or keys.fault_reason is None:
+        return {}
+    wanted: dict[str, str | None] = {}
+    if status == SCHEDULABLE:  # cleared: no fault is behind it any more
+        wanted = {keys.fault_type: None, keys.fault_reason: None}
+    elif change.fault is not None and status == change.status:
+        wanted = {
+            keys.fault_type: label_value(change.fault.type),
+            keys.fault_reason: label_value(change.fault.reason),
+        }
+    return {key: value for key, value in wanted.items() if labels.get(key) != value}
 
 
 def _taint_set(taints: Sequence[Obj]) -> set[tuple[str, str, str]]:
