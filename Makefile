@@ -6,7 +6,7 @@ TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install demo test unit e2e lint format docs bench gpu-check clean
+.PHONY: install demo test test-long unit e2e lint format docs bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,10 +27,14 @@ demo: install
 # The suite in two passes: everything on two xdist workers (most tests wait on processes),
 # then the "exclusive" tests one at a time: their faults are found by hang and throughput
 # rules that a busy machine would trip. Exit code 5 is "nothing collected" (a PYTEST_ARGS
-# selection that falls in one pass only).
+# selection that falls in one pass only). The "long" tests (minutes each: namespace
+# hosts, a real Slurm, the Kubernetes emulator's jobs) are test-long's; CI runs both.
 test: install
-	$(VENV)/bin/pytest -q -m "not exclusive" -n 2 $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(VENV)/bin/pytest -q -m exclusive $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(VENV)/bin/pytest -q -m "not exclusive and not long" -n 2 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(VENV)/bin/pytest -q -m "exclusive and not long" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+test-long: install
+	$(VENV)/bin/pytest -q -m long -n 2 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 unit: install
 	$(VENV)/bin/pytest -q -m "not e2e" -n 2 $(PYTEST_ARGS)

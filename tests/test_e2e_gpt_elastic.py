@@ -30,7 +30,7 @@ if str(GPT_DIR) not in sys.path:
 
 import elastic_batches as eb  # noqa: E402
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 STEPS = 400
 GLOBAL_BATCH = 12

@@ -18,7 +18,7 @@ import yaml
 from hosts_jobs import REPO, HostRun, HostsJob, endpoint
 from netns_hosts import NamespaceHosts
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 DDP = str(REPO / "tests" / "scripts" / "ddp_script.py")
 STEPS = str(REPO / "tests" / "scripts" / "step_worker.py")

@@ -277,6 +277,7 @@ def set_replicas(cluster: Cluster, name: str, replicas: int) -> None:
     )
 
 
+@pytest.mark.long
 def test_evicted_pods_scale_the_job_down_and_a_patched_replica_count_scales_it_up(
     cluster: Cluster,
 ) -> None:
@@ -345,6 +346,7 @@ def test_evicted_pods_scale_the_job_down_and_a_patched_replica_count_scales_it_u
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_a_resilient_job_scales_down_and_back_up_in_place(cluster: Cluster) -> None:
     """``inProcessRestart`` on Kubernetes: an evicted pod's rank leaves and the survivor
     trains on in the same process; the replica count is still 2, so a fresh pod comes up

@@ -202,6 +202,7 @@ def test_privileged_pod_template_fails_in_the_operator(cluster: Cluster) -> None
     assert not cluster.api.list_pods("default", {"trainguard.dev/job": "root"})
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("spares", [1, 0])
 def test_a_node_labelled_for_replacement_by_hand_moves_the_jobs_pod_elsewhere(
     cluster: Cluster, spares: int
@@ -254,6 +255,7 @@ def test_a_node_labelled_for_replacement_by_hand_moves_the_jobs_pod_elsewhere(
         )
 
 
+@pytest.mark.long
 def test_operator_killed_mid_job_its_standby_adopts_the_job_without_a_restart(
     cluster: Cluster,
 ) -> None:
@@ -290,6 +292,7 @@ def test_operator_killed_mid_job_its_standby_adopts_the_job_without_a_restart(
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_gpt_example_trains_on_two_pods(cluster: Cluster) -> None:
     checkpoints = cluster.root / "ckpt"
     command = [

@@ -117,6 +117,7 @@ def test_install_is_refused_with_a_reason_when_not_root(monkeypatch: pytest.Monk
     assert "needs root" in str(e.value)
 
 
+@pytest.mark.long
 def test_comes_up_with_every_host_an_idle_node(slurm_cluster: MakeCluster) -> None:
     cluster = slurm_cluster(3)
     for host in cluster.hosts.hosts:
@@ -140,6 +141,7 @@ def test_comes_up_with_every_host_an_idle_node(slurm_cluster: MakeCluster) -> No
     assert squeue.stdout == ""
 
 
+@pytest.mark.long
 def test_batch_job_srun_runs_on_two_namespace_hosts(slurm_cluster: MakeCluster) -> None:
     cluster = slurm_cluster(3)
     # Submitted from the machine, and from inside a host.
@@ -158,6 +160,7 @@ def test_batch_job_srun_runs_on_two_namespace_hosts(slurm_cluster: MakeCluster) 
         assert sorted(names) == ["node0", "node1", "node2"]
 
 
+@pytest.mark.long
 def test_drain_with_a_reason_and_resume(slurm_cluster: MakeCluster) -> None:
     cluster = slurm_cluster(2)
     cluster.scontrol("update", "nodename=node1", "state=drain", "reason=trainguard: test")
@@ -172,6 +175,7 @@ def test_drain_with_a_reason_and_resume(slurm_cluster: MakeCluster) -> None:
     assert cluster.node("node1")["State"] == "IDLE"
 
 
+@pytest.mark.long
 def test_cut_node_goes_down_and_a_no_kill_job_runs_on(slurm_cluster: MakeCluster) -> None:
     cluster = slurm_cluster(3)
     job_id = cluster.sbatch(
@@ -195,6 +199,7 @@ def test_cut_node_goes_down_and_a_no_kill_job_runs_on(slurm_cluster: MakeCluster
     assert cluster.job(job_id)["JobState"] == "RUNNING"
 
 
+@pytest.mark.long
 def test_requeue_runs_the_job_again(slurm_cluster: MakeCluster) -> None:
     cluster = slurm_cluster(2)
     job_id = cluster.sbatch(f"srun {HEARTBEAT}\n", "-N1", "-w", "node0")
@@ -210,6 +215,7 @@ def test_requeue_runs_the_job_again(slurm_cluster: MakeCluster) -> None:
     assert lines(beat)[0] == "node0 0"
 
 
+@pytest.mark.long
 def test_scancel_ends_the_job_and_its_processes(slurm_cluster: MakeCluster) -> None:
     cluster = slurm_cluster(2)
     script = "sleep 300 &\necho $$ $! > pids\nsrun sleep 300\n"
@@ -231,6 +237,7 @@ def test_scancel_ends_the_job_and_its_processes(slurm_cluster: MakeCluster) -> N
     assert cluster.hosts.pids(cluster.hosts[1]) == [slurmd]
 
 
+@pytest.mark.long
 def test_teardown_leaves_no_daemon_no_process_and_no_namespace() -> None:
     reason = harness.ensure_installed() or unavailable_reason()
     if reason:
@@ -272,6 +279,7 @@ os.kill(os.getpid(), 9)
 """
 
 
+@pytest.mark.long
 def test_a_later_cluster_removes_what_a_killed_test_process_left(
     slurm_cluster: MakeCluster,
 ) -> None:

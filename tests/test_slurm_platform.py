@@ -19,7 +19,7 @@ import yaml
 from conftest import REPO
 from slurm_cluster import SlurmCluster
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 STEPS = str(REPO / "tests" / "scripts" / "step_worker.py")
 Make = Callable[..., SlurmCluster]
