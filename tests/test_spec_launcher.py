@@ -145,7 +145,9 @@ def test_hyperpodrun_extras() -> None:
     )
     assert line is not None
     assert (line.launcher, line.nnodes, line.nproc_per_node) == ("hyperpodrun", 2, "gpu")
-    assert "--inprocess-restart" in line.ignored and "--server-port" in line.ignored
+    assert set(line.ignored) == {"--server-host", "--server-port"}
+    assert line.hyperpod.inprocess_restart and line.hyperpod.shutdown_signal == "SIGTERM"
+    assert line.hyperpod.pre_train == ("/w/pre.sh", "a", "b")
 
 
 def test_hyperpodrun_flags_are_not_torchrun_flags() -> None:

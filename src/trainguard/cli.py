@@ -21,6 +21,7 @@ from trainguard.platform import views
 from trainguard.platform.inject import INJECT_HELP
 from trainguard.platform.store import JobNotFound, StateDirError, open_store
 from trainguard.spec.cli_job import DEFAULT_MAX_RESTARTS
+from trainguard.spec.hyperpod_flags import add_hyperpodrun_flags
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a reader gone early
@@ -127,6 +128,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="keep serving metrics this long after the job ends, for a last scrape",
     )
+    add_hyperpodrun_flags(run)
     hosts = run.add_argument_group(
         "several hosts",
         "run the same command on every host; the host that owns --rdzv-endpoint runs the "

@@ -66,6 +66,8 @@ class ControlConfig:
 
     # -- stopping ---------------------------------------------------------------------
     stop_grace_seconds: float = 10.0
+    # A fault's stop: SIGTERM and the grace too (shutdownSignal SIGTERM), not SIGKILL now.
+    graceful_fault_stops: bool = False
     # Extra time, beyond the grace period, that nodes get to report a stop.
     stop_slack_seconds: float = 15.0
 

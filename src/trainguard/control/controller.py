@@ -412,7 +412,8 @@ class JobController:
             if recovery.can_restart_in_place(self, attempt, reports):
                 return [*actions, recovery.restart_in_place(self, now, attempt, reports)]
             capture = any(f.type.is_hang for f in faults)
-            return [*actions, self._stop(now, attempt, "process", faults[0].message, capture)]
+            mode = "graceful" if self.config.graceful_fault_stops else "process"
+            return [*actions, self._stop(now, attempt, mode, faults[0].message, capture)]
         actions += self._plan_checkpoints(now, attempt, reports)
         if len(current) == len(attempt.assignments) and all(
             status.state is NodeState.COMPLETED for _, status in current

@@ -63,6 +63,7 @@ def control_config(
         no_progress_timeout=options.no_progress_timeout_seconds,
         lost_after=lost_after(options.node_lost_after_seconds, hosts),
         stop_grace_seconds=plan.stop_grace_seconds,
+        graceful_fault_stops=options.shutdown_signal == "SIGTERM",
         active_deadline_seconds=plan.active_deadline_seconds,
         durable=DurableCadence(
             checkpointing.durable_every_steps, checkpointing.durable_every_seconds

@@ -21,12 +21,17 @@ from trainguard.platform.store import StateDirError, open_store
 from trainguard.slurm.allocation import Allocation, SlurmError, in_allocation, spare_count
 from trainguard.spec import SpecError, TrainingJob, cli_job, load_job, resolve_plan
 from trainguard.spec.cli_job import DEFAULT_MAX_RESTARTS
+from trainguard.spec.hyperpod_flags import flags_of_args, with_hyperpod_flags
 from trainguard.spec.plan import check_local_size
 from trainguard.spec.scripts import check_scripts
 from trainguard.spec.secrets import SecretSource
 
 EXIT_USAGE = 2
-_TORCHRUN_FLAGS = ("nnodes", "nproc_per_node", "max_restarts", "module", "no_python", "name")
+_TORCHRUN_FLAGS = (
+    "nnodes", "nproc_per_node", "max_restarts", "module", "no_python", "name",
+    "pre_train_script", "pre_train_args", "post_train_script", "post_train_args",
+    "shutdown_signal", "shutdown_timeout", "inprocess_restart", "inprocess_timeout",
+)  # fmt: skip
 
 
 def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -66,6 +71,7 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
                 module=args.module,
                 no_python=args.no_python,
             )
+            job = with_hyperpod_flags(job, [(source, flags_of_args(args))], source)
         if args.cold_start:
             job = cold_started(job)
         slurm = in_allocation() and not args.standalone

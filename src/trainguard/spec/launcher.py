@@ -16,9 +16,10 @@ import argparse
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
+from trainguard.spec.hyperpod_flags import HyperpodFlags, add_hyperpod_flags, hyperpod_flags
 from trainguard.spec.limits import MAX_NODES, MAX_NPROC_PER_NODE, MAX_RESTARTS
 
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
@@ -45,6 +46,8 @@ class LauncherLine:
     script_args: tuple[str, ...]
     ignored: tuple[str, ...]  # flags given that trainguard overrides, e.g. "--master-port"
     launcher: str  # "torchrun" | "hyperpodrun" | "python3 -m torch.distributed.run"
+    # hyperpodrun's own flags trainguard honours (see trainguard.spec.hyperpod_flags).
+    hyperpod: HyperpodFlags = field(default_factory=lambda: HyperpodFlags())
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,15 +86,10 @@ _TORCHRUN_IGNORED: tuple[tuple[tuple[str, ...], bool], ...] = (
     (("--virtual-local-rank", "--virtual_local_rank"), False),
 )
 _HYPERPODRUN_IGNORED: tuple[tuple[tuple[str, ...], bool], ...] = (
-    (("--shutdown-signal", "--shutdown_signal"), True),
     (("--server-host", "--server_host"), True),
     (("--server-port", "--server_port"), True),
-    (("--pre-train-script", "--pre_train_script"), True),
-    (("--pre-train-args", "--pre_train_args"), True),
-    (("--post-train-script", "--post_train_script"), True),
-    (("--post-train-args", "--post_train_args"), True),
-    (("--inprocess-restart", "--inprocess_restart"), False),
-    (("--inprocess-timeout", "--inprocess_timeout"), True),
+    (("--server-log-level", "--server_log_level"), True),
+    (("--server-shutdown-timeout", "--server_shutdown_timeout"), True),
 )
 
 
@@ -108,6 +106,9 @@ def _build_parser(hyperpod: bool) -> _Parser:
     parser.add_argument("-m", "--module", action="store_true")
     parser.add_argument("--no-python", "--no_python", dest="no_python", action="store_true")
     ignored = _TORCHRUN_IGNORED + (_HYPERPODRUN_IGNORED if hyperpod else ())
+    if hyperpod:  # hyperpodrun's --shutdown-timeout is its own, not torchrun's (ignored)
+        ignored = tuple(item for item in ignored if item[0][0] != "--shutdown-timeout")
+        add_hyperpod_flags(parser)
     for spellings, takes_value in ignored:
         long_name = next(s for s in spellings if s.startswith("--"))
         dest = "ignored:" + long_name.replace("_", "-")
@@ -198,6 +199,10 @@ def parse_launcher(argv: Sequence[str]) -> LauncherLine | None:
     run_path = bool(ns.get("ignored:--run-path", False))
     if module and no_python:
         raise LauncherError(f"{launcher}: --no-python and -m/--module cannot be used together")
+    try:
+        hyperpod = hyperpod_flags(ns)
+    except ValueError as err:
+        raise LauncherError(f"{launcher}: {err}") from None
     return LauncherLine(
         launcher=launcher,
         nnodes=nnodes,
@@ -208,4 +213,5 @@ def parse_launcher(argv: Sequence[str]) -> LauncherLine | None:
         script=ns["training_script"],
         script_args=tuple(ns.get("training_script_args", ())),
         ignored=tuple(key.split(":", 1)[1] for key in ns if key.startswith("ignored:")),
+        hyperpod=hyperpod,
     )

@@ -284,6 +284,29 @@ class TrainguardOptions(SpecModel):
         allow_inf_nan=False,
         description="trainguard extension: time workers get after SIGTERM before SIGKILL.",
     )
+    shutdown_signal: Literal["SIGTERM", "SIGKILL"] | None = Field(
+        default=None,
+        description="trainguard extension (hyperpodrun's --shutdown-signal): the signal "
+        "that stops workers, at every stop. SIGTERM: SIGKILL follows after "
+        "stopGracePeriodSeconds (hyperpodrun's --shutdown-timeout), a fault's restart "
+        "included; SIGKILL: at once. Unset: a requested stop is SIGTERM then SIGKILL after "
+        "stopGracePeriodSeconds, a fault's restart SIGKILL at once.",
+    )
+    pre_train_script: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="trainguard extension (hyperpodrun's --pre-train-script and "
+        "--pre-train-args): a command (argv, run without a shell in the workers' directory "
+        "and environment) every node runs before it starts its workers, at every start; "
+        "its failure is a node fault whose message ends with the command's output.",
+    )
+    post_train_script: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="trainguard extension (hyperpodrun's --post-train-script and "
+        "--post-train-args): a command every node runs once all its workers exited 0; its "
+        "failure is a node fault whose message ends with the command's output.",
+    )
     poll_interval_seconds: float = Field(
         default=DEFAULT_POLL_INTERVAL_SECONDS,
         gt=0,

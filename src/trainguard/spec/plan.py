@@ -7,6 +7,10 @@ Rules (the local platform ignores the image; trainguard's own interpreter runs w
   `[sys.executable, "-u", script, *args]`, `-m` -> `[sys.executable, "-u", "-m", module,
   ...]`, `--no-python` -> `[script, *args]`; its --nproc-per-node / --nnodes /
   --max-restarts fill spec fields left unset, and must agree with fields that are set;
+  hyperpodrun's own flags (pre/post-train scripts, shutdown signal and timeout, in-process
+  restart) fill `spec.trainguard` the same way (see trainguard.spec.hyperpod_flags);
+- `stopGracePeriodSeconds` is the stop's grace, 0 (SIGKILL at once) with
+  `shutdownSignal: SIGKILL`;
 - a bare `python`/`python3` becomes `sys.executable`, with `-u` added;
 - `nprocPerNode` resolves to a number: an integer, `cpu` -> os.cpu_count(), `gpu` ->
   CUDA devices (error if none), `auto` -> CUDA devices if any, else cpu; unset -> 1;
@@ -25,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+from trainguard.spec.hyperpod_flags import with_hyperpod_flags
 from trainguard.spec.launcher import LauncherError, LauncherLine, parse_launcher
 from trainguard.spec.limits import (
     MAX_ARG_BYTES,
@@ -131,7 +136,9 @@ def resolve_plan(job: TrainingJob, source: str, secrets: SecretSource | None = N
     if world_size > MAX_WORLD_SIZE:
         problem = f"{world_size} ranks in all; a job has at most {MAX_WORLD_SIZE}"
         raise SpecError(source, [("spec.nprocPerNode", problem)])
-    options = spec.trainguard
+    # hyperpodrun's own flags in the launcher lines become spec.trainguard options.
+    job = with_hyperpod_flags(job, [(where, line.hyperpod) for where, line in launchers], source)
+    options = job.spec.trainguard
     by_flag = source == "command line" or (  # torchrun's flags, or a launcher line's
         spec.run_policy.job_max_retry_count is None
         and any(line.max_restarts is not None for _, line in launchers)
@@ -142,7 +149,9 @@ def resolve_plan(job: TrainingJob, source: str, secrets: SecretSource | None = N
         groups=tuple(groups),
         max_restarts=max_restarts or 0,
         active_deadline_seconds=spec.run_policy.active_deadline_seconds,
-        stop_grace_seconds=options.stop_grace_period_seconds,
+        stop_grace_seconds=(
+            0.0 if options.shutdown_signal == "SIGKILL" else options.stop_grace_period_seconds
+        ),
         poll_interval_seconds=options.poll_interval_seconds,
         node_start_timeout_seconds=options.node_start_timeout_seconds,
         job=job,
