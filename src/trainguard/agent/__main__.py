@@ -5,6 +5,7 @@
         [--controller-grace SECONDS]]
         [--incarnation NAME] [--cwd DIR] [--env KEY=VALUE]... [--cold-start]
         [--preload MODULE]... [--max-replica-bytes BYTES]
+        [--pre-train-script JSON] [--post-train-script JSON]
         [--health JSON [--health-peers RANK,WORLD,ADDR,PORT] [--health-hooks DIR]
         [--health-fail CHECK]...] -- WORKER_ARGV...
 
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from trainguard.agent.exec_worker import set_parent_death_signal
 from trainguard.agent.jobenv import take_job_env
+from trainguard.agent.train_scripts import parse_script_flag
 
 if TYPE_CHECKING:
     import ssl
@@ -94,6 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="MODULE",
         help="also import this module in the worker template",
+    )
+    parser.add_argument(
+        "--pre-train-script",
+        type=parse_script_flag,
+        default=(),
+        metavar="JSON",
+        help="argv (a JSON list) run before each attempt's workers start; failing is a fault",
+    )
+    parser.add_argument(
+        "--post-train-script",
+        type=parse_script_flag,
+        default=(),
+        metavar="JSON",
+        help="argv (a JSON list) run once the attempt's workers all exited 0; failing is a fault",
     )
     parser.add_argument(
         "--max-replica-bytes",
@@ -279,6 +295,7 @@ def _serve(
     from trainguard.agent.replicas import ReplicaStore
     from trainguard.agent.server import AgentHTTPServer
     from trainguard.agent.supervisor import AgentTimings, Supervisor
+    from trainguard.agent.train_scripts import TrainScripts
     from trainguard.agent.warm import StartOptions
     from trainguard.agent.workers import reserved_env_keys
 
@@ -298,7 +315,11 @@ def _serve(
         timings=timings,
         token=token,
         incarnation=args.incarnation,
-        start_options=StartOptions(warm=not args.cold_start, preload=tuple(args.preload)),
+        start_options=StartOptions(
+            warm=not args.cold_start,
+            preload=tuple(args.preload),
+            scripts=TrainScripts(args.pre_train_script, args.post_train_script),
+        ),
         fence=lease.fenced,
         tls=_client_tls(args.tls_ca),
     )

@@ -36,6 +36,7 @@ from trainguard.agent.monitoring import build_monitor
 from trainguard.agent.persist import MEMORY_DIR_ENV, DurablePersister, make_persister
 from trainguard.agent.replicas import ReplicaPusher, restore_from_peers
 from trainguard.agent.reporter import Reporter
+from trainguard.agent.train_scripts import run_train_script
 from trainguard.agent.warm import FRESH_STARTS, Spawner, StartOptions
 from trainguard.agent.workers import WorkerGroup
 from trainguard.elastic.request import AGREED_SUFFIX, ARMED_SUFFIX, ELASTIC_FILE_ENV
@@ -336,6 +337,12 @@ class Supervisor:
         )
         with self.board.lock:
             self.board.attach(monitor, beats_dir, group)
+        failure = self._run_script("pre-train", self._start_options.scripts.pre)
+        if failure is not None:
+            group.finish()
+            with self.board.lock:
+                self.board.set(NodeState.FAULTED, reason=failure)
+            return
         logger.info("starting attempt %d: ranks %s", assignment.attempt, assignment.global_ranks)
         try:
             pids = group.start()
@@ -468,11 +475,29 @@ class Supervisor:
             )
             if first is not None and self.board.state is not NodeState.FAULTED:
                 self.board.set(NodeState.FAULTED, reason=first.describe_exit())
-            elif first is None and group.all_exited():
-                self.board.set(NodeState.COMPLETED, reason=None)
+            completed = first is None and group.all_exited()
+            stopping = self.board.state is NodeState.STOPPING
+        if completed:  # the post-train script first: its failure is the node's fault
+            failure = None if stopping else self._run_script("post-train", self._post_train)
+            with self.board.lock:
+                if failure is not None:
+                    self.board.set(NodeState.FAULTED, reason=failure)
+                else:
+                    self.board.set(NodeState.COMPLETED, reason=None)
         if group.all_exited():
             self._finish_attempt()
             logger.info("attempt %d %s", group.assignment.attempt, self.board.state.value)
+
+    @property
+    def _post_train(self) -> tuple[str, ...]:
+        return self._start_options.scripts.post
+
+    def _run_script(self, phase: str, argv: tuple[str, ...]) -> str | None:
+        """Run the node's ``phase`` script if it has one: None, or why it failed."""
+        if not argv:
+            return None
+        log_file = self._layout.root / f"{self.node_id}-{phase}.log"
+        return run_train_script(phase, argv, self._agent_env, self._cwd, log_file)
 
     def _stop(self, request: StopRequest, attempt: int) -> None:
         with self.board.lock:

@@ -26,11 +26,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from trainguard.agent.preload import warm_command
+from trainguard.agent.train_scripts import TrainScripts
 from trainguard.platform.procs import alive
 
 logger = logging.getLogger(__name__)
@@ -84,13 +85,14 @@ class StartOptions:
 
     warm: bool = True
     preload: tuple[str, ...] = ()
+    scripts: TrainScripts = field(default_factory=TrainScripts)  # pre/post-train commands
 
     def agent_flags(self) -> list[str]:
         """The agent's command-line flags that ask for these options."""
         flags = [] if self.warm else ["--cold-start"]
         for name in self.preload:
             flags += ["--preload", name]
-        return flags
+        return flags + self.scripts.agent_flags()
 
 
 WARM_STARTS = StartOptions()

@@ -35,6 +35,7 @@ from typing import Any
 
 from trainguard.agent.jobenv import JOB_ENV_VAR, encode_job_env
 from trainguard.agent.persist import CONFIG_ENV, MEMORY_DIR_ENV
+from trainguard.agent.train_scripts import TrainScripts
 from trainguard.agent.warm import StartOptions
 from trainguard.kube.config import (
     GROUP,
@@ -214,7 +215,8 @@ def _agent_argv(job: TrainingJob, node_id: str, settings: OperatorConfig) -> lis
         f"{settings.pod_log_dir}/$({POD_NAME_ENV})",
     ]
     options = job.spec.trainguard
-    start = StartOptions(options.warm_start, tuple(options.preload_modules))
+    scripts = TrainScripts(tuple(options.pre_train_script), tuple(options.post_train_script))
+    start = StartOptions(options.warm_start, tuple(options.preload_modules), scripts)
     # The node's health checks and monitors (no connectivity peers here: that check is
     # skipped on a cluster, see the README's "Node health").
     health = ["--health", options.health_checks.settings().to_json()]

@@ -26,6 +26,7 @@ from typing import IO, Any, TextIO
 from wsgiref.simple_server import WSGIServer
 
 from trainguard.agent.logcap import RotatingFile
+from trainguard.agent.train_scripts import TrainScripts
 from trainguard.agent.warm import StartOptions
 from trainguard.agent.workers import HOST_WORKERS_ENV
 from trainguard.control.controller import JobController, JobPhase
@@ -124,7 +125,8 @@ def agent_launcher(
     }
     by_node: dict[str, NodeGroupPlan] = {n: group for n, (_, group) in groups.items()}
     options = plan.job.spec.trainguard
-    start = StartOptions(options.warm_start, tuple(options.preload_modules))
+    scripts = TrainScripts(tuple(options.pre_train_script), tuple(options.post_train_script))
+    start = StartOptions(options.warm_start, tuple(options.preload_modules), scripts)
     grace = options.controller_grace_seconds
     health = HealthLaunch(options.health_checks.settings(), job_dir / "health", fail or {})
     return AgentLauncher(
