@@ -71,6 +71,13 @@ def test_resume_re_attaches_to_live_agents_with_no_restart_and_no_lost_step(
     for rank in (0, 1):  # every step once: nothing was redone, nothing skipped
         assert rank_steps(after, rank) == list(range(1, STEPS + 1))
     assert not any(pid_alive(p) for p in agents)  # shut down at the end, as usual
+    # The ranks' lines from the kill on (they went to a pipe nobody read) are on the
+    # resumed controller's terminal and in the job's combined log, to the last one.
+    assert re.search(r"^\[rank[01]\]: Step \d+$", done.stdout, re.MULTILINE), done.stdout[-2000:]
+    combined = tg.run("logs", job_id, timeout=60)
+    assert combined.returncode == 0, combined.stderr
+    for rank in (0, 1):
+        assert f"[rank{rank}]: Step {STEPS}\n" in combined.stdout, combined.stdout[-2000:]
 
 
 @pytest.mark.e2e

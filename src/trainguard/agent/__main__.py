@@ -290,7 +290,7 @@ def _serve(
     # The agent's own modules only once the command line is known to be good.
     from trainguard.agent.controller_watch import ControllerWatch
     from trainguard.agent.lease import ControllerLease
-    from trainguard.agent.logs import Console, LogLayout
+    from trainguard.agent.logs import Console, LogLayout, orphaned_console
     from trainguard.agent.persist import MEMORY_DIR_ENV
     from trainguard.agent.replicas import ReplicaStore
     from trainguard.agent.server import AgentHTTPServer
@@ -311,7 +311,7 @@ def _serve(
         LogLayout(args.log_dir.resolve()),
         agent_env=agent_env,
         cwd=args.cwd.resolve() if args.cwd is not None else None,
-        console=Console(sys.stdout.buffer),
+        console=Console(sys.stdout.buffer, orphaned_console(args.log_dir.resolve(), args.node_id)),
         timings=timings,
         token=token,
         incarnation=args.incarnation,

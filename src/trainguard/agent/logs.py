@@ -89,12 +89,15 @@ class Console:
     """Worker lines prefixed with their rank, each in one write + flush.
 
     Several agents may share one terminal; whole-line writes keep their lines
-    from interleaving mid-line. A broken console (closed pipe) is dropped
-    silently: losing the echo must not stop the agent.
+    from interleaving mid-line. A broken console (closed pipe: the controller that read
+    it died) is dropped without stopping the agent; with a ``fallback`` file, the line
+    that broke it and every one after go there instead, for a resumed controller to
+    follow (:func:`orphaned_console`).
     """
 
-    def __init__(self, stream: BinaryIO | None = None) -> None:
+    def __init__(self, stream: BinaryIO | None = None, fallback: Path | None = None) -> None:
         self._stream = stream if stream is not None else sys.stdout.buffer
+        self._fallback = fallback
         self._lock = threading.Lock()
         self._broken = False
 
@@ -104,13 +107,25 @@ class Console:
         prefix = b"[rank%d]: " % rank
         data = (line if line.startswith(prefix) else prefix + line) + b"\n"
         with self._lock:
-            if self._broken:
+            if not self._broken:
+                try:
+                    self._stream.write(data)
+                    self._stream.flush()
+                    return
+                except (OSError, ValueError):
+                    self._broken = True
+            if self._fallback is None:
                 return
             try:
-                self._stream.write(data)
-                self._stream.flush()
-            except (OSError, ValueError):
-                self._broken = True
+                with self._fallback.open("ab") as out:
+                    out.write(data)
+            except OSError:
+                self._fallback = None  # no room, no directory: the echo is lost, not the job
+
+
+def orphaned_console(log_dir: Path, node_id: str) -> Path:
+    """Where a node's agent writes its console once nobody reads its pipe."""
+    return log_dir / f"console-{node_id}.orphaned.log"
 
 
 @dataclass

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any, TextIO
+from typing import Any, TextIO
 from wsgiref.simple_server import WSGIServer
 
 from trainguard.agent.logcap import RotatingFile
@@ -40,6 +40,7 @@ from trainguard.platform.base import Cancel
 from trainguard.platform.book import ReportBook
 from trainguard.platform.config import control_config, fence_after
 from trainguard.platform.drive import drive
+from trainguard.platform.follow import LineSource
 from trainguard.platform.inbox import Inbox
 from trainguard.platform.inject import Injection, Injector
 from trainguard.platform.local_platform import LocalPlatform
@@ -283,6 +284,7 @@ class LocalRunner:
             live=self._live,
             address=self.hosts.local.addr if self.hosts is not None else "127.0.0.1",
         )
+        platform.console_dir = self.logs_dir  # adopted agents' consoles (resume)
         if self.hosts is not None:
             platform.listeners += [self.hosts.on_event, *self.hosts.listeners]
             if isinstance(platform.launcher, HostsLauncher):
@@ -486,7 +488,7 @@ class LocalRunner:
         self._say(f"state: {self.store.root}  (trainguard describe {self.job_id})")
         return JobResult(self.job_id, controller.phase, reason, self.job_dir)
 
-    def _pump(self, stream: IO[bytes]) -> None:
+    def _pump(self, stream: LineSource) -> None:
         """Copy an agent's console (every rank's lines, prefixed) to ours and to console.log."""
         try:
             for raw in iter(stream.readline, b""):

@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO
 
 from trainguard.agent.client import AgentError
+from trainguard.agent.logs import orphaned_console
 from trainguard.control.actions import LaunchNodes
 from trainguard.control.assignment import Endpoint
 from trainguard.control.contact import Contact, contact
@@ -33,6 +33,7 @@ from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
 from trainguard.platform.base import Cancel, Observation, Replace
 from trainguard.platform.book import ReportBook
+from trainguard.platform.follow import FollowedFile, LineSource
 from trainguard.platform.inject import Injector, Targets
 from trainguard.platform.node import LaunchedNode, NodeLauncher
 from trainguard.platform.procs import free_port, start_time
@@ -42,6 +43,8 @@ from trainguard.wire.requests import InjectRequest, StepInjection
 from trainguard.wire.status import WorkerState
 
 __all__ = ["LocalPlatform"]
+
+FOLLOWER_DRAIN_SECONDS = 10.0  # an adopted agent's last console lines, at the end
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ class LocalPlatform:
         hooks_root: Path | None = None,
         preempt_grace: float | None = None,
         say: Callable[[str], None],
-        pump: Callable[[IO[bytes]], None],
+        pump: Callable[[LineSource], None],
         interrupted: Callable[[], str | None],
         observer: JobObserver | None = None,
         live: LiveLine | None = None,
@@ -88,6 +91,10 @@ class LocalPlatform:
         # A stop decided outside the controller (no host left to run a node), taken at
         # the next look.
         self.cancel: Cancel | None = None
+        # The job's log directory, where adopted agents write their orphaned console.
+        self.console_dir: Path | None = None
+        self._closed = threading.Event()
+        self._followers: list[threading.Thread] = []
         self.job_id = job_id
         self.store = store
         self.transport = transport
@@ -149,11 +156,23 @@ class LocalPlatform:
                 ).start()
 
     def adopt(self, nodes: Sequence[LaunchedNode], urls: Sequence[str]) -> None:
-        """Take over agents a dead controller launched (``trainguard resume``)."""
+        """Take over agents a dead controller launched (``trainguard resume``); their
+        workers' lines, which went to the dead controller's pipe, are followed in the
+        file each agent writes them to since (from the first one the pipe refused)."""
         for node, url in zip(nodes, urls, strict=True):
             self.book.reset(node.node_id, node.incarnation)
             self.book.located(node.node_id, url, "localhost")
             self.nodes[node.node_id] = node
+            if self.console_dir is not None:
+                orphaned = FollowedFile(
+                    orphaned_console(self.console_dir, node.node_id), self._closed
+                )
+                follower = threading.Thread(
+                    target=self._pump, args=(orphaned,), daemon=True,
+                    name=f"console-{node.node_id}",
+                )  # fmt: skip
+                follower.start()
+                self._followers.append(follower)
         # New agents get incarnations the dead controller never gave ("<node>.<launch>").
         suffixes = [n.incarnation.rpartition(".")[2] for n in nodes]
         self._launches = max([self._launches, *(int(x) for x in suffixes if x.isdigit())])
@@ -167,6 +186,9 @@ class LocalPlatform:
         """Shut every agent down (the job ended, or the runner is going away)."""
         self.injector.close()  # resume stopped workers so they can be shut down
         self._shutdown(list(self.nodes))
+        self._closed.set()  # the agents are gone: the followers read what they left
+        for follower in self._followers:
+            follower.join(FOLLOWER_DRAIN_SECONDS)
         self.transport.close()
 
     def _shutdown(self, node_ids: Sequence[str]) -> None:

@@ -1,0 +1,52 @@
+"""A file another process appends to, read line by line as a stream (``tail -F``'s
+reading half): a resumed controller follows what an adopted agent writes to its
+orphaned console (:func:`trainguard.agent.logs.orphaned_console`)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+__all__ = ["FollowedFile", "LineSource"]
+
+POLL_SECONDS = 0.2
+
+
+class LineSource(Protocol):
+    """What a console pump reads: an agent's stdout pipe, or a followed file."""
+
+    def readline(self) -> bytes: ...
+
+
+class FollowedFile:
+    """``readline()`` returns each complete line of ``path`` as it is written, waiting
+    for the file to appear and to grow; ``b""`` once ``stop`` is set and the file is
+    read to its end."""
+
+    def __init__(self, path: Path, stop: threading.Event) -> None:
+        self.path = path
+        self._stop = stop
+        self._file: BinaryIO | None = None
+        self._pending = b""
+
+    def readline(self) -> bytes:
+        while True:
+            if self._file is None:
+                try:
+                    self._file = self.path.open("rb")
+                except FileNotFoundError:
+                    if self._stop.wait(POLL_SECONDS):
+                        return b""
+                    continue
+            chunk = self._file.readline()
+            if chunk:
+                self._pending += chunk
+                if self._pending.endswith(b"\n"):
+                    line, self._pending = self._pending, b""
+                    return bytes(line)
+                continue
+            if self._stop.is_set():  # stopped, and read to the end: done
+                self._file.close()
+                return b""
+            self._stop.wait(POLL_SECONDS)
