@@ -60,6 +60,8 @@ from typing import IO, Any
 
 import pytest
 
+from trainguard.platform.procs import start_time
+
 RUN_DIR = Path("/run/trainguard-netns")
 NETNS_DIR = Path("/run/netns")
 IFNAME = "eth0"
@@ -118,14 +120,6 @@ def _base36(n: int) -> str:
             return out
 
 
-def _start_time(pid: int) -> str | None:
-    """The start time of ``pid`` (to tell a reused pid apart), or None if it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def _netns_pids(netns: str) -> list[int]:
     """The pids of the live processes in network namespace ``netns`` (zombies have none)."""
     try:
@@ -175,9 +169,11 @@ def _remove(record: dict[str, Any]) -> list[str]:
 
 
 @contextlib.contextmanager
-def _locked() -> Iterator[None]:
-    RUN_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
-    with open(RUN_DIR / "lock", "w") as lock:
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (made, with its folder, if missing): one test
+    process at a time records, sweeps or tears down (this harness's, slurm_cluster's)."""
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    with open(path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -192,7 +188,7 @@ def _sweep_stale() -> None:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if _start_time(record["owner"]) != record["owner_start"] and not _remove(record):
+        if start_time(record["owner"]) != record["owner_start"] and not _remove(record):
             path.unlink(missing_ok=True)
 
 
@@ -250,7 +246,7 @@ class NamespaceHosts:
         self._closed = False
         self._owner = os.getpid()
         self.hosts: list[Host] = []
-        with _locked():
+        with locked(RUN_DIR / "lock"):
             _sweep_stale()
             n = next(_counter)
             while _tag_taken(tag := f"tg{_base36(os.getpid())}{_base36(n)}"):
@@ -285,7 +281,7 @@ class NamespaceHosts:
     def _record(self) -> dict[str, Any]:
         return {
             "owner": os.getpid(),
-            "owner_start": _start_time(os.getpid()),
+            "owner_start": start_time(os.getpid()),
             "bridge": self.bridge,
             "veths": [h.veth for h in self.hosts],
             "netns": [h.netns for h in self.hosts],

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import itertools
 import json
 import os
@@ -76,8 +75,9 @@ from typing import Any
 
 import pytest
 
-from netns_hosts import Host, NamespaceHosts
+from netns_hosts import Host, NamespaceHosts, locked
 from slurm_conf import node_states, parse_record, slurm_conf
+from trainguard.platform.procs import start_time
 
 RUN_DIR = Path("/run/trainguard-slurm")
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
@@ -94,14 +94,6 @@ _live: set[SlurmCluster] = set()  # closed at exit if a test did not
 
 class SlurmUnavailable(RuntimeError):
     """Slurm cannot be installed or run here."""
-
-
-def start_time(pid: int) -> str | None:
-    """The start time of ``pid`` (to tell a reused pid apart), or None if it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def _marked_pids(directory: Path) -> list[int]:
@@ -133,17 +125,6 @@ def _kill(pids: Mapping[int, str | None], directory: Path, timeout: float = KILL
         time.sleep(0.05)
 
 
-@contextlib.contextmanager
-def _locked(name: str) -> Iterator[None]:
-    RUN_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
-    with open(RUN_DIR / name, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def _sweep_stale() -> None:
     """Kill and remove what clusters of dead test processes left (caller holds the lock)."""
     for path in RUN_DIR.glob("*.json"):
@@ -172,7 +153,7 @@ def ensure_installed(timeout: float = INSTALL_TIMEOUT) -> str | None:
     options = ["-q", "-o", f"DPkg::Lock::Timeout={timeout / 2:.0f}"]
     install = ["install", "-y", "--no-install-recommends", *PACKAGES]
     deadline = time.monotonic() + timeout
-    with _locked("install.lock"):
+    with locked(RUN_DIR / "install.lock"):
         for args in (install, ["update"], install):
             if all(shutil.which(p) for p in PROGRAMS):  # installed meanwhile
                 return None
@@ -219,7 +200,7 @@ class SlurmCluster:
         self._owner = os.getpid()
         self._procs: dict[str, subprocess.Popen[bytes]] = {}  # name -> daemon
         self._scripts = itertools.count()
-        with _locked("lock"):
+        with locked(RUN_DIR / "lock"):
             _sweep_stale()
             self.name = f"tg{os.getpid()}-{next(_counter)}"
             self.dir = RUN_DIR / self.name
