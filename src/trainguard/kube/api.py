@@ -220,12 +220,44 @@ class KubeApi:
             if (node.get("metadata", {}).get("labels") or {}).get(label) in values
         ]
 
+    def all_nodes(self) -> list[Obj]:
+        """Every Node (an elastic job's capacity, ``kube/capacity.py``)."""
+        return list(self._json(self.core.list_node).get("items") or [])
+
+    def bound_pods(self) -> list[Obj]:
+        """Every pod bound to a Node and not ended, in every namespace (what the Nodes'
+        resources hold)."""
+        selector = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
+        data = self._json(self.core.list_pod_for_all_namespaces, field_selector=selector)
+        return list(data.get("items") or [])
+
     def patch_node(self, name: str, patch: Obj) -> Obj:
         """A JSON merge patch of the Node (a list in it, such as ``spec.taints``, replaces
         the Node's; ``metadata.resourceVersion`` in it makes a changed Node a
         :class:`Conflict`)."""
         return self._json(
             self.core.patch_node, name, patch, _content_type="application/merge-patch+json"
+        )
+
+    # -- custom resources of other projects (Kueue's Workloads) --------------------------
+
+    def get_object(self, group: str, version: str, namespace: str, plural: str, name: str) -> Obj:
+        return self._json(
+            self.custom.get_namespaced_custom_object, group, version, namespace, plural, name
+        )
+
+    def create_object(
+        self, group: str, version: str, namespace: str, plural: str, body: Obj
+    ) -> Obj:
+        return self._json(
+            self.custom.create_namespaced_custom_object, group, version, namespace, plural, body
+        )
+
+    def delete_object(
+        self, group: str, version: str, namespace: str, plural: str, name: str
+    ) -> None:
+        self._json(
+            self.custom.delete_namespaced_custom_object, group, version, namespace, plural, name
         )
 
     # -- the operators' leader election -----------------------------------------------

@@ -13,6 +13,12 @@ The decisions are the controller's (:mod:`trainguard.control.elastic`); the plat
   it, the Eviction API, the kubelet under node pressure, a taint) or a pod the kubelet
   evicted (phase ``Failed``, reason ``Evicted``). A node's new pod is not preempted.
 
+With the operator's rights on Nodes (``TRAINGUARD_NODE_LABELS``, the default), the
+capacity is also at most what the Nodes hold (:class:`NodeCapacity`, the model in
+:mod:`trainguard.kube.capacity`), and the nodes whose pod is on a Node going away
+(cordoned, not Ready, labelled unhealthy) are preempted too; with a Kueue queue label,
+at most what Kueue admitted (:mod:`trainguard.kube.kueue`).
+
 :class:`ScalingStatus` keeps HyperPod's ``status.elasticScalingStatus`` for elastic jobs.
 """
 
@@ -25,13 +31,21 @@ from typing import TYPE_CHECKING, Any
 from trainguard.control.actions import AttemptPhase
 from trainguard.control.events import Event
 from trainguard.kube.api import KubeApi, KubeError, NotFound
+from trainguard.kube.capacity import Capacity, PodShape, capacity
 from trainguard.kube.node import PodNode
 from trainguard.kube.status import rfc3339
 
 if TYPE_CHECKING:
     from trainguard.control.controller import JobController
 
-__all__ = ["Preemptions", "ReplicaCount", "ScalingStatus", "preemption", "replica_count"]
+__all__ = [
+    "NodeCapacity",
+    "Preemptions",
+    "ReplicaCount",
+    "ScalingStatus",
+    "preemption",
+    "replica_count",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +141,54 @@ class ReplicaCount:
             logger.info("%s/%s: replicas %d -> %d", self.namespace, self.name, self.value, count)
             self.value = count
         return self.value
+
+
+class NodeCapacity:
+    """The job's pods the Nodes hold (:func:`~trainguard.kube.capacity.capacity`), from
+    every Node and every pod bound to one, listed at most once per ``interval`` seconds
+    (None while they were never read: no rights, say; the last figure stands while the
+    API cannot be read)."""
+
+    def __init__(
+        self, api: KubeApi, source: str, shape: PodShape, health_key: str, interval: float
+    ) -> None:
+        self.api = api
+        self.source = source
+        self.shape = shape
+        self.health_key = health_key
+        self.interval = interval
+        self.value: Capacity | None = None
+        self._read_at: float | None = None
+        self._warned = False
+
+    def read(self, now: float, nodes: Mapping[str, PodNode]) -> Capacity | None:
+        if self._read_at is not None and now - self._read_at < self.interval:
+            return self.value
+        self._read_at = now
+        try:
+            listed, bound = self.api.all_nodes(), self.api.bound_pods()
+        except KubeError as exc:
+            if not self._warned:  # once: without rights this fails every poll
+                logger.warning("%s: cannot read the Nodes' capacity: %s", self.source, exc)
+                self._warned = True
+            return self.value
+        ours = {node_id: node.pod_name for node_id, node in nodes.items()}
+        try:
+            found = capacity(listed, bound, self.shape, ours, self.health_key)
+        except ValueError as exc:  # a quantity the API server would not have taken
+            logger.warning("%s: cannot read the Nodes' capacity: %s", self.source, exc)
+            return self.value
+        before = self.value
+        if before is None or (found.pods, found.why) != (before.pods, before.why):
+            leaving = "; ".join(f"{n}: {why}" for n, why in found.why.items())
+            logger.info(
+                "%s: the Nodes hold %d of the job's pods%s",
+                self.source,
+                found.pods,
+                f" (leaving: {leaving})" if leaving else "",
+            )
+        self.value = found
+        return found
 
 
 class ScalingStatus:

@@ -15,8 +15,11 @@ processes:
   a pod on a Node labelled to be moved off (``UnschedulablePendingReplacement``, by hand
   or by the health agent) asks for its node's replacement
   (:meth:`~trainguard.kube.node_health.NodeHealthLabels.replacements`). For an elastic
-  job it also reports the capacity (the job's replica count, re-read from the API) and
-  the nodes whose pod is evicted or preempted (:mod:`trainguard.kube.elastic`);
+  job it also reports the capacity (the job's replica count, re-read from the API; at
+  most what the Nodes hold, :mod:`trainguard.kube.capacity`) and the nodes whose pod is
+  evicted or preempted, or on a Node going away (:mod:`trainguard.kube.elastic`). A job
+  queued in Kueue (:mod:`trainguard.kube.kueue`) is held to what Kueue admitted, and
+  stopped when Kueue evicts it;
 - **record** patches the job's status and records Events and metrics
   (:class:`~trainguard.kube.record.ClusterRecord`).
 
@@ -44,8 +47,10 @@ from trainguard.control.contact import Contact, contact
 from trainguard.control.controller import JobController
 from trainguard.control.reports import NodeReport, Refusal
 from trainguard.kube.api import KubeApi, KubeError
+from trainguard.kube.capacity import PodShape
 from trainguard.kube.config import OperatorConfig
-from trainguard.kube.elastic import Preemptions, ReplicaCount
+from trainguard.kube.elastic import NodeCapacity, Preemptions, ReplicaCount
+from trainguard.kube.kueue import KueueWorkload
 from trainguard.kube.node import PodNode
 from trainguard.kube.node_health import NodeHealthLabels
 from trainguard.kube.pods import job_selector, node_pod, pod_name, service_name
@@ -122,6 +127,7 @@ class KubePlatform:
         unreachable_after: int,
         clock: Callable[[], float] = time.time,
         node_health: NodeHealthLabels | None = None,
+        kueue: KueueWorkload | None = None,
     ) -> None:
         self.api = api
         self.job = job
@@ -151,6 +157,17 @@ class KubePlatform:
             initial = sum(group.replicas for group in job.spec.replica_specs)
             self.replicas = ReplicaCount(api, self.namespace, self.name, initial, poll_interval)
         self.preemptions = Preemptions(self.source)
+        self.kueue = kueue  # None: not queued in Kueue
+        # What the Nodes hold (needs the rights on Nodes that the health labels have).
+        self.node_capacity: NodeCapacity | None = None
+        if self.replicas is not None and node_health is not None and groups:
+            node_id = list(groups)[-1]  # a node a scale-up adds: the last group's
+            index, group = groups[node_id]
+            pod = node_pod(job, body, index, group, node_id, "shape", 0, settings)
+            shape = PodShape.of(pod["spec"])
+            self.node_capacity = NodeCapacity(
+                api, self.source, shape, node_health.keys.status, poll_interval
+            )
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -260,6 +277,11 @@ class KubePlatform:
         self.book.wait(timeout)
 
     def observe(self, now: float) -> Observation:
+        admitted = None
+        if self.kueue is not None:
+            admitted = self.kueue.read(now)
+            if admitted.evicted is not None:
+                self.outside.cancel(f"Kueue evicted Workload {self.kueue.name}: {admitted.evicted}")
         cancel = self.outside.check()
         listed = self._list(now)
         port = self.settings.agent_port
@@ -276,12 +298,20 @@ class KubePlatform:
             replace = self.node_health.replacements(self.nodes)
         if self.replicas is None:
             return Observation(self.book.reports(), cancel, replace=tuple(replace))
+        capacity = self.replicas.read(now)
+        preempted = list(self.preemptions.observe(self.nodes))
+        held = self.node_capacity.read(now, self.nodes) if self.node_capacity else None
+        if held is not None:
+            capacity = min(capacity, held.pods)
+            preempted += [n for n in held.leaving if n not in preempted]
+        if admitted is not None:
+            capacity = min(capacity, admitted.pods)
         return Observation(
             self.book.reports(),
             cancel,
-            replace=tuple(replace),
-            capacity=self.replicas.read(now),
-            preempted=self.preemptions.observe(self.nodes),
+            replace=tuple(r for r in replace if r.node_id not in preempted),
+            capacity=capacity,
+            preempted=tuple(preempted),
         )
 
     def _list(self, now: float, force: bool = False) -> bool:

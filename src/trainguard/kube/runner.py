@@ -9,6 +9,10 @@ operator, and cleans up after it (:meth:`KubeJob.finish`).
 A process-level restart stops and starts workers inside the same pods; a full restart
 (a lost pod) replaces every pod. ``/start`` goes out once every node's agent answers
 (the controller waits), with rank 0's pod IP as the rendezvous address.
+
+A job labelled with a Kueue queue (:mod:`trainguard.kube.kueue`) gets its Workload at
+set-up, creates its pods only once Kueue admitted it, and deletes the Workload when it
+ends.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from trainguard.kube import adopt
 from trainguard.kube.api import KubeApi, KubeError, NotFound
 from trainguard.kube.config import OperatorConfig
 from trainguard.kube.kube_platform import Detached, KubePlatform, Outside
+from trainguard.kube.kueue import KueueWorkload
 from trainguard.kube.node_health import NodeHealthLabels
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.pods import (
@@ -126,6 +131,8 @@ class KubeJob:
             if self.outside.requested:
                 return  # deleted (or the operator is exiting) before it began
             platform, begin = self._set_up()
+            if platform.kueue is not None and begin is None:
+                self._admitted(platform.kueue)
             drive(self.controller, platform, self.clock, begin)
         except Detached:
             logger.info("%s: let go of (operator exiting); its pods keep running", self.source)
@@ -147,6 +154,8 @@ class KubeJob:
             with self._lock:
                 if self.platform is not None:
                     self.platform.finish(delete_all)
+                    if self.platform.kueue is not None:
+                        self.platform.kueue.delete()  # its quota is released
                 if delete_all:
                     self.api.delete_owned(
                         self.namespace,
@@ -211,11 +220,22 @@ class KubeJob:
             unreachable_after=self.config.unreachable_after,
             clock=self.clock,
             node_health=self.node_health,
+            kueue=KueueWorkload.create(self.api, self.body, self.config.poll_interval),
         )
         begin = self._take_over(token, platform, report_url)
         platform.reap()  # pods of an earlier operator that were not adopted
         transport.start()
         return platform, begin
+
+    def _admitted(self, kueue: KueueWorkload) -> None:
+        """Wait until Kueue admits the job's Workload (or evicts it: the platform's first
+        look stops the job), or the operator asks the loop to end."""
+        logger.info("%s: waiting for Kueue to admit Workload %s", self.source, kueue.name)
+        while not self.outside.requested:
+            state = kueue.read(self.clock())
+            if state.admitted or state.evicted is not None:
+                return
+            self.book.wait(kueue.interval)
 
     def _take_over(
         self, token: str, platform: KubePlatform, report_url: str | None
