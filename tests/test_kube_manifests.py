@@ -93,6 +93,7 @@ OPERATOR_VERBS = {
     ("", "secrets"): {"get", "create", "delete"},
     ("", "events"): {"create"},
     ("networking.k8s.io", "networkpolicies"): {"create", "delete"},
+    ("kueue.x-k8s.io", "workloads"): {"get", "create", "delete"},
 }
 
 
@@ -109,10 +110,14 @@ def granted(rules: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
 def test_rbac_is_namespaced_by_default_and_grants_only_what_the_operator_uses() -> None:
     code, docs, _ = manifests()
     assert code == 0
-    # The one cluster-wide right: node health labels (Nodes are cluster-scoped).
+    # The one cluster-wide role: node health labels (Nodes are cluster-scoped) and what
+    # the Nodes hold (the pods bound to them, listed).
     cluster_roles = [d for d in docs if d["kind"] == "ClusterRole"]
     assert [r["metadata"]["name"] for r in cluster_roles] == ["trainguard-operator-nodes"]
-    assert granted(cluster_roles[0]["rules"]) == {("", "nodes"): {"get", "list", "patch"}}
+    assert granted(cluster_roles[0]["rules"]) == {
+        ("", "nodes"): {"get", "list", "patch"},
+        ("", "pods"): {"list"},
+    }
     cluster_binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding")
     assert cluster_binding["roleRef"]["name"] == "trainguard-operator-nodes"
     assert cluster_binding["subjects"] == [

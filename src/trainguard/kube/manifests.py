@@ -8,7 +8,9 @@ RBAC is least privilege for what the operator does (every call is in ``kube/api.
 - Services: create, delete (a job's headless Service);
 - Secrets: get, create, delete, used on the job's agent-token Secret only (Kubernetes
   cannot name a Secret that does not exist yet in a rule, so the verbs are on the kind);
-- Events: create; NetworkPolicies (unless turned off): create, delete (one per job).
+- Events: create; NetworkPolicies (unless turned off): create, delete (one per job);
+- Kueue's Workloads: get, create, delete, one per job labelled with a Kueue queue
+  (``kube/kueue.py``; nothing is asked of a cluster without Kueue).
 
 The rights are a Role and RoleBinding in each namespace the operator runs jobs in
 (``job_namespaces``, default ``default``); only ``all_namespaces`` makes them a
@@ -18,10 +20,12 @@ elect a leader (``kube/leader.py``).
 
 One ClusterRole even in a namespaced install: Nodes are cluster-scoped, and a Role
 cannot grant rights on them. The operator reads and writes node health labels and
-taints (``kube/node_health.py``): nodes get, list (only those labelled to be moved off,
-by label selector), patch; never create, delete, watch, nor any other cluster-scoped
-resource. ``node_labels`` off (``--no-node-labels``) leaves it out, and the operator
-then neither labels Nodes nor reads their labels.
+taints (``kube/node_health.py``): nodes get, list, patch; never create, delete, watch.
+An elastic job's capacity (``kube/capacity.py``) is what the Nodes' allocatable
+resources hold less what the pods bound to them request: so the same ClusterRole lists
+pods in every namespace (list only: never get, watch, nor any other verb). ``node_labels``
+off (``--no-node-labels``) leaves it out, and the operator then neither labels Nodes nor
+reads them.
 
 kopf's cluster scanning is off, so no rights on CRDs or namespaces. The health agent's
 DaemonSet (``--health-agent``) is :mod:`trainguard.kube.health_manifests`. The Helm
@@ -64,6 +68,11 @@ RBAC_RULES: list[Obj] = [
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "delete"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    {
+        "apiGroups": ["kueue.x-k8s.io"],
+        "resources": ["workloads"],
+        "verbs": ["get", "create", "delete"],
+    },
 ]
 LEASE_RULES: list[Obj] = [
     {
@@ -74,6 +83,7 @@ LEASE_RULES: list[Obj] = [
 ]
 NODE_RULES: list[Obj] = [
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
 ]
 NODES_ROLE = f"{OPERATOR_NAME}-nodes"
 NETWORK_POLICY_RULE: Obj = {
