@@ -169,9 +169,10 @@ def _notes(results: dict[str, Any]) -> list[str]:
                 text = f"{scenario}, {name}: {note}" if note else None
                 if text and text not in seen:
                     seen.append(text)
-    hosts = results.get("hosts") or {}
-    if "skipped" in hosts:
-        seen.append(f"hosts: not measured: {hosts['skipped']}")
+    for name in ("hosts", "slurm"):
+        part = results.get(name) or {}
+        if "skipped" in part:
+            seen.append(f"{name}: not measured: {part['skipped']}")
     return seen
 
 
@@ -180,6 +181,8 @@ def _fault_results(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     found = [(s, results.get(s) or {}) for s in ("recovery", "hang", "goodput")]
     hosts = results.get("hosts") or {}
     found += [(f"hosts ({part})", hosts[part]) for part in ("kill", "cut") if part in hosts]
+    slurm = results.get("slurm") or {}
+    found += [("slurm (node lost)", slurm["lost"])] if "lost" in slurm else []
     return found
 
 

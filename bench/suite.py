@@ -39,6 +39,8 @@ from bench.recovery import (
 )
 from bench.report import load_average, ratio, summary
 from bench.runs import NNODES, NPROC_PER_NODE, REPO, TrainArgs
+from bench.slurm import SLURM_DEFAULTS, SLURM_LOST_VARIANTS, SLURM_NODES, SLURM_SETTINGS
+from bench.slurm import unavailable as slurm_unavailable
 from trainguard.spec.model import HOSTS_NODE_LOST_AFTER_SECONDS
 
 
@@ -260,6 +262,30 @@ def hosts(ctx: Context) -> dict[str, Any]:
     return {"setup": setup, "kill": kill, "cut": cut}
 
 
+def slurm(ctx: Context) -> dict[str, Any]:
+    """A node lost under a real Slurm (:mod:`bench.slurm`): trainguard in the allocation
+    against Slurm's own requeue of the same job. Skipped, with the reason, where the
+    cluster cannot be made (not root, no network namespaces, no Slurm packages)."""
+    why = slurm_unavailable()
+    if why is not None:
+        ctx.log(f"slurm: skipped: {why}")
+        return {"skipped": why}
+    s = ctx.settings
+    load_before = load_average()
+    what = f"the host of the job's second node cut off at step {s.fault_step}"
+    lost = _fault_scenario(ctx, "slurm-lost", SLURM_LOST_VARIANTS, what)
+    setup = {
+        "slurm_nodes": SLURM_NODES,
+        "spares": 1,
+        "node_lost_after_s": HOSTS_NODE_LOST_AFTER_SECONDS,
+        "slurm_settings": SLURM_SETTINGS,
+        "slurm_defaults_not_used": SLURM_DEFAULTS,
+        "load_before": load_before,
+        "load_after": load_average(),
+    }
+    return {"setup": setup, "lost": lost}
+
+
 def _clean_runs(ctx: Context) -> dict[str, list[CleanRecord]]:
     if not ctx.clean:
         s = ctx.settings
@@ -479,6 +505,7 @@ SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "agent": agent,
     "elastic": elastic,
     "hosts": hosts,
+    "slurm": slurm,
 }
 
 

@@ -537,6 +537,7 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
         "scale",
         "elastic",
         "hosts",
+        "slurm",
     ):
         res = results.get(scenario)
         if not res:
@@ -549,6 +550,10 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
             from bench.hosts_rows import hosts_rows
 
             rows += hosts_rows(res)
+        elif scenario == "slurm":  # and these in bench/slurm_rows.py
+            from bench.slurm_rows import slurm_rows
+
+            rows += slurm_rows(res)
         elif scenario in _FAULT_METRICS:
             rows += fault_rows(scenario, res)
         elif scenario == "checkpoint":
