@@ -61,7 +61,8 @@ def test_wrong_api_version_and_kind(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
     path.write_text("apiVersion: batch/v1\nkind: Job\n")
     assert str(load_error(path)) == (
-        f"{path}: apiVersion: must be trainguard.dev/v1 (or sagemaker.amazonaws.com/v1)"
+        f"{path}: apiVersion: must be trainguard.dev/v1 (or sagemaker.amazonaws.com/v1, "
+        "or kubeflow.org/v1 for a PyTorchJob)"
     )
     path.write_text("apiVersion: trainguard.dev/v1\nkind: PyTorchJob\n")
     assert str(load_error(path)) == (

@@ -50,7 +50,11 @@ def _parser() -> argparse.ArgumentParser:
             "`trainguard run --nnodes 2 --nproc-per-node 2 train.py [args...]`."
         ),
     )
-    run.add_argument("-f", "--file", help="a TrainingJob (or HyperPodPyTorchJob) YAML file")
+    run.add_argument(
+        "-f",
+        "--file",
+        help="a TrainingJob (or HyperPodPyTorchJob, or Kubeflow PyTorchJob) YAML file",
+    )
     run.add_argument(
         "--nnodes",
         type=_nnodes,
@@ -310,7 +314,12 @@ def _parser() -> argparse.ArgumentParser:
         help="submit a job to the Kubernetes cluster, or with --slurm to Slurm",
         usage="%(prog)s -f FILE [--slurm [SBATCH OPTION ...] | cluster flags]",
     )
-    submit.add_argument("-f", "--file", required=True, help="a TrainingJob (or HyperPod) YAML")
+    submit.add_argument(
+        "-f",
+        "--file",
+        required=True,
+        help="a TrainingJob (or HyperPod, or Kubeflow PyTorchJob: submitted as a TrainingJob) YAML",
+    )
     submit.add_argument(
         "--slurm",
         action="store_true",

@@ -28,6 +28,8 @@ from trainguard.kube.manifests import all_objects, to_yaml
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.status import parse_time
 from trainguard.spec import SpecError, load_job
+from trainguard.spec.load import converted
+from trainguard.spec.pytorchjob import is_pytorchjob
 from trainguard.spec.secrets import redact_spec
 
 EXIT_USAGE = 2
@@ -188,12 +190,21 @@ def _ref(obj: Obj) -> str:
 
 
 def _checked_job(path: str, allow_privileged: bool = False) -> Obj:
-    """The job file as a TrainingJob body; SpecError (exit 2) names the file and field
-    (a pod template asking for node privileges too, unless ``allow_privileged``)."""
-    kube_plan(load_job(path), path, allow_privileged=allow_privileged)
+    """The job file as a TrainingJob body (a Kubeflow PyTorchJob converted); SpecError
+    (exit 2) names the file and field (a pod template asking for node privileges too,
+    unless ``allow_privileged``)."""
+    job = load_job(path)
     with open(path, encoding="utf-8") as f:
         body: Obj = yaml.safe_load(f)
-    return body
+    conversion = converted(body, path) if is_pytorchjob(body) else None
+    try:
+        kube_plan(job, path, allow_privileged=allow_privileged)
+    except SpecError as exc:
+        if conversion is None:
+            raise
+        problems = [(conversion.origin(where), problem) for where, problem in exc.problems]
+        raise SpecError(path, problems) from None
+    return conversion.body if conversion is not None else body
 
 
 def _submit(api: KubeApi, args: argparse.Namespace, namespace: str, body: Obj | None) -> int:

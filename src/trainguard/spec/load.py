@@ -4,14 +4,18 @@ Accepted documents:
 - `apiVersion: trainguard.dev/v1`, `kind: TrainingJob`;
 - `apiVersion: sagemaker.amazonaws.com/v1`, `kind: HyperPodPyTorchJob` (any case, docs also
   spell it HyperPodPytorchJob). The field names are the same, so it is relabelled and
-  validated by the same rules: unknown fields are errors here too. A top-level `status`
-  (as in `kubectl get -o yaml` output) is ignored for both kinds.
+  validated by the same rules: unknown fields are errors here too;
+- `apiVersion: kubeflow.org/v1`, `kind: PyTorchJob`: converted into a TrainingJob
+  (`trainguard.spec.pytorchjob`); the fields it ignores are warned about on stderr, and
+  errors name the PyTorchJob's fields.
+A top-level `status` (as in `kubectl get -o yaml` output) is ignored for every kind.
 
 Every problem becomes a `SpecError` naming the file and the field, one line per problem.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,14 @@ from trainguard.spec.limits import (
     describe_bytes,
 )
 from trainguard.spec.model import API_VERSION, FIELD_PROBLEM, KIND, TrainingJob
+from trainguard.spec.pytorchjob import (
+    KUBEFLOW_API_VERSION,
+    KUBEFLOW_KIND,
+    Conversion,
+    PyTorchJobError,
+    convert,
+    is_pytorchjob,
+)
 
 HYPERPOD_API_VERSION = "sagemaker.amazonaws.com/v1"
 HYPERPOD_KIND = "HyperPodPyTorchJob"
@@ -51,7 +63,7 @@ class SpecError(Exception):
 
 
 def load_job(path: str | Path) -> TrainingJob:
-    """Read and validate a job spec file (TrainingJob or HyperPodPyTorchJob YAML)."""
+    """Read and validate a job spec file (TrainingJob, HyperPodPyTorchJob or PyTorchJob YAML)."""
     source = str(path)
     try:
         with Path(path).open("rb") as file:  # not read_text: /dev/zero or 20 GB never ends
@@ -83,11 +95,29 @@ def parse_job(data: object, source: str) -> TrainingJob:
     body = {key: value for key, value in data.items() if key not in _IGNORED_TOP_LEVEL}
     _check_size(body, source)
     _check_api_and_kind(body, source)
+    conversion: Conversion | None = None
+    if is_pytorchjob(body):
+        conversion = converted(body, source)
+        for path, why in conversion.ignored:
+            print(f"trainguard: warning: {source}: {path}: ignored: {why}", file=sys.stderr)
+        body = conversion.body
     body["apiVersion"], body["kind"] = API_VERSION, KIND
     try:
         return TrainingJob.model_validate(body)
     except ValidationError as err:
-        raise SpecError(source, problems_of(err)) from None
+        problems = problems_of(err)
+        if conversion is not None:
+            problems = [(conversion.origin(path), message) for path, message in problems]
+        raise SpecError(source, problems) from None
+
+
+def converted(body: Mapping[Any, Any], source: str) -> Conversion:
+    """A Kubeflow PyTorchJob as a TrainingJob mapping (not validated yet); SpecError names
+    the PyTorchJob's fields it refuses."""
+    try:
+        return convert(body)
+    except PyTorchJobError as err:
+        raise SpecError(source, err.problems) from None
 
 
 def _check_size(body: Mapping[Hashable, Any], source: str) -> None:
@@ -112,14 +142,17 @@ def _check_api_and_kind(body: Mapping[Hashable, Any], source: str) -> None:
     problems: list[tuple[str, str]] = []
     if api is None:
         problems.append(("apiVersion", "field required"))
-    elif api not in (API_VERSION, HYPERPOD_API_VERSION):
-        problems.append(("apiVersion", f"must be {API_VERSION} (or {HYPERPOD_API_VERSION})"))
+    elif api not in (API_VERSION, HYPERPOD_API_VERSION, KUBEFLOW_API_VERSION):
+        others = f"{HYPERPOD_API_VERSION}, or {KUBEFLOW_API_VERSION} for a {KUBEFLOW_KIND}"
+        problems.append(("apiVersion", f"must be {API_VERSION} (or {others})"))
     if kind is None:
         problems.append(("kind", "field required"))
     elif api == API_VERSION and kind != KIND:
         problems.append(("kind", f"must be {KIND} for apiVersion {API_VERSION}"))
     elif api == HYPERPOD_API_VERSION and str(kind).lower() != HYPERPOD_KIND.lower():
         problems.append(("kind", f"must be {HYPERPOD_KIND} for apiVersion {api}"))
+    elif api == KUBEFLOW_API_VERSION and kind != KUBEFLOW_KIND:
+        problems.append(("kind", f"must be {KUBEFLOW_KIND} for apiVersion {api}"))
     if problems:
         raise SpecError(source, problems)
 
