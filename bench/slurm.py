@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+import secrets
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -51,6 +53,7 @@ from bench.steps import StepRecord, read_steps
 from netns_hosts import Host, NamespaceHosts
 from slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_installed
 from slurm_conf import CRED_EXPIRE, FAST, node_states
+from trainguard.platform.local import MEMORY_ROOT
 
 SLURM_NODES = 3  # the job's 2 nodes and one more (trainguard's spare; where Slurm requeues)
 HANG_RULE_SECONDS = 30.0  # node 0 goes quiet while node 1 is cut off (as bench/hosts.py)
@@ -78,8 +81,15 @@ def unavailable() -> str | None:
 
 @contextlib.contextmanager
 def slurm_cluster() -> Iterator[SlurmCluster]:
-    """A fresh 3-node cluster for one run; everything started on it dies with it."""
-    with NamespaceHosts(SLURM_NODES, prefix="node") as hosts, SlurmCluster(hosts) as cluster:
+    """A fresh 3-node cluster for one run; everything started on it dies with it. Its job
+    ids start at a random ``FirstJobId``: a fresh cluster's would start at 1 every run,
+    and trainguard's job id (``<name>-slurm<id>``) names its memory tier, which a later
+    run of the same id would restore from."""
+    first = {"FirstJobId": str(1000 + secrets.randbelow(60_000_000))}
+    with (
+        NamespaceHosts(SLURM_NODES, prefix="node") as hosts,
+        SlurmCluster(hosts, conf_extra=first) as cluster,
+    ):
         yield cluster
 
 
@@ -148,22 +158,28 @@ def trainguard_lost(setup: FaultSetup) -> FaultRecord:
     run.workdir.mkdir(parents=True, exist_ok=True)
     spec = run.workdir / "job.yaml"
     spec.write_text(yaml.safe_dump(run.job.spec(run.args, run.out)))
-    with slurm_cluster() as cluster:
-        script = trainguard_script(spec, run.workdir / "state")
-        job_id = cluster.sbatch(script, f"--nodes={SLURM_NODES}", "--no-kill")
-        host = _node_1_host(cluster, job_id, setup.timeout)
-        if host is None:
-            return FaultRecord(False, note=f"node-1 never joined: {_tail(cluster, job_id)}")
-        fault_at = cut_at_step(run.steps, cluster.hosts, host, setup.step, setup.timeout)
-        if fault_at is None:
-            return FaultRecord(False, note=f"step {setup.step} never reached")
+    jobs: list[int] = []  # their memory tiers are removed once the cluster is gone
+    try:
+        with slurm_cluster() as cluster:
+            script = trainguard_script(spec, run.workdir / "state")
+            jobs.append(cluster.sbatch(script, f"--nodes={SLURM_NODES}", "--no-kill"))
+            cut = _cut_node_1(cluster, jobs[0], run, setup)
+            if isinstance(cut, FaultRecord):
+                return cut
+            host, fault_at = cut
 
-        def ended(job: dict[str, str]) -> bool:
-            return job["JobState"] in DONE_STATES or bool(_ENDED.search(cluster.output(job_id)))
+            def ended(job: dict[str, str]) -> bool:
+                out = cluster.output(jobs[0])
+                return job["JobState"] in DONE_STATES or bool(_ENDED.search(out))
 
-        watch, finished = watch_until(cluster, job_id, host.name, fault_at, ended, setup.timeout)
-        reason = cluster.node(host.name).get("Reason", "")
-        _save_output(cluster, job_id, run.workdir)
+            watch, finished = watch_until(
+                cluster, jobs[0], host.name, fault_at, ended, setup.timeout
+            )
+            reason = cluster.node(host.name).get("Reason", "")
+            _save_output(cluster, jobs[0], run.workdir)
+    finally:
+        for job_id in jobs:
+            shutil.rmtree(MEMORY_ROOT / f"{run.job.name}-slurm{job_id}", ignore_errors=True)
     job = run.describe()
     lost = [f["detected_at"] for f in job["faults"] if f["type"] == "NodeLost"]
     detect = min(lost) - fault_at if lost else None
@@ -181,6 +197,21 @@ def trainguard_lost(setup: FaultSetup) -> FaultRecord:
         "node_reason": reason,
     }
     return replace(record, detail=detail)
+
+
+def _cut_node_1(
+    cluster: SlurmCluster, job_id: int, run: TrainguardRun, setup: FaultSetup
+) -> tuple[Host, float] | FaultRecord:
+    """Cut the host of the job's node-1 off once the step completed: the host and the
+    time just before the cut, or the record of a run where that never came."""
+    host = _node_1_host(cluster, job_id, setup.timeout)
+    if host is None:
+        return FaultRecord(False, note=f"node-1 never joined: {_tail(cluster, job_id)}")
+    fault_at = cut_at_step(run.steps, cluster.hosts, host, setup.step, setup.timeout)
+    if fault_at is None:
+        _save_output(cluster, job_id, run.workdir)
+        return FaultRecord(False, note=f"step {setup.step} never reached")
+    return host, fault_at
 
 
 def _node_1_host(cluster: SlurmCluster, job_id: int, timeout: float) -> Host | None:
