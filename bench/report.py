@@ -16,6 +16,7 @@ from typing import Any
 
 from bench.lost_time import PARTS
 from bench.table_rows import scale_table, summary_rows
+from bench.workloads_rows import workloads_table
 
 Number = float | int
 
@@ -120,6 +121,15 @@ def markdown(results: dict[str, Any]) -> str:
         ]
     if t.scale:
         lines += ["", t.scale]
+    others = workloads_table(results)
+    if others:
+        lines += [
+            "",
+            "Other workloads (`workloads`; the small MLP's recovery figures are the "
+            "recovery scenario's):",
+            "",
+            others,
+        ]
     lost = lost_time_table(results.get("goodput"))
     if lost:
         lines += ["", lost]
@@ -183,6 +193,8 @@ def _fault_results(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     found += [(f"hosts ({part})", hosts[part]) for part in ("kill", "cut") if part in hosts]
     slurm = results.get("slurm") or {}
     found += [("slurm (node lost)", slurm["lost"])] if "lost" in slurm else []
+    others = results.get("workloads") or {}
+    found += [(f"workloads ({k})", v["recovery"]) for k, v in others.items() if "recovery" in v]
     return found
 
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -35,6 +35,7 @@ STOP_TIMEOUT = 20.0
 class TrainArgs:
     """The training script's arguments (``--ckpt`` is the launcher's choice)."""
 
+    script: ClassVar[Path] = TRAIN  # a subclass may run another script (bench/workloads.py)
     steps: int
     step_sleep: float = 0.05
     hidden: int = 256
@@ -156,7 +157,7 @@ class TorchrunRun(Run):
             self.run_id,
             "--max-restarts",
             str(self.max_restarts),
-            str(TRAIN),
+            str(self.args.script),
             *self.args.argv(self.out, self.ckpt),
             "--ckpt-dir",
             str(self.ckpt_dir),
@@ -187,7 +188,7 @@ class TrainguardJob:
     ckpt: str = "trainguard"  # the script's --ckpt
 
     def spec(self, args: TrainArgs, out: Path) -> dict[str, Any]:
-        command = ["python", str(TRAIN), *args.argv(out, self.ckpt)]
+        command = ["python", str(args.script), *args.argv(out, self.ckpt)]
         job: dict[str, Any] = {
             "apiVersion": "trainguard.dev/v1",
             "kind": "TrainingJob",

@@ -41,6 +41,8 @@ from bench.report import load_average, ratio, summary
 from bench.runs import NNODES, NPROC_PER_NODE, REPO, TrainArgs
 from bench.slurm import SLURM_DEFAULTS, SLURM_LOST_VARIANTS, SLURM_NODES, SLURM_SETTINGS
 from bench.slurm import unavailable as slurm_unavailable
+from bench.workloads import QUICK_PLAN, WorkloadPlan
+from bench.workloads import scenario as workloads_scenario
 from trainguard.spec.model import HOSTS_NODE_LOST_AFTER_SECONDS
 
 
@@ -81,6 +83,8 @@ class Settings:
     # The host cut off (bench/hosts.py): its capped baseline's cap. A node is lost after
     # 8 s, and a job restart on two busy cores can take a minute (torch imported again).
     hosts_cap: float = 120.0
+    # The GPT example and a wide MLP (bench/workloads.py): their runs and repetitions.
+    workloads: WorkloadPlan = field(default_factory=WorkloadPlan)
     run_timeout: float = 300.0
 
     def to_json(self) -> dict[str, Any]:
@@ -103,6 +107,7 @@ QUICK = replace(
     checkpoint_cuda_sizes=(256,),
     scale_nodes=(16, 64),
     agent_repeats=3,
+    workloads=QUICK_PLAN,
 )
 
 
@@ -284,6 +289,11 @@ def slurm(ctx: Context) -> dict[str, Any]:
         "load_after": load_average(),
     }
     return {"setup": setup, "lost": lost}
+
+
+def workloads(ctx: Context) -> dict[str, Any]:
+    """Recovery and checkpoints on the GPT example and a wide MLP (:mod:`bench.workloads`)."""
+    return workloads_scenario(ctx, _fault_scenario)
 
 
 def _clean_runs(ctx: Context) -> dict[str, list[CleanRecord]]:
@@ -506,6 +516,7 @@ SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "elastic": elastic,
     "hosts": hosts,
     "slurm": slurm,
+    "workloads": workloads,
 }
 
 

@@ -538,6 +538,7 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
         "elastic",
         "hosts",
         "slurm",
+        "workloads",
     ):
         res = results.get(scenario)
         if not res:
@@ -554,6 +555,10 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
             from bench.slurm_rows import slurm_rows
 
             rows += slurm_rows(res)
+        elif scenario == "workloads":  # and these in bench/workloads_rows.py
+            from bench.workloads_rows import workloads_rows
+
+            rows += workloads_rows(res)
         elif scenario in _FAULT_METRICS:
             rows += fault_rows(scenario, res)
         elif scenario == "checkpoint":

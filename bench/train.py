@@ -184,11 +184,9 @@ class Recorder:
     ) -> None:
         """One training step (its data comes from (step, rank)), recorded."""
         t0 = time.time()
-        gen = torch.Generator().manual_seed(step * self.world + self.rank)
-        x = torch.randn(self.batch, FEATURES, generator=gen).to(self.device)
         if step_sleep:
             time.sleep(step_sleep)
-        loss = model(x).pow(2).mean()
+        loss = self.loss(step, model)
         optim.zero_grad()
         loss.backward()
         optim.step()
@@ -203,6 +201,14 @@ class Recorder:
             print(line, flush=True)
         elif self.log_all_ranks:
             print(f"Step {step}", flush=True)
+
+    def loss(self, step: int, model: torch.nn.Module) -> torch.Tensor:
+        """This rank's loss at ``step``, on data made from (step, rank) (a subclass may
+        train another model: ``bench/workloads_gpt.py``)."""
+        gen = torch.Generator().manual_seed(step * self.world + self.rank)
+        x = torch.randn(self.batch, FEATURES, generator=gen).to(self.device)
+        loss: torch.Tensor = model(x).pow(2).mean()
+        return loss
 
     def close(self) -> None:
         self.file.close()
