@@ -4,10 +4,11 @@
   watches) on a background thread, filling in what a real API server adds on create
   (namespace, uid, creationTimestamp) and serving pod logs from the kubelet.
 - :class:`Kubelet`: polls the pods, schedules each onto a fake Node (as the API server
-  has it now: labels and taints) that satisfies its required node affinity (In, NotIn,
-  Exists, DoesNotExist) and whose NoSchedule/NoExecute taints it tolerates, preferring
-  the Nodes its preferred node affinity weighs most, then the least loaded (a pod that
-  names its ``spec.nodeName``, as a DaemonSet's do, goes there); runs its first
+  has it now: labels and taints) that is not cordoned, satisfies its required node
+  affinity (In, NotIn, Exists, DoesNotExist) and whose NoSchedule/NoExecute taints it
+  tolerates, preferring the Nodes its preferred node affinity weighs most, then the
+  least loaded (a pod that names its ``spec.nodeName``, as a DaemonSet's do, goes
+  there); it does not count resources. It runs its first
   container's command as a local process group with its own loopback pod IP
   (127.77.0.N) and its environment (``value``, ``fieldRef`` podIP/name/namespace/
   nodeName, ``secretKeyRef``, ``$(VAR)`` expansion), and writes the pod status back
@@ -74,6 +75,14 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "coordination.k8s.io/v1/leases": kmock.ResourceInfo(namespaced=True, kind="Lease"),
     "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(
         namespaced=True, kind="NetworkPolicy"
+    ),
+    # Kueue's resources (kube/kueue.py): the tests play Kueue's controller.
+    "kueue.x-k8s.io/v1beta1/workloads": kmock.ResourceInfo(
+        namespaced=True, kind="Workload", subresources={"status"}
+    ),
+    "kueue.x-k8s.io/v1beta1/localqueues": kmock.ResourceInfo(namespaced=True, kind="LocalQueue"),
+    "kueue.x-k8s.io/v1beta1/clusterqueues": kmock.ResourceInfo(
+        namespaced=False, kind="ClusterQueue"
     ),
     "trainguard.dev/v1/trainingjobs": kmock.ResourceInfo(
         namespaced=True,
@@ -448,7 +457,8 @@ class Kubelet:
             labels = {"kubernetes.io/hostname": name, **(node["metadata"].get("labels") or {})}
             taints = (node.get("spec") or {}).get("taints") or []
             if (
-                all(labels.get(k) == v for k, v in selector.items())
+                not (node.get("spec") or {}).get("unschedulable")  # cordoned
+                and all(labels.get(k) == v for k, v in selector.items())
                 and any(_term_matches(t, labels) for t in terms)
                 and all(_tolerated(t, tolerations) for t in taints)
             ):
