@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lost_time import PARTS
+from bench.peers.table import peers_table
 from bench.table_rows import scale_table, summary_rows
 from bench.workloads_rows import workloads_table
 
@@ -130,6 +131,9 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             others,
         ]
+    peers = peers_table(results.get("peers"))
+    if peers:
+        lines += ["", peers]
     lost = lost_time_table(results.get("goodput"))
     if lost:
         lines += ["", lost]

@@ -504,6 +504,15 @@ def agent_figures(costs: Sequence[agent_cost.Cost]) -> dict[str, Any]:
     return figures
 
 
+def peers(ctx: Context) -> dict[str, Any]:
+    """trainguard against torchft, NVRx and SageMaker's and DLRover's checkpointing, the
+    peers installed in their own environment (:mod:`bench.peers`), interleaved."""
+    from bench.peers.runner import scenario as peers_scenario
+
+    s = ctx.settings
+    return peers_scenario(s, s.repeats, ctx.workdir, ctx.log)
+
+
 SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "recovery": recovery,
     "hang": hang,
@@ -517,6 +526,7 @@ SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "hosts": hosts,
     "slurm": slurm,
     "workloads": workloads,
+    "peers": peers,
 }
 
 

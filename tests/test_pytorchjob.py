@@ -20,6 +20,7 @@ from trainguard.kube.crd import crd
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.pods import node_pod
 from trainguard.spec import SpecError, load_job, parse_job, resolve_plan
+from trainguard.spec.scripts import check_scripts
 
 EXAMPLE = REPO / "docs" / "examples" / "pytorchjob-auto-resume.yaml"
 WORKER = "spec.pytorchReplicaSpecs.Worker"
@@ -180,6 +181,23 @@ def test_a_pytorch_container_not_first_is_the_one_that_runs_and_other_kinds_are_
     assert job.spec.replica_specs[0].template.spec.containers[0].name == "pytorch"
     assert problems({**walkthrough(), "kind": "TFJob"}) == [
         ("kind", "must be PyTorchJob for apiVersion kubeflow.org/v1")
+    ]
+
+
+def test_problems_found_in_the_plan_name_the_pytorchjobs_fields(tmp_path: Path) -> None:
+    doc = walkthrough()
+    command = container(doc)["command"]
+    command[command.index("--nnodes=2")] = "--nnodes=3"
+    with pytest.raises(SpecError) as caught:
+        resolve_plan(parse_job(copy.deepcopy(doc), "job.yaml"), "job.yaml")
+    assert [path for path, _ in caught.value.problems] == [f"{WORKER}.replicas"]
+    command[command.index("--nnodes=3")] = "--nnodes=2"
+    command[command.index("examples/gpt/train.py")] = "/fsdp/train.py"  # the image's
+    plan = resolve_plan(parse_job(doc, "job.yaml"), "job.yaml")
+    with pytest.raises(SpecError) as caught:
+        check_scripts(plan, "job.yaml", tmp_path)
+    assert caught.value.problems == [
+        (f"{WORKER}.template.spec.containers[0].command", "script /fsdp/train.py: not found")
     ]
 
 

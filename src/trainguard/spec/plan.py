@@ -44,6 +44,7 @@ from trainguard.spec.limits import (
 )
 from trainguard.spec.load import SpecError
 from trainguard.spec.model import Container, ReplicaSpec, TrainingJob
+from trainguard.spec.pytorchjob import as_written
 from trainguard.spec.secrets import SecretSource, looks_secret
 
 DEFAULT_NPROC_PER_NODE = "1"  # torchrun's default; HyperPod's "auto" would mean 1 per core
@@ -103,6 +104,14 @@ def resolve_plan(job: TrainingJob, source: str, secrets: SecretSource | None = N
     """Resolve `job` into a `JobPlan`; raises SpecError (naming `source`) when it cannot.
 
     `secrets`: where env `valueFrom.secretKeyRef` keys are found (default: nowhere)."""
+    try:
+        return _resolve_plan(job, source, secrets)
+    except SpecError as err:  # a converted PyTorchJob's fields by their own names
+        group = job.spec.replica_specs[0].name
+        raise SpecError(source, as_written(job.metadata.annotations, group, err.problems)) from None
+
+
+def _resolve_plan(job: TrainingJob, source: str, secrets: SecretSource | None) -> JobPlan:
     spec = job.spec
     groups: list[NodeGroupPlan] = []
     launchers: list[tuple[str, LauncherLine]] = []

@@ -1,30 +1,15 @@
 """Kubeflow's ``PyTorchJob`` (``kubeflow.org/v1``) read as a `TrainingJob`: pure, no I/O.
 
-What each field becomes (docs/kubernetes.md has the same table for users):
-
-- ``spec.pytorchReplicaSpecs``: ``Master`` (one replica) and ``Worker`` (n) are the
-  job's nodes, ``1 + n``, in one replica group (``master`` when there is no Worker, else
-  ``worker``): trainguard runs every node alike, so both must have the same ``template``
-  and ``restartPolicy`` (a difference is refused, naming the first differing field). The
-  container named ``pytorch`` (Kubeflow's rule: there must be one) runs the workers.
-- ``nprocPerNode``: ``spec.nprocPerNode``, else ``elasticPolicy.nProcPerNode``, else the
-  ``pytorch`` container's ``nvidia.com/gpu`` limit; unset, the command's
-  ``--nproc_per_node`` (a torchrun line) or 1.
-- The retry budget (``runPolicy.jobMaxRetryCount``): with the annotation
-  ``sagemaker.amazonaws.com/enable-job-auto-resume: "true"`` (HyperPod's auto-resume),
-  ``sagemaker.amazonaws.com/job-max-retry-count`` (default 1, as ``hyperpod start-job
-  --max-retry``); else ``runPolicy.backoffLimit``; else ``elasticPolicy.maxRestarts``;
-  ``restartPolicy: Never`` makes it 0. Every fault counts against it, as a TrainingJob's.
-- ``runPolicy``: ``activeDeadlineSeconds``, ``ttlSecondsAfterFinished``, ``suspend`` as
-  they are; ``cleanPodPolicy`` None (Kubeflow's default) or All, Running as All.
-- ``elasticPolicy``: ``minReplicas``/``maxReplicas`` become trainguard's elastic bounds.
-- The pod template (``nodeSelector`` included) is kept as written: on Kubernetes the
-  scheduler honours it; locally, as for any TrainingJob, only the container's command,
-  args, env and workingDir are used.
-
-Fields trainguard has no use for (rendezvous settings, the HPA ``metrics``, Kubeflow's
-``schedulingPolicy`` and ``managedBy``, ...) are ignored, each with a warning the caller
-prints; any other field, or a value of the wrong kind, is refused naming it.
+Master (one replica) and Worker (n) are the job's ``1 + n`` nodes, one replica group from
+their one pod template (a difference is refused); the ``pytorch`` container runs the
+workers. The retry budget (``jobMaxRetryCount``) is HyperPod's auto-resume count
+(``sagemaker.amazonaws.com/enable-job-auto-resume: "true"`` and ``job-max-retry-count``,
+default 1), else ``runPolicy.backoffLimit``, else ``elasticPolicy.maxRestarts``; 0 with
+``restartPolicy: Never``. The pod template, ``nodeSelector`` included, is kept as written
+(Kubernetes' scheduler honours it; locally only the container's command, args, env and
+workingDir are used). Fields trainguard has no use for are ignored with a warning the
+caller prints; any other field, or a value of the wrong kind, is refused naming it.
+docs/kubernetes.md ("Kubeflow PyTorchJob") has the table of every field.
 """
 
 from __future__ import annotations
@@ -36,17 +21,7 @@ from typing import Any, Final
 
 from trainguard.spec.limits import MAX_RESTARTS
 
-__all__ = [
-    "AUTO_RESUME_ANNOTATION",
-    "CONVERTED_FROM_ANNOTATION",
-    "KUBEFLOW_API_VERSION",
-    "KUBEFLOW_KIND",
-    "MAX_RETRY_ANNOTATION",
-    "Conversion",
-    "PyTorchJobError",
-    "convert",
-    "is_pytorchjob",
-]
+__all__ = ["Conversion", "PyTorchJobError", "as_written", "convert", "is_pytorchjob"]
 
 KUBEFLOW_API_VERSION: Final = "kubeflow.org/v1"
 KUBEFLOW_KIND: Final = "PyTorchJob"
@@ -71,13 +46,9 @@ _RUN_POLICY_IGNORED: Final = {
     "managedBy": "trainguard runs the job it was given",
 }
 _RDZV: Final = "trainguard runs its own rendezvous for every attempt"
+_RDZV_FIELDS: Final = ("rdzvBackend", "rdzvHost", "rdzvPort", "rdzvId", "rdzvConf", "standalone")
 _ELASTIC_IGNORED: Final = {
-    "rdzvBackend": _RDZV,
-    "rdzvHost": _RDZV,
-    "rdzvPort": _RDZV,
-    "rdzvId": _RDZV,
-    "rdzvConf": _RDZV,
-    "standalone": _RDZV,
+    **dict.fromkeys(_RDZV_FIELDS, _RDZV),
     "metrics": "a HorizontalPodAutoscaler's metrics: trainguard scales on capacity "
     "(elasticPolicy's bounds), not on load",
 }
@@ -108,6 +79,19 @@ class Conversion:
             if path == prefix or path.startswith((prefix + ".", prefix + "[")):
                 return self.origins[prefix] + path[len(prefix) :]
         return path
+
+
+def as_written(
+    annotations: Mapping[str, str], group: str, problems: list[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """Problems found in a converted job (its plan: a script, a launcher line) naming the
+    PyTorchJob's fields: ``spec.replicaSpecs[0]`` is its Worker (``group`` "worker") or
+    Master. A job not converted keeps its paths."""
+    if annotations.get(CONVERTED_FROM_ANNOTATION) != CONVERTED_FROM:
+        return problems
+    kind = "Worker" if group == "worker" else "Master"
+    renamed = Conversion({}, origins={"spec.replicaSpecs[0]": f"spec.pytorchReplicaSpecs.{kind}"})
+    return [(renamed.origin(path), message) for path, message in problems]
 
 
 def is_pytorchjob(data: Mapping[Any, Any]) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from trainguard.spec.load import SpecError
 from trainguard.spec.plan import JobPlan
+from trainguard.spec.pytorchjob import as_written
 
 __all__ = ["check_scripts", "python_script"]
 
@@ -61,4 +62,6 @@ def check_scripts(plan: JobPlan, source: str, cwd: Path | None = None) -> None:
             against = "" if Path(script).is_absolute() else f" (relative to {base})"
             problems.append((f"{where}.command", f"script {script}: {what}{against}"))
     if problems:
-        raise SpecError(source, problems)
+        job = plan.job
+        first = job.spec.replica_specs[0].name
+        raise SpecError(source, as_written(job.metadata.annotations, first, problems))

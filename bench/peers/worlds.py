@@ -1,0 +1,48 @@
+"""The world size a peer trained at after the fault, from its ``worlds.txt``.
+
+``_workload.Records`` appends ``<incarnation> <world> <end time>`` for every recorded
+step; pure functions here (tested without any peer installed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def read_worlds(path: Path) -> list[tuple[str, int, float]]:
+    """The (incarnation, world, time) lines in file order; torn or foreign lines skipped."""
+    if not path.exists():
+        return []
+    found = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        parts = line.split()
+        if len(parts) != 3:
+            continue
+        try:
+            found.append((parts[0], int(parts[1]), float(parts[2])))
+        except ValueError:
+            continue
+    return found
+
+
+def world_after(
+    path: Path, fault_at: float | None, stall_s: float | None, full: int
+) -> dict[str, Any]:
+    """``world_after``: the world of the step that ended the stall (the first completed
+    by a later incarnation, ``fault_at + stall_s``); ``world_restored_s``: fault -> the
+    first step at ``full`` from then on (0 when that step was at ``full``; None when the
+    world never came back or nothing recovered)."""
+    worlds = read_worlds(path)
+    if fault_at is None or stall_s is None or not worlds:
+        return {"world_after": None, "world_restored_s": None}
+    recovered_at = fault_at + stall_s - 1e-3  # the records keep microseconds
+    after = sorted((t, w) for _, w, t in worlds if t >= recovered_at)
+    if not after:
+        return {"world_after": None, "world_restored_s": None}
+    first = after[0][1]
+    if first == full:
+        restored: float | None = 0.0
+    else:
+        restored = next((t - fault_at for t, w in after if w == full), None)
+    return {"world_after": first, "world_restored_s": restored}
