@@ -208,7 +208,10 @@ def _group(reader: _Reader, spec: Mapping[Any, Any]) -> tuple[dict[str, Any], st
         if kind not in replicas:
             continue
         here = f"{path}.{kind}"
-        replica = reader.mapping(replicas[kind], here, required=True)
+        if not isinstance(replicas[kind], Mapping):
+            reader.fail(here, "must be a mapping (replicas, restartPolicy, template)")
+            continue
+        replica = replicas[kind]
         reader.unknown(replica, here, _REPLICA)
         count = reader.count(replica.get("replicas", 1), f"{here}.replicas")
         if kind == "Master" and count not in (None, 1):
