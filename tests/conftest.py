@@ -20,6 +20,12 @@ from slurm_cluster import factory as slurm_factory
 from trainguard.platform.inbox import Inbox
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Jobs in the tests find each attempt's store on rank 0 unless a test (or the caller's
+# environment) asks for the store service: the service imports torch (~3 s of CPU) for
+# every job, and most tests' workers are light fake ones. tests/test_rendezvous_store.py
+# tests the service; run an e2e file with TRAINGUARD_RENDEZVOUS_STORE=service to use it.
+os.environ.setdefault("TRAINGUARD_RENDEZVOUS_STORE", "rank0")
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 FAKE_WORKER = SCRIPTS / "fake_worker.py"
 

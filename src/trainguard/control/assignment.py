@@ -4,10 +4,11 @@ The controller, not the workers, decides who is who: every node gets its group
 rank, the global ranks of its workers, the world size and where the attempt's
 rendezvous lives. Workers never discover each other.
 
-Every attempt gets its own rendezvous namespace: a fresh master port (so rank 0
-hosts a fresh TCPStore) and a distinct store prefix. A restarted group can
-therefore never read a previous attempt's peer addresses, which is what breaks
-torchrun's own ``--max-restarts`` on gloo.
+Every attempt gets its own rendezvous namespace: a fresh store (the job's store
+service's, :mod:`trainguard.rendezvous`, or one that rank 0 hosts on a fresh master
+port) and a distinct store prefix. A restarted group can therefore never read a
+previous attempt's peer addresses, which is what breaks torchrun's own
+``--max-restarts`` on gloo.
 
 An assignment names the few peers a node talks to (its memory-tier replica peers: the
 next ``replicas`` nodes in node-rank order), never the whole job: starting N nodes
@@ -41,10 +42,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where an attempt's rendezvous store lives (rank 0 hosts it)."""
+    """Where an attempt's rendezvous store lives: served by the job's store service
+    (``hosted``: every rank is a client) or by rank 0."""
 
     addr: str
     port: int
+    hosted: bool = False
 
 
 def replica_peers(node_ids: Sequence[str], index: int, replicas: int) -> tuple[str, ...]:
@@ -110,6 +113,7 @@ def assign_ranks(
             nproc_per_node=nproc_per_node,
             master_addr=endpoint.addr,
             master_port=endpoint.port,
+            agent_store=endpoint.hosted,
             restart_count=restart_count,
             max_restarts=max_restarts,
             extra_env=dict(extra_env or {}),

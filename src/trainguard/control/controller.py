@@ -73,8 +73,8 @@ __all__ = [
 ]
 
 EndpointFor = Callable[[int, str], Endpoint]
-"""``endpoint_for(attempt, node_id)``: where rank 0 (on ``node_id``) hosts the attempt's
-rendezvous store; asked once the node is up."""
+"""``endpoint_for(attempt, node_id)``: where the attempt's rendezvous store is (the job's
+store service's, ``hosted``, or rank 0's on ``node_id``); asked once the node is up."""
 
 
 class JobController:
@@ -325,7 +325,9 @@ class JobController:
 
     def _fill_assignments(self, now: float, attempt: Attempt, host: Endpoint | None = None) -> None:
         cfg = self.config
-        endpoint = host or self._endpoint_for(attempt.number, attempt.nodes[0])
+        endpoint = self._endpoint_for(attempt.number, attempt.nodes[0])
+        if host is not None and not endpoint.hosted:
+            endpoint = host  # a hosted store is never kept: the service opens a fresh one
         attempt.endpoint = endpoint
         sources = self._replica_sources(attempt)
         attempt.assignments = assign_attempt(cfg, attempt.nodes, attempt.number, endpoint, sources)

@@ -50,6 +50,12 @@ from trainguard.platform.resume import resumed_begin
 from trainguard.platform.store import JobNotFound, JobRow, Store
 from trainguard.platform.throttle import LineThrottle
 from trainguard.platform.transport import DEFAULT_CONTACT_TIMEOUT, AgentTransport
+from trainguard.rendezvous.client import (
+    StoreServiceHandle,
+    find_service,
+    rendezvous_mode,
+    start_service,
+)
 from trainguard.spec.plan import JobPlan, NodeGroupPlan
 from trainguard.spec.secrets import redact_spec, secret_storage_keys
 
@@ -285,6 +291,7 @@ class LocalRunner:
             address=self.hosts.local.addr if self.hosts is not None else "127.0.0.1",
         )
         platform.console_dir = self.logs_dir  # adopted agents' consoles (resume)
+        platform.rendezvous = self._rendezvous(token)
         if self.hosts is not None:
             platform.listeners += [self.hosts.on_event, *self.hosts.listeners]
             if isinstance(platform.launcher, HostsLauncher):
@@ -371,6 +378,17 @@ class LocalRunner:
         if self.store.job(self.job_id).capacity is None:
             self.store.set_capacity(self.job_id, len(self.config.node_ids))
         return policy.graceful_shutdown_timeout
+
+    def _rendezvous(self, token: str) -> StoreServiceHandle | None:
+        """The job's store service: the one a dead controller left (resume), else a new
+        one; None where ``TRAINGUARD_RENDEZVOUS_STORE=rank0`` asks for rank 0's stores."""
+        if rendezvous_mode() != "service":
+            return None
+        state = self.job_dir / "rendezvous.json"
+        if self.resume is not None and (found := find_service(state, token)) is not None:
+            return found
+        grace = self.plan.job.spec.trainguard.controller_grace_seconds
+        return start_service(state, token, grace, self.logs_dir / "rendezvous.log")
 
     def _warn_of_credentials(self) -> None:
         options = self.plan.job.spec.checkpointing.storage_options

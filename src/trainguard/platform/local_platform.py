@@ -39,6 +39,7 @@ from trainguard.platform.node import LaunchedNode, NodeLauncher
 from trainguard.platform.procs import free_port, start_time
 from trainguard.platform.store import JobRow, NodeRow, Store
 from trainguard.platform.transport import AgentTransport, Delivery
+from trainguard.rendezvous.client import StoreServiceHandle
 from trainguard.wire.requests import InjectRequest, StepInjection
 from trainguard.wire.status import WorkerState
 
@@ -93,6 +94,8 @@ class LocalPlatform:
         self.cancel: Cancel | None = None
         # The job's log directory, where adopted agents write their orphaned console.
         self.console_dir: Path | None = None
+        # The job's rendezvous store service (None: rank 0 hosts each attempt's store).
+        self.rendezvous: StoreServiceHandle | None = None
         self._closed = threading.Event()
         self._followers: list[threading.Thread] = []
         self.job_id = job_id
@@ -126,7 +129,10 @@ class LocalPlatform:
     # -- lifecycle ---------------------------------------------------------------------
 
     def endpoint(self, attempt: int, node_id: str) -> Endpoint:
-        """A fresh port per attempt: rank 0 hosts a fresh store, so no stale peer addresses."""
+        """A fresh store per attempt, so no stale peer addresses: the job's store
+        service's (:mod:`trainguard.rendezvous`), else one rank 0 hosts on a fresh port."""
+        if self.rendezvous is not None and (port := self.rendezvous.open(attempt)) is not None:
+            return Endpoint(self.address, port, hosted=True)
         return Endpoint(self.address, free_port(self.address))
 
     def launch(self, request: LaunchNodes) -> None:
@@ -190,6 +196,8 @@ class LocalPlatform:
         for follower in self._followers:
             follower.join(FOLLOWER_DRAIN_SECONDS)
         self.transport.close()
+        if self.rendezvous is not None:
+            self.rendezvous.shutdown()
 
     def _shutdown(self, node_ids: Sequence[str]) -> None:
         nodes = [(n, node) for n in node_ids if (node := self.nodes.pop(n, None)) is not None]

@@ -1,8 +1,11 @@
 """The default process group of one attempt: join it, abort it, leave it.
 
 Every attempt gets a fresh rendezvous namespace (``PrefixStore("trainguard/attempt-N")``)
-on the TCPStore that rank 0 hosts on the attempt's ``master_port``; a rank 0 that keeps
-its address and port across attempts keeps serving the same store. Before
+on the attempt's TCPStore at ``master_addr:master_port``. With
+``TORCHELASTIC_USE_AGENT_STORE=True`` (torchrun's convention, set by the agent when the
+job's store service serves the attempt's store: :mod:`trainguard.rendezvous`) every rank
+is a client of a store that is up before any rank starts; otherwise rank 0 hosts it, and
+a rank 0 that keeps its address and port across attempts keeps serving the same store. Before
 ``init_process_group`` the ranks meet at a store barrier that a joining rank leaves when
 the attempt's deadline passes or a newer attempt is announced, so joining never blocks
 beyond the deadline.
@@ -39,6 +42,7 @@ works after it.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
@@ -146,9 +150,10 @@ class AttemptGroup:
         """
         if rank >= attempt.world_size:
             raise ValueError(f"rank {rank} is outside attempt {attempt.attempt}'s world")
-        if rank != 0:
+        hosted = _agent_store()
+        if rank != 0 and not hosted:
             self._wait_for_host(attempt, deadline, newer_announced)
-        store = self._store(attempt, rank, _remaining(deadline, attempt))
+        store = self._store(attempt, rank, _remaining(deadline, attempt), hosted)
         prefixed = dist.PrefixStore(f"{_STORE_PREFIX}{attempt.attempt}", store)
         prefixed.add("arrived", 1)
         while prefixed.add("arrived", 0) < attempt.world_size:
@@ -228,9 +233,9 @@ class AttemptGroup:
                 )
             time.sleep(self._poll)
 
-    def _store(self, attempt: Attempt, rank: int, timeout: float) -> dist.TCPStore:
+    def _store(self, attempt: Attempt, rank: int, timeout: float, hosted: bool) -> dist.TCPStore:
         address = (attempt.master_addr, attempt.master_port)
-        if rank == 0:
+        if rank == 0 and not hosted:
             self._client = None
             if self._hosted is not None and self._hosted[:2] == address:
                 return self._hosted[2]
@@ -256,6 +261,11 @@ class AttemptGroup:
             *address, attempt.world_size, is_master=False, timeout=timedelta(seconds=timeout)
         )
         return self._client
+
+
+def _agent_store() -> bool:
+    """Whether the attempt's store is served for the ranks (torch's own test of it)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
 
 
 def _remaining(deadline: float, attempt: Attempt) -> float:

@@ -74,6 +74,9 @@ class NodeAssignment(Wire):
     nproc_per_node: int = Field(ge=1, le=MAX_COUNT)
     master_addr: Name
     master_port: int = Field(ge=1, le=65535)
+    # The store at master_addr:master_port is the job's store service's (every rank a
+    # client, torchrun's agent-store convention), not one that rank 0 hosts.
+    agent_store: bool = False
     restart_count: Count
     max_restarts: Count
     role: Name = "default"
@@ -133,9 +136,9 @@ class NodeAssignment(Wire):
             "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
             "TORCHELASTIC_RUN_ID": self.job_id,
-            # Workers host or join a fresh per-attempt store at MASTER_PORT; there is
-            # no long-lived agent store to re-use.
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            # True: every rank joins the attempt's store that the job's store service
+            # serves (trainguard.rendezvous); False: rank 0 hosts a fresh one.
+            "TORCHELASTIC_USE_AGENT_STORE": str(self.agent_store),
             "TRAINGUARD_JOB_ID": self.job_id,
             "TRAINGUARD_NODE_ID": self.node_id,
             "TRAINGUARD_ATTEMPT": str(self.attempt),

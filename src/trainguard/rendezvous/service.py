@@ -1,0 +1,189 @@
+"""The job's rendezvous store service: every attempt's TCPStore, served outside the ranks.
+
+``python -m trainguard.rendezvous.service --state FILE --owner PID --grace S`` runs on the
+controller's host for as long as the job does. For each attempt the controller asks it
+(``POST /open``) for a fresh ``torch.distributed.TCPStore`` (``is_master=True``, libuv,
+an ephemeral port); the attempt's workers get ``TORCHELASTIC_USE_AGENT_STORE=True`` and
+``MASTER_ADDR``/``MASTER_PORT`` pointing at it, so every rank, rank 0 too, connects as a
+client (``torch.distributed.rendezvous._create_c10d_store``), torchrun's convention for
+an agent-hosted store. The store is up before any worker starts: no rank waits for rank
+0 to bind, and a rank 0 (or node 0) that is killed and replaced finds the same endpoint
+with its keys. A fresh store per attempt (not one store with a prefix, which unmodified
+scripts would not add) keeps an attempt from reading a previous attempt's peer addresses.
+
+Control is HTTP on loopback, each request carrying the job's token
+(``X-Trainguard-Token``): ``POST /open {"attempt": N}`` -> ``{"port": P, "next": Q}`` (the
+same port for the same attempt; attempt N+1's store is opened ahead, so that the next
+``/open`` is not waited for; attempts older than N-1 are closed), ``POST /attach {"pid": P,
+"start": T}`` (a resumed controller takes it over), ``POST /shutdown``, ``GET /health``.
+The service lives while its owner does, and ``--grace`` seconds after (the node agents'
+grace, ``controllerGraceSeconds``), so that ``trainguard resume`` finds it with the running
+attempt's store intact. It writes ``{"pid", "started", "control_port"}`` to ``--state``
+once it listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hmac
+import json
+import os
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from trainguard.agent.controller_watch import ControllerWatch
+
+__all__ = ["TOKEN_ENV", "TOKEN_HEADER", "StoreService", "main"]
+
+TOKEN_ENV = "TRAINGUARD_STORE_TOKEN"
+TOKEN_HEADER = "X-Trainguard-Token"
+KEEP_ATTEMPTS = 2  # the newest attempt's store and the one before (its ranks may linger)
+WATCH_INTERVAL = 0.5  # s between looks at the owner
+MAX_BODY = 4096
+
+
+class StoreService:
+    """The attempts' stores (in this process); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stores: dict[int, Any] = {}  # attempt -> torch.distributed.TCPStore
+
+    def open(self, attempt: int) -> tuple[int, int]:
+        """The ports of ``attempt``'s store and of the next attempt's, each created on
+        first ask (the next one ahead of time: its controller need not wait for it);
+        drops the stores of attempts before the previous one."""
+        with self._lock:
+            ports = self._port(attempt), self._port(attempt + 1)
+            for old in [a for a in self._stores if a <= attempt - KEEP_ATTEMPTS]:
+                del self._stores[old]  # the TCPStore's server stops with its last reference
+            return ports
+
+    def _port(self, attempt: int) -> int:
+        import torch.distributed as dist  # imported at start-up (main); cheap here
+
+        store = self._stores.get(attempt)
+        if store is None:
+            store = dist.TCPStore(
+                "0.0.0.0", 0, 1, is_master=True, wait_for_workers=False, use_libuv=True
+            )
+            self._stores[attempt] = store
+        return int(store.port)
+
+    def attempts(self) -> dict[int, int]:
+        with self._lock:
+            return {a: int(s.port) for a, s in self._stores.items()}
+
+    def close(self) -> None:
+        with self._lock:
+            self._stores.clear()
+
+
+def _handler(
+    service: StoreService, watch: ControllerWatch, token: str, stop: threading.Event
+) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            return
+
+        def _reply(self, code: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _allowed(self) -> bool:
+            given = self.headers.get(TOKEN_HEADER, "")
+            if hmac.compare_digest(given.encode(), token.encode()):
+                return True
+            self._reply(401, {"error": "bad or missing token"})
+            return False
+
+        def do_GET(self) -> None:
+            if not self._allowed():
+                return
+            if self.path != "/health":
+                return self._reply(404, {"error": f"no route {self.path}"})
+            attempts = {str(a): p for a, p in service.attempts().items()}
+            self._reply(200, {"pid": os.getpid(), "owner": watch.pid, "attempts": attempts})
+
+        def do_POST(self) -> None:
+            if not self._allowed():
+                return
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY:
+                return self._reply(413, {"error": "body too large"})
+            try:
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if not isinstance(body, dict):
+                    raise ValueError("not an object")
+                if self.path == "/open":
+                    attempt = body["attempt"]
+                    if not isinstance(attempt, int) or attempt < 0:
+                        raise ValueError("attempt: expected an integer >= 0")
+                    port, upcoming = service.open(attempt)
+                    return self._reply(200, {"port": port, "next": upcoming})
+                if self.path == "/attach":
+                    pid, start = body["pid"], body.get("start")
+                    if not isinstance(pid, int) or pid < 1:
+                        raise ValueError("pid: expected an integer >= 1")
+                    if start is not None and not isinstance(start, int):
+                        raise ValueError("start: expected an integer")
+                    watch.attach(pid, start)
+                    return self._reply(200, {"attached": pid})
+                if self.path == "/shutdown":
+                    stop.set()
+                    return self._reply(200, {"stopping": True})
+            except (KeyError, ValueError) as exc:
+                return self._reply(400, {"error": f"bad request: {exc}"})
+            self._reply(404, {"error": f"no route {self.path}"})
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainguard.rendezvous.service")
+    parser.add_argument("--state", type=Path, required=True, help="where to write pid and port")
+    parser.add_argument("--owner", type=int, required=True, help="the controller's pid")
+    parser.add_argument("--grace", type=float, default=0.0, help="s to outlive the owner")
+    args = parser.parse_args(argv)
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        print(f"{TOKEN_ENV} is not set", file=sys.stderr)
+        return 2
+    import torch.distributed  # noqa: F401 - the slow part, before saying we listen
+
+    service, stop = StoreService(), threading.Event()
+    watch = ControllerWatch(args.owner, args.grace)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(service, watch, token, stop))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True, name="control").start()
+    from trainguard.platform.procs import start_time
+
+    state = {"pid": os.getpid(), "started": start_time(os.getpid()), "control_port": 0}
+    state["control_port"] = server.server_address[1]
+    tmp = args.state.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(args.state)
+    try:
+        while not stop.wait(WATCH_INTERVAL):
+            if (why := watch.expired()) is not None:
+                print(f"rendezvous store service: {why}; exiting", file=sys.stderr)
+                break
+    finally:
+        server.shutdown()
+        service.close()
+        with contextlib.suppress(OSError):
+            if json.loads(args.state.read_text()).get("pid") == os.getpid():
+                args.state.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
