@@ -24,6 +24,12 @@ writing faster than the tailer reads) is skipped but for its newest C/16, and
 look of the tailer; between two looks a worker adds what it writes in 20 ms (the tailer
 looks at once while a worker is ahead of it). A spool the tailer has finished with is
 truncated past 1 MiB (all of it is in ``rank-{R}.log``).
+
+Between passes the tailer sleeps on an ``inotify`` watch of the ranks' directories
+(:mod:`trainguard.agent.filewatch`): a write wakes it (a pass at once after a quiet spell,
+at most one per ``interval`` while a worker keeps writing, with the 20 ms look for a flood
+in between), and a node whose workers print nothing costs no wake-ups but one pass a
+second. Where inotify is missing it polls: a pass every ``interval``, a look every 20 ms.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Final
 
+from trainguard.agent.filewatch import DirWatch
 from trainguard.agent.logcap import RotatingFile
 from trainguard.agent.spool import Spool
 from trainguard.wire.logs import LogLimits
@@ -52,6 +59,7 @@ LineHook = Callable[[int, str, str, float], None]
 _READ_CHUNK = 64 * 1024
 _CHECK_EVERY = 4 * _READ_CHUNK  # while reading, how often to look how far the writer is
 _WATCH_INTERVAL = 0.02  # between passes, how often to look whether a spool grows fast
+_QUIET_PASS = 1.0  # watched by inotify: a pass after this long without a change anyway
 SPOOL_KEPT_WHEN_DONE: Final = 1024 * 1024
 """A finished worker's spool file (all of it in rank-{R}.log) is emptied past this size."""
 
@@ -179,6 +187,8 @@ class LogTailer:
             for stream in STREAMS
         ]
         self._combined: dict[int, RotatingFile] = {}
+        self._watch: DirWatch | None = None  # None: poll the files' sizes
+        self._polling = False  # True: poll, although watched (a file outside the watch)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._hook_failed = False
@@ -195,6 +205,7 @@ class LogTailer:
             log.write(marker)
             log.flush()
             self._combined[rank] = log
+        self._watch = DirWatch.open({f.spool.path.parent for f in self._followed})
         self._thread.start()
 
     def finish_rank(self, local_rank: int) -> None:
@@ -203,6 +214,7 @@ class LogTailer:
             for followed in self._followed:
                 if followed.local_rank == local_rank:
                     followed.finishing = True
+            self._poke()
 
     def follow(self, local_rank: int, rank: int, paths: Mapping[str, Path]) -> None:
         """Also follow a new process of ``local_rank`` (an in-process restart's replacement)
@@ -214,6 +226,16 @@ class LogTailer:
                 _Followed(local_rank, rank, stream, self._spool(paths[stream]))
                 for stream in STREAMS
             ]
+            if self._watch is not None and not all(
+                self._watch.add(directory) for directory in {p.parent for p in paths.values()}
+            ):
+                self._polling = True  # poll every file from now on
+            self._poke()
+
+    def _poke(self) -> None:
+        """Wake the tailer's wait for a change (with ``_lock`` held)."""
+        if self._watch is not None:
+            self._watch.poke()
 
     def relabel(self, ranks: Mapping[int, int]) -> None:
         """The workers' global ranks changed (``ranks``: local -> global; an elastic
@@ -232,6 +254,8 @@ class LogTailer:
     def stop(self, timeout: float) -> bool:
         """Drain every file and stop; False if the drain did not end within ``timeout``."""
         self._stop.set()
+        with self._lock:
+            self._poke()
         if self._thread.is_alive():
             self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -252,19 +276,39 @@ class LogTailer:
                 followed.spool.close()
             for log in self._combined.values():
                 log.close()
+            with self._lock:
+                if self._watch is not None:
+                    self._watch.close()
+                    self._watch = None
 
     def _idle(self, seconds: float) -> None:
-        """Wait ``seconds`` for the next pass, or less: until stopped, or until a worker
-        has written a lot since (a flood starts between two passes: its spool stays small)."""
+        """Wait for the next pass. Watched (inotify): until a worker writes, or a rank
+        finishes, or :data:`_QUIET_PASS` passes; no sooner than ``seconds`` after the last
+        pass unless a worker floods. Else polling: ``seconds``, or less (a flood)."""
+        if seconds <= 0:
+            return
         deadline = time.monotonic() + seconds
+        with self._lock:
+            watch = None if self._polling else self._watch
+        if watch is not None:
+            changed, poked = watch.wait(_QUIET_PASS)
+            if poked or not changed:
+                return
+        self._pace(deadline)
+
+    def _pace(self, deadline: float) -> None:
+        """Wait until ``deadline``, or less: until stopped, or until a worker has written
+        a lot since (a flood starts between two passes: its spool stays small)."""
         while (left := deadline - time.monotonic()) > 0:
             if self._stop.wait(min(left, _WATCH_INTERVAL)):
                 return
-            with self._lock:
-                spools = [f.spool for f in self._followed if not f.done]
-            for spool in spools:
-                if spool.file is not None and spool.unread() > self._max_line:
-                    return
+            if self._flooding():
+                return
+
+    def _flooding(self) -> bool:
+        with self._lock:
+            spools = [f.spool for f in self._followed if not f.done]
+        return any(s.file is not None and s.unread() > self._max_line for s in spools)
 
     def _pass(self, final: bool) -> bool:
         """Read every file once; True when one of them has more to read already."""

@@ -1,0 +1,108 @@
+"""Wait until a file in some directories changes (Linux ``inotify``), or until poked.
+
+The log tailer waits here between its passes instead of waking every few milliseconds
+to look at its files' sizes: an idle node's tailer then sleeps until a worker writes.
+``inotify`` is reached through ``ctypes`` (the standard library has no binding); where it
+is missing (not Linux, no glibc, the watch limit reached, a directory that does not exist)
+:func:`DirWatch.open` returns None and the caller polls as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import select
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Final
+
+__all__ = ["DirWatch"]
+
+logger = logging.getLogger(__name__)
+
+_IN_MODIFY: Final = 0x002
+_IN_CLOSE_WRITE: Final = 0x008
+_IN_CREATE: Final = 0x100
+_IN_NONBLOCK: Final = os.O_NONBLOCK
+_IN_CLOEXEC: Final = os.O_CLOEXEC
+_MASK: Final = _IN_MODIFY | _IN_CLOSE_WRITE | _IN_CREATE
+_DRAIN: Final = 64 * 1024
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        libc.inotify_init1.argtypes = [ctypes.c_int]
+        libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _libc()
+
+
+class DirWatch:
+    """An ``inotify`` descriptor on some directories, and a pipe to wake its waiter."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLIN)
+        self._poll.register(self._wake_r, select.POLLIN)
+        self._closed = False
+
+    @classmethod
+    def open(cls, directories: Iterable[Path]) -> DirWatch | None:
+        """A watch on every one of ``directories`` (writes to, and new files in, them);
+        None where one of them cannot be watched."""
+        if _LIBC is None:
+            return None
+        fd = _LIBC.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        if fd < 0:
+            return None
+        watch = cls(fd)
+        for directory in directories:
+            if not watch.add(directory):
+                watch.close()
+                return None
+        return watch
+
+    def add(self, directory: Path) -> bool:
+        """Also watch ``directory``; False where it cannot be watched."""
+        assert _LIBC is not None
+        if _LIBC.inotify_add_watch(self._fd, os.fsencode(directory), _MASK) < 0:
+            error = ctypes.get_errno()
+            logger.info("cannot watch %s (%s): polling instead", directory, os.strerror(error))
+            return False
+        return True
+
+    def wait(self, timeout: float) -> tuple[bool, bool]:
+        """Block up to ``timeout`` seconds until a file changed or :meth:`poke` was
+        called (since the last wait); whether each happened: ``(changed, poked)``."""
+        ready = {fd for fd, _ in self._poll.poll(max(0, int(timeout * 1000)))}
+        for fd in ready:
+            try:
+                while os.read(fd, _DRAIN):
+                    pass
+            except BlockingIOError:
+                pass
+        return self._fd in ready, self._wake_r in ready
+
+    def poke(self) -> None:
+        """Wake the waiter (from another thread; not after :meth:`close`)."""
+        if self._closed:
+            return
+        with contextlib.suppress(OSError):  # the pipe is full (it will wake) or closed
+            os.write(self._wake_w, b"x")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for fd in (self._fd, self._wake_r, self._wake_w):
+                os.close(fd)
