@@ -99,8 +99,15 @@ class RemoteNode:
         return None  # a dead agent or host is found by its silence (control/contact.py)
 
     def shutdown(self, client: AgentClient | None) -> None:
-        """Ask the agent, then its host's daemon (which kills what is left); a host that
-        cannot be reached is fenced already: it stops its workers on its own."""
+        """Ask the agent, then its host's daemon (which kills what is left).
+
+        A fenced host (its node declared lost, or its lease gone stale) is not contacted:
+        it stops its workers on its own when its next lease renewal says so, or after
+        ``partitionTimeoutSeconds`` without one. Asking it would only hold up the launch
+        of the node's replacement by the calls' timeouts (a cut-off host never answers).
+        """
+        if self.host.lost:
+            return
         if client is not None:
             with contextlib.suppress(AgentError):
                 client.shutdown()
