@@ -152,11 +152,12 @@ class Checkpointer:
         cuda = has_cuda(tensors)
         slot = self.memory.choose_slot(step)
         self._background.wait_for_slot(slot, step)
-        buffer, prepared = self.memory.begin(slot, layout.nbytes, pin=cuda)
-        copy = copy_to_host(buffer, layout.entries, tensors)
+        with self._background.copying():
+            buffer, prepared = self.memory.begin(slot, layout.nbytes, pin=cuda)
+            copy = copy_to_host(buffer, layout.entries, tensors)
+            if blocking:
+                copy.wait()
         self._cuda_device = copy.device if copy.device is not None else self._cuda_device
-        if blocking:
-            copy.wait()
         cfg = self.config
         meta = make_meta(
             layout, job_id=cfg.job_id, step=step, rank=cfg.rank, world_size=cfg.world_size,
