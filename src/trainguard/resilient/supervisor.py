@@ -75,10 +75,18 @@ class Supervisor:
         self._last = -1  # the newest attempt joined or given up on
         self._wait_deadline = 0.0
         self._joined_at = 0.0
+        self._group_seconds = 0.0  # the last join's group.join()
         self._failed_at: float | None = None
 
     def start(self) -> None:
         """Learn this worker's rank (a hot spare waits for one), then join an attempt."""
+        # What the script built so far is frozen before a spare waits, not after it is
+        # called in: the first full collection of a process with torch imported takes
+        # 0.1-1 s (more in a worker forked from a template: it copies the pages it
+        # touches), which was most of a spare's part of the stall. run() freezes again
+        # what the script builds after this (a collection of little).
+        gc.collect()
+        gc.freeze()
         identity = resolve_identity(self.control_dir, self.config.poll_interval)
         self.rank, self.local_rank = identity.rank, identity.local_rank
         if identity.spare_id is not None:
@@ -144,6 +152,7 @@ class Supervisor:
                     join_deadline,
                     functools.partial(self.watcher.newer_than, attempt.attempt),
                 )
+                self._group_seconds = time.monotonic() - self._joined_at
             except AttemptInterrupted:
                 self.group.abort()
                 self._wait_deadline = join_deadline
@@ -190,8 +199,10 @@ class Supervisor:
     def _run_attempt(
         self, attempt: Attempt, train: TrainFunction, state: State, fallback: Fallback | None
     ) -> None:
+        synchronising = time.monotonic()
         source, detail = synchronise(state, self.progress, fallback)
         seconds = time.monotonic() - self._joined_at
+        state_seconds = time.monotonic() - synchronising
         write_ack(
             self.control_dir,
             self.rank,
@@ -217,6 +228,10 @@ class Supervisor:
             step=self.progress.steps,
             state_source=source,
             seconds=seconds,
+            # The parts of ``seconds`` (the benchmark's stall breakdown): forming the
+            # attempt's group, then getting the state (from memory, a peer, a checkpoint).
+            group_seconds=round(self._group_seconds, 6),
+            state_seconds=round(state_seconds, 6),
         )
         train(
             Run(
