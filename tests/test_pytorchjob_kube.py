@@ -10,6 +10,7 @@ the walkthrough needs it: HyperPod's label names, and hostPath volumes allowed.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,8 @@ HEALTHY = {"hp-a", "hp-b", "hp-c"}
 
 @pytest.fixture
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    """The emulator on Nodes labelled as HyperPod labels them; the operator as installed
+    with --hyperpod-labels --allow-privileged-pods."""
     monkeypatch.setenv("TRAINGUARD_HYPERPOD_LABELS", "true")
     monkeypatch.setenv("TRAINGUARD_ALLOW_PRIVILEGED_PODS", "true")  # the hostPath volumes
     nodes = {
@@ -99,3 +102,19 @@ def test_walkthrough_pytorchjob_is_resumed_on_schedulable_nodes_up_to_its_count(
     assert status["phase"] == "Failed", status
     assert "jobMaxRetryCount=2" in status["reason"], status
     assert not (out / "rank-0-attempt-3.json").exists()
+
+
+@pytest.mark.e2e
+def test_walkthrough_pytorchjob_trains_unchanged_on_the_emulator(cluster: Cluster) -> None:
+    """The manifest as it is (the GPT example's script, 2 pods x 2 processes): the harness
+    kubelet runs a pod's command in its root, where the example's script is put, as the
+    image would hold it."""
+    shutil.copytree(REPO / "examples" / "gpt", cluster.root / "examples" / "gpt",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    done = cluster.tg("submit", "-f", str(EXAMPLE), "-n", "default", "--allow-privileged-pods")
+    assert done.returncode == 0, done.stderr
+    status = cluster.wait_phase("fsdp", "Succeeded", "Failed", timeout=2 * JOB_TIMEOUT)
+    assert status["phase"] == "Succeeded", status
+    assert {n["hostNode"] for n in status["nodes"]} <= HEALTHY
+    logs = cluster.tg("logs", "--kube", "fsdp", "--rank", "0")
+    assert "Batch 40 Loss:" in logs.stdout, logs.stdout[-2000:]
