@@ -15,8 +15,10 @@ which nothing removes (`DataCache.directory`).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -92,8 +94,9 @@ class DataCache:
             self._make_source(),
             Settings(max_bytes, slot_bytes, ahead, lookback, workers),
         )
+        self._reader_started = False
         self._publish(self.step)
-        self._reader.start()
+        _at_thread_exit(self._reader.finish)
 
     @property
     def steps_per_epoch(self) -> int | None:
@@ -117,6 +120,10 @@ class DataCache:
         deadline = time.monotonic() + self.timeout
         while True:
             found, bad = self._from_cache(key)
+            if not self._reader_started:
+                # after the first look: a restart's first batch waits for no thread start
+                self._reader_started = True
+                self._reader.start()
             if found is not None:
                 self._publish(step + 1)  # where the reader prefetches from next
                 return found
@@ -192,6 +199,19 @@ class DataCache:
         return concat_rows(parts), -1
 
 
+def _at_thread_exit(callback: Callable[[], None]) -> None:
+    """``callback`` when the interpreter exits, before the thread pools' own exit hooks
+    (``threading._register_atexit``, which ``concurrent.futures`` uses; the callbacks
+    run last registered first); ``atexit`` where it is missing."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(callback)
+    except RuntimeError:  # missing, or the interpreter already shutting down
+        atexit.register(callback)
+
+
 def _is_map_style(source: Any) -> bool:
     import torch.utils.data
 
@@ -205,7 +225,11 @@ def _default_root() -> Path:
     if memory:
         return Path(memory).parent / "data"
     run = os.environ.get("TORCHELASTIC_RUN_ID") or "local"
-    return Path("/dev/shm") / f"trainguard-data-{os.getuid()}" / run
+    base = Path("/dev/shm") / f"trainguard-data-{os.getuid()}"
+    base.mkdir(mode=0o700, exist_ok=True)
+    if base.is_symlink() or base.stat().st_uid != os.getuid():
+        raise PermissionError(f"{base} is not this user's own directory: pass directory=")
+    return base / run
 
 
 def _local_index() -> int:

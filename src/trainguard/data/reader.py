@@ -68,6 +68,8 @@ def _create_layout(directory: Path, settings: Settings, sample_bytes: int) -> Sl
         raise ValueError(
             f"max_bytes {settings.max_bytes} holds fewer than 2 slots of {slot_bytes} bytes"
         )
+    for stale in ("slots", "slots.steps"):  # a reader that died before its layout.json
+        (directory / stale).unlink(missing_ok=True)
     slots = SlotFile(directory / "slots", slot_bytes, count, create=True)
     temporary = directory / "layout.json.tmp"
     temporary.write_text(json.dumps({"slot_bytes": slot_bytes, "count": count}), encoding="utf-8")
@@ -96,17 +98,25 @@ class Election(threading.Thread):
             try:
                 self._serve()
             except Exception as exc:  # every consumer of the node raises it
+                if self.stop.is_set() or "interpreter shutdown" in str(exc):
+                    return  # stopped in a read, not the source's fault
                 logger.exception("data cache reader failed")
                 (self.directory / "error").write_text(f"{type(exc).__name__}: {exc}")
                 return
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                self.source.close()
 
     def close(self) -> None:
-        self.stop.set()
-        if self.is_alive():
-            self.join(5.0)
+        self.finish()
         os.close(self._lock_fd)
+
+    def finish(self) -> None:
+        """Stop reading (also at the interpreter's exit, before its thread pools stop:
+        a thread inside torch when the interpreter finalizes aborts the process)."""
+        self.stop.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(5.0)
 
     def _serve(self) -> None:
         settings = self.settings
@@ -124,6 +134,8 @@ class Election(threading.Thread):
                     self.stop.wait(IDLE_WAIT)
                     continue
                 for key, batch in self.source.read(missing[: max(1, settings.workers)]):
+                    if self.stop.is_set():
+                        return
                     for piece, meta, parts in _pieces(key, batch, slots):
                         if slots is None:
                             slots = _create_layout(self.directory, settings, _size(meta, parts))

@@ -139,25 +139,20 @@ class SlotFile:
         if slot_bytes <= HEADER_BYTES or slot_bytes % 4096 or count < 1:
             raise ValueError(f"slot_bytes {slot_bytes}/count {count}: slots must be pages, > 1")
         self.path, self.slot_bytes, self.count = path, slot_bytes, count
-        size = slot_bytes * count
-        flags = os.O_RDWR | (os.O_CREAT if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create and os.fstat(fd).st_size == 0:
-                os.ftruncate(fd, size)
-            if os.fstat(fd).st_size != size:
-                raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, expected {size}")
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        # Views of the mapping (released in close): its bytes, and every slot's step field.
+        self._map = _mapped(path, slot_bytes * count, create)
+        # A hint beside it: each slot's step (the headers stay the authority), so that a
+        # consumer finds a step's slots in a few pages rather than touching every slot's.
+        self._hint_map = _mapped(path.with_name(path.name + ".steps"), 8 * count, create)
+        # Views of the mappings (released in close): the slots' bytes, the hint.
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        words = torch.frombuffer(self._map, dtype=torch.int64)
-        self._steps = words.as_strided((count,), (slot_bytes // 8,), 16 // 8)
+        self._hint = torch.frombuffer(self._hint_map, dtype=torch.int64)
+        if create:
+            self._hint.fill_(EMPTY_STEP)
 
     def close(self) -> None:
-        del self._bytes, self._steps
+        del self._bytes, self._hint
         self._map.close()
+        self._hint_map.close()
 
     def header(self, slot: int) -> Header | None:
         """Slot ``slot``'s header, None when it is empty, being written or malformed."""
@@ -170,13 +165,17 @@ class SlotFile:
         return Header(seq, Key(step, lo, hi), meta_len, payload_len, crc)
 
     def headers(self) -> list[Header | None]:
-        return [self.header(slot) for slot in range(self.count)]
+        """Every slot's header; the hint made to agree with them (the writer, at its start)."""
+        found = [self.header(slot) for slot in range(self.count)]
+        for slot, head in enumerate(found):
+            self._hint[slot] = EMPTY_STEP if head is None else head.key.step
+        return found
 
     def holding(self, step: int) -> dict[Key, int]:
         """The slots that hold rows of ``step``, by key (one vectorised look at every slot's
         step field, then the headers of those only)."""
         found = {}
-        for slot in torch.nonzero(self._steps == step).flatten().tolist():
+        for slot in torch.nonzero(self._hint == step).flatten().tolist():
             head = self.header(slot)
             if head is not None and head.key.step == step:
                 found[head.key] = slot
@@ -228,6 +227,7 @@ class SlotFile:
             self._map, base, MAGIC, 0, seq, key.step, key.lo, key.hi, len(meta), payload_len, crc
         )
         self._set_seq(base, seq + 1)
+        self._hint[slot] = key.step
 
     def invalidate(self, slot: int) -> None:
         """Make ``slot`` empty (the writer: a corrupt slot is never read again)."""
@@ -237,9 +237,22 @@ class SlotFile:
         self._set_seq(base, seq)
         struct.pack_into("<q", self._map, base + 16, EMPTY_STEP)
         self._set_seq(base, seq + 1)
+        self._hint[slot] = EMPTY_STEP
 
     def _set_seq(self, base: int, seq: int) -> None:
         struct.pack_into("<q", self._map, base + 8, seq)
+
+
+def _mapped(path: Path, size: int, create: bool) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+    try:
+        if create and os.fstat(fd).st_size == 0:
+            os.ftruncate(fd, size)
+        if os.fstat(fd).st_size != size:
+            raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, expected {size}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
 
 
 def _fields(key: Key) -> tuple[int, int, int]:
