@@ -28,6 +28,11 @@ class CleanRecord:
     steps_per_s: float | None
     completed: bool
     launcher_cpu_s_per_min: float | None = None  # the launcher's own processes, training
+    # trainguard's worker template per node (MiB, bench/cpu.py's memory_mib): the largest
+    # resident, proportional (shared pages split with its workers) and private memory
+    template_rss_mib: float | None = None
+    template_pss_mib: float | None = None
+    template_uss_mib: float | None = None
 
 
 CleanVariant = Callable[[Path, TrainArgs, float], CleanRecord]
@@ -99,6 +104,13 @@ def _record(run: Run, finished: bool, steps: int, sampler: CpuSampler) -> CleanR
     completed = finished and bool(records) and max(r.step for r in records) == steps
     last = max((r.end for r in records), default=None)
     cpu = sampler.launcher_rate(first, last) if first is not None and last is not None else None
+    memory = sampler.template_memory() or {}
     return CleanRecord(
-        None if first is None else first - run.launched_at, throughput(records), completed, cpu
+        None if first is None else first - run.launched_at,
+        throughput(records),
+        completed,
+        cpu,
+        memory.get("rss"),
+        memory.get("pss"),
+        memory.get("uss"),
     )

@@ -27,6 +27,7 @@ from bench.runs import (
     TrainguardRun,
     event_times,
 )
+from bench.stall_breakdown import breakdown
 from bench.steps import StepRecord, recovery_after
 
 FAULTY_RANK = 3  # node 1, local rank 1: not the rank that hosts trainguard's store
@@ -80,6 +81,8 @@ class FaultRecord:
     step_at_fault: int | None = None  # last step completed when the fault hit
     # trainguard: the step its injector hit minus the step it was named (None: not known)
     injection_lag_steps: int | None = None
+    # an in-process recovery: where its stall went (bench/stall_breakdown.py)
+    breakdown: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -253,6 +256,8 @@ def trainguard_fault(run: TrainguardRun, injection: str, timeout: float) -> Faul
     note = "" if ok else f"job {job['phase']}: {job['reason']}"
     record = from_steps(run.steps(), fault_at, detect, note)
     record = replace(record, injection_lag_steps=injection_lag(job))
+    if fault_at is not None and faults and faults[0].get("scope") == "in-process":
+        record = replace(record, breakdown=breakdown(job, fault_at, record.stall_s))
     if faults:  # trainguard's own view of the same fault, for cross-checking
         own = {k: faults[0].get(k) for k in ("type", "recovery_seconds", "lost_steps", "scope")}
         record = replace(record, detail={"timeline": own})

@@ -183,6 +183,9 @@ def _fault_scenario(
             lags = [r.injection_lag_steps for r in recs]
             result[variant]["injection_lag_steps"] = summary(lags)
         result[variant]["recovered"] = sum(r.recovered for r in recs)
+        parts = [r.breakdown for r in recs if r.breakdown]
+        if parts:  # where an in-process recovery's stall went (bench/stall_breakdown.py)
+            result[variant]["breakdown"] = {p: summary([b[p] for b in parts]) for p in parts[0]}
         result[variant]["runs"] = [r.to_json() for r in recs]
     result["ratio"] = paired_ratios(result, metrics)
     return result
@@ -336,8 +339,14 @@ def _clean_scenario(
 
 
 def overhead(ctx: Context) -> dict[str, Any]:
-    """Throughput and the launcher's own CPU, like for like (see :mod:`bench.clean`)."""
-    return _clean_scenario(ctx, ("steps_per_s", "launcher_cpu_s_per_min"), LIKE_FOR_LIKE)
+    """Throughput and the launcher's own CPU, like for like (see :mod:`bench.clean`);
+    trainguard's worker template's memory per node beside them (no baseline has one)."""
+    result = _clean_scenario(ctx, ("steps_per_s", "launcher_cpu_s_per_min"), LIKE_FOR_LIKE)
+    for name, recs in _clean_runs(ctx).items():
+        if name in result and any(r.template_rss_mib is not None for r in recs):
+            for m in ("template_rss_mib", "template_pss_mib", "template_uss_mib"):
+                result[name][m] = summary([getattr(r, m) for r in recs])
+    return result
 
 
 def startup(ctx: Context) -> dict[str, Any]:
