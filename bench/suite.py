@@ -299,6 +299,18 @@ def workloads(ctx: Context) -> dict[str, Any]:
     return workloads_scenario(ctx, _fault_scenario)
 
 
+def group_start(ctx: Context) -> dict[str, Any]:
+    """Group (re)formation at 4-32 light ranks through the job's store service against a
+    TCPStore on rank 0 (:mod:`bench.group_start`), interleaved round by round."""
+    from bench.group_start import QUICK_ROUNDS, ROUNDS, WORLDS, measure
+
+    rounds = ROUNDS if ctx.settings.repeats > 1 else QUICK_ROUNDS
+    load_before = load_average()
+    result = measure(WORLDS, rounds, ctx.workdir / "group_start", ctx.log)
+    result["setup"].update(load_before=load_before, load_after=load_average())
+    return result
+
+
 def _clean_runs(ctx: Context) -> dict[str, list[CleanRecord]]:
     if not ctx.clean:
         s = ctx.settings
@@ -536,6 +548,7 @@ SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "slurm": slurm,
     "workloads": workloads,
     "peers": peers,
+    "group_start": group_start,
 }
 
 

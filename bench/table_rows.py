@@ -539,6 +539,7 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
         "hosts",
         "slurm",
         "workloads",
+        "group_start",
     ):
         res = results.get(scenario)
         if not res:
@@ -559,6 +560,10 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
             from bench.workloads_rows import workloads_rows
 
             rows += workloads_rows(res)
+        elif scenario == "group_start":  # and these in bench/group_start.py
+            from bench.group_start import rows as group_start_rows
+
+            rows += group_start_rows(res)
         elif scenario in _FAULT_METRICS:
             rows += fault_rows(scenario, res)
         elif scenario == "checkpoint":
