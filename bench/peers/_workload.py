@@ -16,8 +16,11 @@ steps redone for a peer exactly as for trainguard. ``worlds.txt`` gets
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +79,55 @@ def state_of(mib: int, tensors: int = 4) -> dict[str, torch.Tensor]:
     numel = (mib << 20) // 4 // tensors
     gen = torch.Generator().manual_seed(0)
     return {f"layer{i}": torch.randn(numel, generator=gen) for i in range(tensors)}
+
+
+def checkpoint_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The checkpoint scripts' common arguments (``--mib``, ``--repeats``, ``--out``)."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    p.add_argument("--mib", type=int, required=True)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, required=True)
+    return p
+
+
+def save_restore(
+    state: dict[str, torch.Tensor],
+    repeats: int,
+    save: Callable[[int], Callable[[], object] | None],
+    restore: Callable[[int], dict[str, torch.Tensor] | None],
+) -> dict[str, Any]:
+    """Each repetition changes the state, times ``save(step)`` until it returns (then calls
+    what it returned, untimed: waiting for its background part), zeroes the state and times
+    ``restore(step)`` (the restored tensors, or None: restored into ``state``)."""
+    saves: list[float] = []
+    restores: list[float] = []
+    identical = True
+    for step in range(1, repeats + 1):
+        for t in state.values():
+            t.add_(1.0)
+        saved = {k: t.clone() for k, t in state.items()}
+        start = time.perf_counter()
+        finish = save(step)
+        saves.append(time.perf_counter() - start)
+        if finish is not None:
+            finish()
+        for t in state.values():
+            t.zero_()
+        start = time.perf_counter()
+        got = restore(step)
+        restores.append(time.perf_counter() - start)
+        got = state if got is None else got
+        identical = identical and all(k in got and torch.equal(got[k], saved[k]) for k in saved)
+    return {"save_s": saves, "restore_s": restores, "identical": identical}
+
+
+def init_gloo_alone() -> None:
+    """A gloo group of one (DCP and the peers' checkpointers want a process group)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    dist.init_process_group("gloo", rank=0, world_size=1)

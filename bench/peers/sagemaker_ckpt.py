@@ -15,20 +15,16 @@ future is awaited (untimed). ``restore_s``: ``dcp.load`` with
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
 import sys
-import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _workload import state_of
+from _workload import checkpoint_parser, init_gloo_alone, save_restore, state_of
 
 
 def point_client_at(port: int) -> None:
@@ -47,11 +43,8 @@ def point_client_at(port: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = checkpoint_parser(__doc__)
     p.add_argument("--membrain-port", type=int, required=True)
-    p.add_argument("--mib", type=int, required=True)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     point_client_at(args.membrain_port)
     from amzn_sagemaker_checkpointing.checkpointing.filesystem import (
@@ -62,33 +55,21 @@ def main() -> None:
         SageMakerCheckpointConfig,
     )
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_gloo_alone()
     config = SageMakerCheckpointConfig(namespace=f"bench-{os.getpid()}", world_size=1)
     state = state_of(args.mib)
-    saves, restores, identical = [], [], True
-    for step in range(1, args.repeats + 1):
-        for t in state.values():
-            t.add_(1.0)
-        saved = {k: t.clone() for k, t in state.items()}
+
+    def save(step: int) -> object:
         writer = SageMakerTieredStorageWriter(checkpoint_config=config, step=step)
-        start = time.perf_counter()
-        future = dcp.async_save(state_dict=state, storage_writer=writer)
-        saves.append(time.perf_counter() - start)
-        future.result()
-        for t in state.values():
-            t.zero_()
+        return dcp.async_save(state_dict=state, storage_writer=writer).result
+
+    def restore(step: int) -> None:
         reader = SageMakerTieredStorageReader(checkpoint_config=config, step=step)
-        start = time.perf_counter()
         dcp.load(state, storage_reader=reader)
-        restores.append(time.perf_counter() - start)
-        identical = identical and all(torch.equal(state[k], saved[k]) for k in state)
+
+    figures = save_restore(state, args.repeats, save, restore)  # type: ignore[arg-type]
     dist.destroy_process_group()
-    args.out.write_text(
-        json.dumps({"save_s": saves, "restore_s": restores, "identical": identical})
-    )
+    args.out.write_text(json.dumps(figures))
 
 
 if __name__ == "__main__":

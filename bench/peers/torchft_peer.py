@@ -9,7 +9,7 @@ heartbeats stop (``heartbeat_timeout_ms``) and the next quorum trains on three; 
 restarted one heals from a live replica over HTTP and rejoins a later quorum.
 
 The record is computed from replica 0's steps by ``bench.recovery.from_steps``, as for
-trainguard (a new quorum is a new incarnation), plus the world size of the first step
+trainguard (a new membership is a new incarnation), plus the world size of the first step
 after the fault and how long until the world was back to four.
 """
 

@@ -7,8 +7,9 @@ group. The loop is torchft's ``train_ddp`` example's: the
 quorum starts before the step, the gradients are averaged by ``Manager.allreduce`` over
 the quorum's live replicas, and the optimizer steps only where ``should_commit`` agrees.
 A replica that (re)joins heals from a live one over torchft's HTTP transport (model,
-optimizer and the Manager's step). Replica 0 records the committed steps, its
-incarnation being the quorum id (a new quorum is a new membership).
+optimizer and the Manager's step). Replica 0 records the committed steps; its
+incarnation changes with the membership (the quorum id or the number of participants:
+the lighthouse can keep the quorum id when a member is dropped).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def main() -> None:
     )
     ft_optim = Optimizer(manager, optim)
     records = Records(args.out, write=args.replica == 0)
+    membership, epoch = (-1, 0), 0
     while (step := manager.current_step()) < args.steps:
         start = time.time()
         ft_optim.zero_grad()  # starts the quorum (async, beside the forward pass)
@@ -89,8 +91,10 @@ def main() -> None:
         ft_optim.step()  # steps only where should_commit agrees; then current_step + 1
         if manager.current_step() > step:
             end = time.time()
-            quorum = f"q{manager._quorum_id}"  # no public accessor
-            records.step(quorum, manager.current_step(), start, end, manager.num_participants())
+            now = (manager._quorum_id, manager.num_participants())  # no public accessor
+            if now != membership:
+                membership, epoch = now, epoch + 1
+            records.step(f"m{epoch}", manager.current_step(), start, end, now[1])
     manager.shutdown(wait=False)
     os._exit(0)  # the lighthouse may be gone: nothing left to wait for
 

@@ -11,49 +11,38 @@ Checkpointer's ``load_latest`` into the zeroed state (a restarted process's rest
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
-from bench.peers._workload import state_of
+from bench.peers._workload import checkpoint_parser, save_restore, state_of
 from trainguard.checkpoint import Checkpointer
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mib", type=int, required=True)
-    p.add_argument("--repeats", type=int, default=3)
+    p = checkpoint_parser(__doc__)
     p.add_argument("--dir", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     state = state_of(args.mib)
     ckpt = Checkpointer(memory_dir=str(args.dir), job_id="bench-peers", environ={})
     ckpt.load_latest(state)
-    saves, restores, identical = [], [], True
-    for step in range(1, args.repeats + 1):
-        for t in state.values():
-            t.add_(1.0)
-        saved = {k: t.clone() for k, t in state.items()}
-        start = time.perf_counter()
+
+    def save(step: int) -> object:
         ckpt.save(step, state)
-        saves.append(time.perf_counter() - start)
-        ckpt.wait()
-        for t in state.values():
-            t.zero_()
+        return ckpt.wait
+
+    def restore(step: int) -> dict[str, torch.Tensor] | None:
         loader = Checkpointer(memory_dir=str(args.dir), job_id="bench-peers", environ={})
-        start = time.perf_counter()
         restored = loader.load_latest(state)
-        restores.append(time.perf_counter() - start)
         loader.close()
-        identical = identical and restored == step
-        identical = identical and all(torch.equal(state[k], saved[k]) for k in state)
+        if restored != step:
+            raise SystemExit(f"trainguard_ckpt: restored step {restored}, saved {step}")
+        return None
+
+    figures = save_restore(state, args.repeats, save, restore)  # type: ignore[arg-type]
     ckpt.close()
-    args.out.write_text(
-        json.dumps({"save_s": saves, "restore_s": restores, "identical": identical})
-    )
+    args.out.write_text(json.dumps(figures))
 
 
 if __name__ == "__main__":
