@@ -36,7 +36,10 @@ MODE_ENV = "TRAINGUARD_RENDEZVOUS_STORE"
 """``service`` (the default): the job's store service serves every attempt's store;
 ``rank0``: rank 0 hosts it, as torch's ``env://`` does without an agent store."""
 MODES = ("service", "rank0")
-START_TIMEOUT = 120.0  # s for the service to import torch and listen (a loaded machine)
+START_TIMEOUT = 60.0
+"""s an attempt's start waits for the service to import torch and listen (its first
+attempt's, in practice: it starts with the agents); past it the attempt's rank 0 hosts
+the store, and a later attempt uses the service once it is up."""
 REQUEST_TIMEOUT = 10.0
 
 
@@ -53,6 +56,7 @@ class StoreServiceHandle:
         self.state_file = state_file
         self._token = token
         self._process = process  # None: adopted from a dead controller
+        self._start_timeout = start_timeout
         self._deadline = time.monotonic() + start_timeout
         self._url: str | None = None
         self._failed: str | None = None
@@ -88,7 +92,14 @@ class StoreServiceHandle:
             reply = self._request("/open", {"attempt": attempt})
             self._next = {attempt + 1: int(reply["next"])}
             return int(reply["port"])
-        except (OSError, ValueError, KeyError, TimeoutError) as exc:
+        except TimeoutError:  # still starting (a busy machine): not failed, not waited for
+            logger.warning(
+                "rendezvous store service not up within %.0f s: rank 0 hosts attempt %d's store",
+                self._start_timeout,
+                attempt,
+            )
+            return None
+        except (OSError, ValueError, KeyError) as exc:
             self._fail(f"cannot open attempt {attempt}'s store: {exc}")
             return None
 
