@@ -222,7 +222,8 @@ def test_a_workload_taken_away_after_admission_is_an_eviction() -> None:
     api = FakeKueue()
     queued = KueueWorkload.create(cast(KubeApi, api), job_body(), 1.0)
     assert queued is not None and api.stored is not None
-    assert queued.read(0.0).pods == 0
+    api.stored = None  # deleted while queued: created again
+    assert queued.read(0.0).pods == 0 and api.stored is not None
     api.stored = {**api.stored, "status": {
         "admission": {"clusterQueue": "cq", "podSetAssignments": [{"name": "workers"}]},
         "conditions": [condition("Admitted")]}}  # fmt: skip

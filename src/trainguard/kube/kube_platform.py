@@ -164,10 +164,14 @@ class KubePlatform:
             node_id = list(groups)[-1]  # a node a scale-up adds: the last group's
             index, group = groups[node_id]
             pod = node_pod(job, body, index, group, node_id, "shape", 0, settings)
-            shape = PodShape.of(pod["spec"])
-            self.node_capacity = NodeCapacity(
-                api, self.source, shape, node_health.keys.status, poll_interval
-            )
+            try:
+                shape = PodShape.of(pod["spec"])
+            except ValueError as exc:  # the API server refuses such a pod anyway
+                logger.warning("%s: the Nodes' capacity is not read: %s", self.source, exc)
+            else:
+                self.node_capacity = NodeCapacity(
+                    api, self.source, shape, node_health.keys.status, poll_interval
+                )
 
     # -- lifecycle ---------------------------------------------------------------------
 

@@ -194,6 +194,8 @@ class KueueWorkload:
                 KUEUE_GROUP, KUEUE_VERSION, self.namespace, WORKLOADS, self.name
             )
         except NotFound:
+            if not self.was_admitted:  # deleted while queued: queue it again
+                self._recreate()
             state = Admission(0, "the Workload was deleted") if self.was_admitted else Admission(0)
         except KubeError as exc:
             logger.warning("%s: cannot read Workload %s: %s", self.source, self.name, exc)
@@ -207,6 +209,14 @@ class KueueWorkload:
         self.state = state
         self.was_admitted = self.was_admitted or state.admitted
         return state
+
+    def _recreate(self) -> None:
+        try:
+            self.api.create_object(KUEUE_GROUP, KUEUE_VERSION, self.namespace, WORKLOADS, self.body)
+            logger.info("%s: Workload %s was deleted while queued: queued again",
+                        self.source, self.name)  # fmt: skip
+        except KubeError as exc:
+            logger.warning("%s: cannot create Workload %s: %s", self.source, self.name, exc)
 
     def delete(self) -> None:
         """Release the quota: the job ended."""
