@@ -84,6 +84,19 @@ def test_the_mode_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
         rendezvous_mode()
 
 
+def test_a_bad_mode_is_a_usage_error(tmp_path: Path) -> None:
+    env = {**os.environ, MODE_ENV: "nodes", "TRAINGUARD_STATE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "run", str(SCRIPTS / "store_rank.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert f"{MODE_ENV}='nodes': expected one of service, rank0" in done.stderr
+
+
 def test_each_attempt_gets_its_own_store_that_outlives_every_client(
     service: StoreServiceHandle, tmp_path: Path
 ) -> None:

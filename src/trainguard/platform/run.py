@@ -18,6 +18,7 @@ from trainguard.platform.local import (
 )
 from trainguard.platform.resume_command import lost_twin, resume_job
 from trainguard.platform.store import StateDirError, open_store
+from trainguard.rendezvous.client import rendezvous_mode
 from trainguard.slurm.allocation import Allocation, SlurmError, in_allocation, spare_count
 from trainguard.spec import SpecError, TrainingJob, cli_job, load_job, resolve_plan
 from trainguard.spec.cli_job import DEFAULT_MAX_RESTARTS
@@ -86,6 +87,7 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         if endpoint is None and not batch:
             check_local_size(plan, source)  # one machine: far fewer nodes than a cluster
         injections = [parse_injection(text) for text in args.inject]
+        rendezvous_mode()  # TRAINGUARD_RENDEZVOUS_STORE: service or rank0
     except (ValueError, SlurmError) as exc:  # a bad --inject SPEC, an unreadable --env-file
         print(f"trainguard: {exc}", file=sys.stderr)
         return EXIT_USAGE
