@@ -114,3 +114,20 @@ def test_peers_table_has_a_row_per_side_and_the_skipped_reasons() -> None:
     assert "- torchft: does not import: no lighthouse" in text
     assert table.peers_table({"skipped": "no venv"}).endswith("no venv")
     assert table.peers_table(None) == ""
+
+
+def test_a_torchft_step_that_ran_through_the_kill_ends_the_stall() -> None:
+    from bench.recovery import from_steps
+    from bench.steps import StepRecord
+
+    records = [
+        StepRecord("m2", 24, 10.0, 10.6),
+        StepRecord("m2", 25, 10.6, 11.2),
+        StepRecord("m3", 26, 11.2, 12.3),  # its quorum re-formed without the dead replica
+        StepRecord("m3", 27, 12.3, 12.9),
+    ]
+    assert not from_steps(records, 11.3, None).recovered  # attributed to the fault
+    record = from_steps(worlds.absorbed_steps(records, 11.3), 11.3, None)
+    assert record.recovered and record.lost_steps == 0
+    assert abs((record.stall_s or 0) - 1.0) < 1e-6
+    assert worlds.absorbed_steps(records, None) == records

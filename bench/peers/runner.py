@@ -69,7 +69,7 @@ SIDES = [
         "trainguard",
         None,
         _full_world(trainguard_kill),
-        "2 nodes x 2 ranks, process-level restart, memory-tier checkpoint every step",
+        "2 nodes x 2 ranks, process-level restart from the memory tier (every 10 steps)",
     ),
     PeerSide(
         "peer_torchft",
@@ -116,14 +116,7 @@ def scenario(
             record = side.run(env, setup)
             log(f"peers {rep + 1}/{repeats} {side.name}: {record.to_json()}")
             records[side.name].append(record)
-    result: dict[str, Any] = {}
-    for side in sides:
-        recs = records[side.name]
-        figures: dict[str, Any] = {m: summary([_figure(r, m) for r in recs]) for m in METRICS}
-        figures["recovered"] = sum(r.recovered for r in recs)
-        figures["settings"] = side.settings
-        figures["runs"] = [r.to_json() for r in recs]
-        result[side.name] = figures
+    result: dict[str, Any] = {side.name: side_figures(side, records[side.name]) for side in sides}
     result["ratio"] = peer_ratios(result)
     ckpt = checkpoints.measure(
         env, workdir / "peers-checkpoint", CKPT_MIB, repeats, CKPT_SAVES, log
@@ -151,6 +144,15 @@ def scenario(
         "load_after": load_average(),
     }
     return result
+
+
+def side_figures(side: PeerSide, recs: list[FaultRecord]) -> dict[str, Any]:
+    """One side's summaries (median, min, max over its repetitions) and its runs."""
+    figures: dict[str, Any] = {m: summary([_figure(r, m) for r in recs]) for m in METRICS}
+    figures["recovered"] = sum(r.recovered for r in recs)
+    figures["settings"] = side.settings
+    figures["runs"] = [r.to_json() for r in recs]
+    return figures
 
 
 def _figure(record: FaultRecord, metric: str) -> float | None:

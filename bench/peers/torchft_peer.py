@@ -9,8 +9,9 @@ heartbeats stop (``heartbeat_timeout_ms``) and the next quorum trains on three; 
 restarted one heals from a live replica over HTTP and rejoins a later quorum.
 
 The record is computed from replica 0's steps by ``bench.recovery.from_steps``, as for
-trainguard (a new membership is a new incarnation), plus the world size of the first step
-after the fault and how long until the world was back to four.
+trainguard (a new membership is a new incarnation; a step that ran through the kill into
+the new membership counts as after it: ``worlds.absorbed_steps``), plus the world size
+of the first step after the fault and how long until the world was back to four.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, replace
 from bench.baseline import free_port, signal_at_step
 from bench.peers.env import PeerEnv
 from bench.peers.procs import PEERS_DIR, Procs
-from bench.peers.worlds import world_after
+from bench.peers.worlds import absorbed_steps, world_after
 from bench.recovery import FAULTY_RANK, FaultRecord, FaultSetup, from_steps
 from bench.steps import read_steps
 
@@ -117,7 +118,12 @@ def run(env: PeerEnv, setup: FaultSetup, lighthouse: Lighthouse) -> FaultRecord:
         codes = procs.returncodes()
     finally:
         procs.stop()
-    record = from_steps(steps(), fault_at, None, "" if finished else "did not finish in time")
+    record = from_steps(
+        absorbed_steps(steps(), fault_at),
+        fault_at,
+        None,
+        "" if finished else "did not finish in time",
+    )
     world = world_after(out / "worlds.txt", fault_at, record.stall_s, REPLICAS)
     detail = {
         "lighthouse": lighthouse.argv() or "defaults",

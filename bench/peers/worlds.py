@@ -1,13 +1,17 @@
 """The world size a peer trained at after the fault, from its ``worlds.txt``.
 
 ``_workload.Records`` appends ``<incarnation> <world> <end time>`` for every recorded
-step; pure functions here (tested without any peer installed).
+step; pure functions here (tested without any peer installed), and the one
+adjustment torchft's step records need (:func:`absorbed_steps`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from bench.steps import StepRecord
 
 
 def read_worlds(path: Path) -> list[tuple[str, int, float]]:
@@ -46,3 +50,27 @@ def world_after(
     else:
         restored = next((t - fault_at for t, w in after if w == full), None)
     return {"world_after": first, "world_restored_s": restored}
+
+
+def absorbed_steps(records: list[StepRecord], fault_at: float | None) -> list[StepRecord]:
+    """The records with a step that *absorbed* the fault counted as after it.
+
+    A torchft step starts its quorum before the kill and can end, in a new membership
+    without the dead replica, after it: it ran through the fault rather than before it.
+    ``bench.steps.recovery_after`` picks the faulted incarnation from the steps started
+    before the fault, which would make that new membership the faulted one (and find no
+    recovery). Here a step that ended after the fault in another incarnation than the
+    last step ended before it starts just after the fault; the stall then ends with it.
+    """
+    if fault_at is None:
+        return records
+    done = [r for r in records if r.end <= fault_at]
+    if not done:
+        return records
+    faulted = max(done, key=lambda r: r.end).incarnation
+    return [
+        replace(r, start=fault_at + 1e-6)
+        if r.start <= fault_at < r.end and r.incarnation != faulted
+        else r
+        for r in records
+    ]
