@@ -173,7 +173,7 @@ class DataCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _publish(self, step: int, bad_slot: int = -1) -> Key:
+    def _publish(self, step: int, bad_slot: int | None = None) -> Key:
         key = self.rows(step)
         self._board.publish(_local_index(), step, key, bad_slot)
         return key

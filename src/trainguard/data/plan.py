@@ -17,7 +17,10 @@ from trainguard.platform import procs
 
 __all__ = ["Board", "Consumer", "cover", "victim", "wanted"]
 
-ENTRY = struct.Struct("<qqqqqd")  # pid, step, lo, hi, bad slot + 1, updated (epoch seconds)
+ENTRY = struct.Struct("<qqqqqd")  # pid, step, lo, hi, report, updated (epoch seconds)
+# A corrupt-slot report: (count of reports) * REPORTS + slot + 1, kept until the next one,
+# so that the reader sees each report once however soon the rank publishes again.
+REPORTS = 1 << 32
 ENTRIES = 256
 # A consumer whose process is gone keeps its lookback this long (its replacement's restart).
 KEEP_DEAD_SECONDS = 120.0
@@ -29,9 +32,10 @@ class Consumer:
     step: int
     lo: int
     hi: int
-    bad_slot: int  # a slot it found corrupt, -1: none
+    bad_slot: int  # the slot it last found corrupt, -1: none
     updated: float
     alive: bool
+    report: int = 0  # changes with each report
 
 
 class Board:
@@ -46,17 +50,14 @@ class Board:
         finally:
             os.close(fd)
 
-    def publish(self, index: int, step: int, key: Key, bad_slot: int = -1) -> None:
-        ENTRY.pack_into(
-            self._map,
-            index * ENTRY.size,
-            os.getpid(),
-            step,
-            key.lo,
-            key.hi,
-            bad_slot + 1,
-            time.time(),
-        )
+    def publish(self, index: int, step: int, key: Key, bad_slot: int | None = None) -> None:
+        """Rank ``index`` needs ``key`` of ``step`` next; ``bad_slot``: it found that slot
+        corrupt (else the last report stays)."""
+        offset = index * ENTRY.size
+        report = ENTRY.unpack_from(self._map, offset)[4]
+        if bad_slot is not None:
+            report = (report // REPORTS + 1) * REPORTS + bad_slot + 1
+        ENTRY.pack_into(self._map, offset, os.getpid(), step, key.lo, key.hi, report, time.time())
 
     def leave(self, index: int) -> None:
         ENTRY.pack_into(self._map, index * ENTRY.size, 0, 0, 0, 0, 0, 0.0)
@@ -64,12 +65,13 @@ class Board:
     def consumers(self) -> list[Consumer]:
         found = []
         now = time.time()
-        for pid, step, lo, hi, bad, updated in ENTRY.iter_unpack(self._map):
+        for pid, step, lo, hi, report, updated in ENTRY.iter_unpack(self._map):
             if pid <= 0:
                 continue
             alive = procs.alive(pid)
             if alive or now - updated < KEEP_DEAD_SECONDS:
-                found.append(Consumer(pid, step, lo, hi, bad - 1, updated, alive))
+                bad = report % REPORTS - 1
+                found.append(Consumer(pid, step, lo, hi, bad, updated, alive, report))
         return found
 
     def close(self) -> None:

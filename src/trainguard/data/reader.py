@@ -86,6 +86,7 @@ class Election(threading.Thread):
         super().__init__(name="trainguard-data-reader", daemon=True)
         self.directory, self.source, self.settings = directory, source, settings
         self.stop = threading.Event()
+        self._reports: dict[int, int] = {}  # each consumer's last corrupt-slot report seen
         self._lock_fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
 
     def run(self) -> None:
@@ -161,9 +162,11 @@ class Election(threading.Thread):
             self.stop.wait(IDLE_WAIT)
         return None
 
-    @staticmethod
-    def _check_reported(slots: SlotFile, held: _Held, consumers: Any) -> None:
+    def _check_reported(self, slots: SlotFile, held: _Held, consumers: Any) -> None:
         for c in consumers:
+            if c.bad_slot < 0 or self._reports.get(c.pid) == c.report:
+                continue
+            self._reports[c.pid] = c.report
             key = held.key_of.get(c.bad_slot)
             if key is not None and slots.read(c.bad_slot, key)[1] == "corrupt":
                 logger.warning("data cache slot %d (%s) is corrupt: emptied", c.bad_slot, key)
