@@ -101,6 +101,7 @@ def test_a_node_going_away_holds_nothing_and_the_jobs_pod_there_is_leaving(
     held = capacity(nodes, ours, shape, {"node-0": "p0", "node-1": "p1"}, HEALTH)
     assert held.pods == 1
     assert held.leaving == ("node-1",) and held.why["node-1"] == f"its pod's Node b is {why}"
+    assert held.pods_leaving == {"p1"}
     assert staying(nodes[1], HEALTH) == why
 
 

@@ -98,6 +98,7 @@ class Capacity:
     pods: int
     leaving: tuple[str, ...] = ()  # job node ids, in the order given
     why: Mapping[str, str] = field(default_factory=dict)  # node id -> why it leaves
+    pods_leaving: frozenset[str] = frozenset()  # their pods (a node's next pod is not)
 
 
 def staying(
@@ -230,4 +231,5 @@ def capacity(
         else:
             count += ours_on.get(name, 0)
     leaving = tuple(n for n in job_pods if n in why)
-    return Capacity(min(count, UNBOUNDED), leaving, why)
+    going = frozenset(job_pods[n] for n in leaving)
+    return Capacity(min(count, UNBOUNDED), leaving, why, going)

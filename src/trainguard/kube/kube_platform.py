@@ -68,6 +68,9 @@ logger = logging.getLogger(__name__)
 Obj = dict[str, Any]
 CONCURRENCY = 16
 """API calls (pod creations, deletions) and agent shutdowns in flight at once."""
+NODE_CAPACITY_SECONDS = 5.0
+"""At most this often (or the poll interval, if longer) an elastic job lists every Node
+and every bound pod for its capacity."""
 
 
 class Detached(Exception):
@@ -169,8 +172,9 @@ class KubePlatform:
             except ValueError as exc:  # the API server refuses such a pod anyway
                 logger.warning("%s: the Nodes' capacity is not read: %s", self.source, exc)
             else:
+                every = max(poll_interval, NODE_CAPACITY_SECONDS)
                 self.node_capacity = NodeCapacity(
-                    api, self.source, shape, node_health.keys.status, poll_interval
+                    api, self.source, shape, node_health.keys.status, every
                 )
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -287,6 +291,9 @@ class KubePlatform:
             if admitted.evicted is not None:
                 self.outside.cancel(f"Kueue evicted Workload {self.kueue.name}: {admitted.evicted}")
         cancel = self.outside.check()
+        # The Nodes first: the job's pods are listed just before the agents' reports are
+        # taken, so that a pod's eviction is seen no later than its agent's end.
+        held = self.node_capacity.read(now, self.nodes) if self.node_capacity else None
         listed = self._list(now)
         port = self.settings.agent_port
         for node_id, node in self.nodes.items():
@@ -304,10 +311,13 @@ class KubePlatform:
             return Observation(self.book.reports(), cancel, replace=tuple(replace))
         capacity = self.replicas.read(now)
         preempted = list(self.preemptions.observe(self.nodes))
-        held = self.node_capacity.read(now, self.nodes) if self.node_capacity else None
         if held is not None:
             capacity = min(capacity, held.pods)
-            preempted += [n for n in held.leaving if n not in preempted]
+            preempted += [
+                n
+                for n, node in self.nodes.items()
+                if node.pod_name in held.pods_leaving and n not in preempted
+            ]
         if admitted is not None:
             capacity = min(capacity, admitted.pods)
         return Observation(
