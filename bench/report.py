@@ -198,7 +198,11 @@ def _fault_results(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     slurm = results.get("slurm") or {}
     found += [("slurm (node lost)", slurm["lost"])] if "lost" in slurm else []
     others = results.get("workloads") or {}
-    found += [(f"workloads ({k})", v["recovery"]) for k, v in others.items() if "recovery" in v]
+    found += [
+        (f"workloads ({k})", v["recovery"])
+        for k, v in others.items()
+        if isinstance(v, dict) and "recovery" in v
+    ]
     return found
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.table_rows import Fmt, Row, _x, cell, count, fault_rows, mb, millis, seconds, verdict
+from bench.table_rows import Fmt, Row, _x, cell, count, fault_rows, millis, seconds, verdict
 
 SCENARIO = "workloads"
 REFERENCE_KEY = "small_mlp_checkpoint"
@@ -59,7 +59,13 @@ def _names(res: dict[str, Any]) -> list[str]:
 
 
 def _ms_or_s(v: float) -> str:
+    if v < 0.01:
+        return f"{v * 1e3:.2f} ms"
     return millis(v) if v < 1 else seconds(v)
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.1f} MB" if nbytes < 10e6 else f"{nbytes / 1e6:.0f} MB"
 
 
 def workloads_rows(res: dict[str, Any]) -> list[Row]:
@@ -76,7 +82,7 @@ def workloads_rows(res: dict[str, Any]) -> list[Row]:
             if ours not in ckpt:
                 continue
             r = ckpt.get(f"ratio_{key}")
-            size = f"{name} ({ckpt['state_bytes'] / 1e6:.0f} MB state): {label}"
+            size = f"{name} ({_mb(ckpt['state_bytes'])} state): {label}"
             rows.append(
                 Row(
                     SCENARIO,
@@ -127,7 +133,7 @@ def workloads_table(results: dict[str, Any]) -> str:
 def _state(ckpt: dict[str, Any]) -> str:
     if "state_bytes" not in ckpt:
         return "—"
-    return f"{mb(ckpt['state_bytes'] / 1e6)} ({ckpt['state_tensors']} tensors)"
+    return f"{_mb(ckpt['state_bytes'])} ({ckpt['state_tensors']} tensors)"
 
 
 def _step(name: str, res: dict[str, Any]) -> str:
