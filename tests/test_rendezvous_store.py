@@ -124,6 +124,7 @@ def test_each_attempt_gets_its_own_store_that_outlives_every_client(
     assert not (tmp_path / "rendezvous.json").exists()
 
 
+@pytest.mark.long  # two services, each importing torch: ~45 s on the busy 2-core VM
 def test_a_resumed_controller_takes_the_service_over_and_it_ends_after_its_grace(
     tmp_path: Path,
 ) -> None:
