@@ -311,6 +311,15 @@ def group_start(ctx: Context) -> dict[str, Any]:
     return result
 
 
+def data_cache(ctx: Context) -> dict[str, Any]:
+    """trainguard.data's cache against a plain DataLoader (:mod:`bench.data_cache`): a
+    restart's first batch and steady steps/s, the sides interleaved."""
+    from bench.data_cache import QUICK_REPEATS, REPEATS, measure
+
+    repeats = REPEATS if ctx.settings.repeats > 1 else QUICK_REPEATS
+    return measure(repeats, ctx.workdir / "data_cache", ctx.log)
+
+
 def _clean_runs(ctx: Context) -> dict[str, list[CleanRecord]]:
     if not ctx.clean:
         s = ctx.settings
@@ -549,6 +558,7 @@ SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "workloads": workloads,
     "peers": peers,
     "group_start": group_start,
+    "data_cache": data_cache,
 }
 
 

@@ -540,6 +540,7 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
         "slurm",
         "workloads",
         "group_start",
+        "data_cache",
     ):
         res = results.get(scenario)
         if not res:
@@ -564,6 +565,10 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
             from bench.group_start import rows as group_start_rows
 
             rows += group_start_rows(res)
+        elif scenario == "data_cache":  # and these in bench/data_cache.py
+            from bench.data_cache import rows as data_cache_rows
+
+            rows += data_cache_rows(res)
         elif scenario in _FAULT_METRICS:
             rows += fault_rows(scenario, res)
         elif scenario == "checkpoint":
