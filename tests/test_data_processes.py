@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from trainguard.data.reader import open_layout
 
 WORKER = """
@@ -131,6 +133,7 @@ def test_two_ranks_one_reader_then_the_reader_is_killed(tmp_path: Path) -> None:
     assert max(survivor_reads) // 8 >= 30  # it read the steps its reader had not reached
 
 
+@pytest.mark.long  # two processes in a row (torch imported twice): 30 s at load 11
 def test_a_restarted_rank_resumes_from_the_cache(tmp_path: Path) -> None:
     first = _start(tmp_path, "before", 0, 1, list(range(10)), 0.0, hold=True)
     try:
