@@ -44,8 +44,8 @@ Side = Callable[[PeerEnv, FaultSetup], FaultRecord]
 def _full_world(fn: Callable[[FaultSetup], FaultRecord]) -> Side:
     def side(_env: PeerEnv, setup: FaultSetup) -> FaultRecord:
         record = fn(setup)
-        world = WORLD if record.recovered else None
-        return replace(record, detail={**record.detail, "world_after": world})
+        full = {"world_after": WORLD, "world_restored_s": 0.0} if record.recovered else {}
+        return replace(record, detail={**record.detail, **full})
 
     return side
 

@@ -15,7 +15,7 @@ LABELS = {
     "baseline_relaunch": "torchrun relaunch",
     "trainguard_memory": "trainguard memory tier",
     "sagemaker": "SageMaker tiered checkpointing (memory tier)",
-    "dlrover": "DLRover flash checkpoint (memory)",
+    "dlrover": "DLRover flash checkpoint (memory; restored in the same process)",
 }
 OURS = ("trainguard_checkpointless", "trainguard")
 
@@ -42,6 +42,8 @@ def recovery_table(res: dict[str, Any], versions: dict[str, str]) -> list[str]:
         runs = len(side["runs"])
         if side.get("recovered", runs) < runs:
             label += f" [recovered {side['recovered']}/{runs}]"
+        if "measured_apart" in side:
+            label += " [its runs after the others']"
         ratios = [
             "—" if name == ours else _ratio(res["ratio"].get(ratio_key(ours, "stall_s", name)))
             for ours in OURS
