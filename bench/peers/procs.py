@@ -79,11 +79,11 @@ class Procs:
         return {name: proc.poll() for name, proc in self.procs.items()}
 
     def stop(self) -> None:
-        """SIGKILL what is left: each started process's session (its children too)."""
+        """SIGKILL what is left: each started process's session, its children too, also
+        where the process itself has exited (DLRover's saver outlives its trainer)."""
         for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
         for proc in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
