@@ -430,11 +430,14 @@ def test_a_node_the_operator_labelled_for_a_job_node_asks_for_no_replacement(
 
 
 def test_node_rights_are_get_list_patch_only(api: KubeApi) -> None:
-    """What the operator's node calls are (kube/api.py), checked against its ClusterRole."""
+    """What the operator's node calls are (kube/api.py), checked against its ClusterRole:
+    Nodes read and labelled, and pods listed cluster-wide only (what the Nodes' resources
+    hold, for an elastic job's capacity: kube/capacity.py)."""
     from trainguard.kube.manifests import NODE_RULES
 
     assert NODE_RULES == [
-        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]}
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     ]
     host = new_node(api, {STATUS: "UnschedulablePendingReboot"})
     listed = api.list_nodes(
