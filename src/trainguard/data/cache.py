@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from trainguard.checkpoint.config import MEMORY_DIR_ENV
 from trainguard.data.plan import Board, cover
 from trainguard.data.reader import Election, Settings, open_layout
 from trainguard.data.slots import Key, SlotFile
@@ -31,7 +32,6 @@ from trainguard.data.source import IterableSource, MapSource, Source, concat_row
 
 __all__ = ["DataCache"]
 
-MEMORY_DIR_ENV = "TRAINGUARD_CHECKPOINT_MEMORY_DIR"
 POLL = 0.001
 
 
