@@ -134,7 +134,8 @@ class DataCache:
                 return found
             error = self.directory / "error"
             if error.exists():
-                raise RuntimeError(f"data cache reader failed: {error.read_text()}")
+                reason = error.read_text(encoding="utf-8")
+                raise RuntimeError(f"data cache reader failed: {reason}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"batch {step} not in the data cache after {self.timeout} s")
             time.sleep(POLL)

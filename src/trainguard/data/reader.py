@@ -102,7 +102,10 @@ class Election(threading.Thread):
                 if self.stop.is_set() or "interpreter shutdown" in str(exc):
                     return  # stopped in a read, not the source's fault
                 logger.exception("data cache reader failed")
-                (self.directory / "error").write_text(f"{type(exc).__name__}: {exc}")
+                # whole or absent: consumers poll for the file and read it at once
+                temporary = self.directory / "error.tmp"
+                temporary.write_text(f"{type(exc).__name__}: {exc}", encoding="utf-8")
+                os.replace(temporary, self.directory / "error")
                 return
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
