@@ -105,6 +105,7 @@ class HostDaemon:
         self.controller_url = f"{scheme}://{_bracket(endpoint.host)}:{endpoint.port}"
         self._lock = threading.Lock()
         self._nodes: dict[str, LocalNode] = {}
+        self.launched: set[str] = set()  # every node id this host ran: its memory tier's name
         self._launcher: AgentLauncher | None = None
         self._ready = threading.Event()  # set once the join's answer is taken in
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="tg-daemon")
@@ -267,6 +268,7 @@ class HostDaemon:
         node = launcher(launch.node_id, launch.incarnation, peers)
         with self._lock:
             self._nodes[launch.node_id] = node
+            self.launched.add(launch.node_id)
         if node.console is not None:
             threading.Thread(
                 target=self._pump, args=(node.console,), daemon=True, name="tg-console"

@@ -9,10 +9,12 @@ exits with the job's result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import ssl
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from trainguard.hosts.addresses import (
@@ -171,7 +173,18 @@ def _join(
     if daemon.reply is not None:
         phase = "Succeeded" if code == 0 else "Failed"
         store.update_job(daemon.reply.job_id, phase=phase)
+        free_memory_tiers(MEMORY_ROOT / daemon.reply.job_id, daemon.launched)
     return code
+
+
+def free_memory_tiers(job_root: Path, node_ids: Iterable[str]) -> None:
+    """The memory tiers (RAM) of the nodes this host ran, once it is out of the job: nobody
+    resumes from them, and a later job given the same id (a Slurm job id after a
+    reinstall) must not find them. Only these nodes': hosts may share ``/dev/shm``."""
+    for node_id in node_ids:
+        shutil.rmtree(job_root / node_id, ignore_errors=True)
+    with contextlib.suppress(OSError):  # another host's nodes are still in it
+        job_root.rmdir()
 
 
 def _record_row(

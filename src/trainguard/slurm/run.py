@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +35,12 @@ from trainguard.hosts.addresses import Endpoint, LocalAddress, resolve, route_to
 from trainguard.hosts.controller_host import ControllerHost
 from trainguard.hosts.security import TOKEN_ENV, TokenError, client_tls, server_tls
 from trainguard.platform.inject import Injection
-from trainguard.platform.local import EXIT_INTERRUPTED, LocalRunner, MetricsOptions
+from trainguard.platform.local import (
+    EXIT_INTERRUPTED,
+    MEMORY_ROOT,
+    LocalRunner,
+    MetricsOptions,
+)
 from trainguard.platform.procs import free_port
 from trainguard.platform.store import Store
 from trainguard.slurm.allocation import Allocation, SlurmError
@@ -129,6 +135,8 @@ def run_in_allocation(
         args.tls_ca if tls_server is not None else None,
     )  # fmt: skip
     job_id = f"{plan.name}-slurm{alloc.job_id}"
+    if alloc.restart_count == 0:  # a tier by this name is another job's (ids wrap, reinstalls)
+        shutil.rmtree(MEMORY_ROOT / job_id, ignore_errors=True)
     # scancel's SIGTERM (to every process of the job) is followed by SIGKILL after
     # KillWait: the stop, and its record, fit in it.
     stop_within = max(1.0, kill_wait() - KILL_WAIT_MARGIN)
