@@ -1,7 +1,9 @@
 """Wait until a file in some directories changes (Linux ``inotify``), or until poked.
 
 The log tailer waits here between its passes instead of waking every few milliseconds
-to look at its files' sizes: an idle node's tailer then sleeps until a worker writes.
+to look at its files' sizes: an idle node's tailer then sleeps until a worker writes. A
+resilient worker waits here for its node's control files (``attempt.json``, replaced by a
+rename), so that it sees a new attempt as it is written, not at its next poll.
 ``inotify`` is reached through ``ctypes`` (the standard library has no binding); where it
 is missing (not Linux, no glibc, the watch limit reached, a directory that does not exist)
 :func:`DirWatch.open` returns None and the caller polls as before.
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import os
 import select
@@ -25,17 +26,17 @@ logger = logging.getLogger(__name__)
 
 _IN_MODIFY: Final = 0x002
 _IN_CLOSE_WRITE: Final = 0x008
+_IN_MOVED_TO: Final = 0x080
 _IN_CREATE: Final = 0x100
 _IN_NONBLOCK: Final = os.O_NONBLOCK
 _IN_CLOEXEC: Final = os.O_CLOEXEC
-_MASK: Final = _IN_MODIFY | _IN_CLOSE_WRITE | _IN_CREATE
+_MASK: Final = _IN_MODIFY | _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_CREATE
 _DRAIN: Final = 64 * 1024
 
 
 def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
+    try:  # the process's own symbols, libc's among them (find_library runs ldconfig)
+        libc = ctypes.CDLL(None, use_errno=True)
         libc.inotify_init1.argtypes = [ctypes.c_int]
         libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
     except (OSError, AttributeError):
@@ -59,8 +60,8 @@ class DirWatch:
 
     @classmethod
     def open(cls, directories: Iterable[Path]) -> DirWatch | None:
-        """A watch on every one of ``directories`` (writes to, and new files in, them);
-        None where one of them cannot be watched."""
+        """A watch on every one of ``directories`` (writes to, new files in and files
+        renamed into them); None where one of them cannot be watched."""
         if _LIBC is None:
             return None
         fd = _LIBC.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)

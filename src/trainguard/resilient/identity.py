@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainguard.agent.filewatch import DirWatch
 from trainguard.resilient.protocol import (
     ATTEMPT_ENV,
     SPARE_ID_ENV,
@@ -16,6 +17,8 @@ from trainguard.resilient.protocol import (
 )
 
 __all__ = ["Identity", "attempt_from_env", "resolve_identity"]
+
+_WATCHED_REREAD_SECONDS = 1.0  # with inotify: a reread only in case a change was missed
 
 
 @dataclass(frozen=True)
@@ -34,10 +37,19 @@ def resolve_identity(control_dir: Path, poll_interval: float) -> Identity:
         return Identity(_env_int("RANK"), _env_int("LOCAL_RANK", 0), _env_int(ATTEMPT_ENV, 0))
     spare_id = _parse_int(SPARE_ID_ENV, spare)
     assignment: SpareAssignment | None = None
-    while assignment is None:
-        assignment = read_spare(control_dir, spare_id)
-        if assignment is None:
-            time.sleep(poll_interval)
+    # Woken by the control directory's changes (inotify) where it can be watched: the
+    # assignment is the start of a recovery, and a poll's latency would add to its stall.
+    watch = DirWatch.open([control_dir])
+    try:
+        while assignment is None:
+            assignment = read_spare(control_dir, spare_id)
+            if assignment is None and watch is not None:
+                watch.wait(_WATCHED_REREAD_SECONDS)
+            elif assignment is None:
+                time.sleep(poll_interval)
+    finally:
+        if watch is not None:
+            watch.close()
     for name in ("RANK", "ROLE_RANK"):
         os.environ[name] = str(assignment.rank)
     os.environ["LOCAL_RANK"] = str(assignment.local_rank)

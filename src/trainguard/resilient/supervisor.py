@@ -282,9 +282,11 @@ class Supervisor:
                 ):
                     os.environ[name] = str(value)
                 return attempt
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 _give_up(f"rank {self.rank}: no attempt after {last} within the barrier timeout")
-            time.sleep(self.config.poll_interval)
+            # The watcher reads attempt.json as it is replaced: wake with it, not a poll later.
+            self.watcher.wait_newer_than(last, min(self.config.poll_interval, left))
 
 
 def _say(message: str) -> None:

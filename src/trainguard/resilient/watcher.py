@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+from trainguard.agent.filewatch import DirWatch
 from trainguard.resilient.protocol import ProtocolError, read_attempt
 
 __all__ = ["AttemptWatcher"]
 
 log = logging.getLogger(__name__)
 
+# With inotify the file is read when it changes; this is only the reread that would catch
+# a change inotify missed (it does not: the watch is set before the first read).
+_WATCHED_REREAD_SECONDS = 1.0
+
 
 class AttemptWatcher:
-    """Polls ``attempt.json``; once a newer attempt than the armed one appears, calls
+    """Reads ``attempt.json`` when its directory changes (inotify; every ``poll_interval``
+    where inotify is missing); once a newer attempt than the armed one appears, calls
     ``on_newer(armed)`` (once per armed attempt) so that the main thread's collectives fail."""
 
     def __init__(
@@ -28,6 +35,7 @@ class AttemptWatcher:
         self._armed: int | None = None
         self._latest = -1
         self._stopped = False
+        self._watch = DirWatch.open([control_dir])
         self._thread = threading.Thread(target=self._run, name="trainguard-attempt", daemon=True)
         self._thread.start()
 
@@ -45,28 +53,52 @@ class AttemptWatcher:
         with self._cond:
             return self._latest > attempt
 
+    def wait_newer_than(self, attempt: int, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until an attempt newer than ``attempt`` is seen;
+        whether one was."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._latest > attempt, timeout)
+
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+        if self._watch is not None:
+            self._watch.poke()
         self._thread.join()
+        if self._watch is not None:
+            self._watch.close()
 
     def _run(self) -> None:
-        while True:
+        while not self._stopped:
+            self._read()
+            self._sleep()
+
+    def _sleep(self) -> None:
+        if self._watch is None:
             with self._cond:
-                if self._cond.wait_for(lambda: self._stopped, timeout=self._poll):
-                    return
-            try:
-                current = read_attempt(self._control_dir)
-            except (OSError, ProtocolError) as exc:
-                log.warning("ignoring unreadable attempt file: %s", exc)
-                continue
-            if current is None:
-                continue
-            with self._cond:
-                self._latest = max(self._latest, current.attempt)
-                armed, fire = self._armed, self._armed is not None and self._latest > self._armed
-                if fire:
-                    self._armed = None
-            if fire and armed is not None:
-                self._on_newer(armed)
+                self._cond.wait_for(lambda: self._stopped, timeout=self._poll)
+            return
+        deadline = time.monotonic() + _WATCHED_REREAD_SECONDS
+        while not self._stopped and time.monotonic() < deadline:
+            changed, _ = self._watch.wait(deadline - time.monotonic())
+            if changed:
+                return
+
+    def _read(self) -> None:
+        try:
+            current = read_attempt(self._control_dir)
+        except (OSError, ProtocolError) as exc:
+            log.warning("ignoring unreadable attempt file: %s", exc)
+            return
+        if current is None:
+            return
+        with self._cond:
+            if current.attempt > self._latest:
+                self._latest = current.attempt
+                self._cond.notify_all()
+            armed, fire = self._armed, self._armed is not None and self._latest > self._armed
+            if fire:
+                self._armed = None
+        if fire and armed is not None:
+            self._on_newer(armed)
