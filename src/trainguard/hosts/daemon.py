@@ -88,14 +88,18 @@ class HostDaemon:
         tls_client: ssl.SSLContext | None = None,
         say: Callable[[str], None] = lambda line: None,
         out: IO[bytes] | None = None,
+        first_launch: Callable[[JoinReply, str], None] = lambda reply, node_id: None,
     ) -> None:
         """``make_launcher``: this host's agent launcher for the job the controller named
-        (its id, in the reply); ``out``: where this host's ranks' lines go."""
+        (its id, in the reply); ``out``: where this host's ranks' lines go;
+        ``first_launch``: called before a node id's first agent since this host joined
+        (not before its relaunches, which resume from what the node left here)."""
         self.endpoint = endpoint
         self._token = token
         self.local = local
         self.spec = spec
         self._make_launcher = make_launcher
+        self._first_launch = first_launch
         self.node_rank = node_rank
         self.join_timeout = join_timeout
         self._tls_client = tls_client
@@ -106,6 +110,7 @@ class HostDaemon:
         self._lock = threading.Lock()
         self._nodes: dict[str, LocalNode] = {}
         self.launched: set[str] = set()  # every node id this host ran: its memory tier's name
+        self._joined_launches: set[str] = set()  # those since the last join
         self._launcher: AgentLauncher | None = None
         self._ready = threading.Event()  # set once the join's answer is taken in
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="tg-daemon")
@@ -132,6 +137,7 @@ class HostDaemon:
                 self._ready.clear()
                 try:
                     self.reply = reply = self.join()
+                    self._joined_launches = set()
                 except JoinError as exc:
                     self._say(str(exc))
                     return EXIT_JOIN_REFUSED if exc.refused else EXIT_LOST_CONTROLLER
@@ -261,14 +267,17 @@ class HostDaemon:
         # host has read the answer: wait for it.
         if not self._ready.wait(PORT_WAIT_SECONDS):
             raise RuntimeError("this host has not joined yet")
-        launcher = self._launcher
-        assert launcher is not None
+        launcher, reply = self._launcher, self.reply
+        assert launcher is not None and reply is not None
         self._shutdown_node(launch.node_id)  # a relaunch replaces the node's agent
+        if launch.node_id not in self._joined_launches:  # after a fence too: a new host
+            self._first_launch(reply, launch.node_id)
         peers = Peers(*launch.peers) if launch.peers is not None else None
         node = launcher(launch.node_id, launch.incarnation, peers)
         with self._lock:
             self._nodes[launch.node_id] = node
             self.launched.add(launch.node_id)
+            self._joined_launches.add(launch.node_id)
         if node.console is not None:
             threading.Thread(
                 target=self._pump, args=(node.console,), daemon=True, name="tg-console"

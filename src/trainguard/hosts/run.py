@@ -163,6 +163,11 @@ def _join(
         tls_client=tls_client,
         say=say,
         out=sys.stdout.buffer,
+        # A tier this host holds by that name is an earlier job's (a Slurm job id again,
+        # a daemon killed before it could free it): never restored from.
+        first_launch=lambda reply, node_id: free_memory_tiers(
+            MEMORY_ROOT / reply.job_id, [node_id]
+        ),
     )
     say(f"joining the job at {daemon.controller_url} from {local.addr}")
     try:
