@@ -26,7 +26,13 @@ from trainguard.hosts.addresses import (
 )
 from trainguard.hosts.controller_host import ControllerHost, interface_env
 from trainguard.hosts.daemon import HostDaemon
-from trainguard.hosts.security import TokenError, client_tls, job_token, server_tls
+from trainguard.hosts.security import (
+    TokenError,
+    client_tls,
+    job_token,
+    server_tls,
+    write_token_file,
+)
 from trainguard.platform.config import control_config, fence_after
 from trainguard.platform.inject import Injection
 from trainguard.platform.local import (
@@ -133,8 +139,7 @@ def _join(
         job_dir = store.root / "jobs" / reply.job_id
         (job_dir / "logs").mkdir(parents=True, exist_ok=True)
         token_file = job_dir / "token"
-        token_file.touch(mode=0o600)
-        token_file.write_text(token)
+        write_token_file(token_file, token)  # the state directory may be the other hosts'
         config, groups = control_config(plan, reply.job_id, durable=True, hosts=True)
         user_env = {k: v for _, g in groups.values() for k, v in g.env.items()}
         _record_row(store, reply, plan, job_dir, endpoint, spec)

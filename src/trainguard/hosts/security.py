@@ -14,7 +14,14 @@ import ssl
 import stat
 from pathlib import Path
 
-__all__ = ["TOKEN_ENV", "TokenError", "client_tls", "job_token", "server_tls"]
+__all__ = [
+    "TOKEN_ENV",
+    "TokenError",
+    "client_tls",
+    "job_token",
+    "server_tls",
+    "write_token_file",
+]
 
 TOKEN_ENV = "TRAINGUARD_TOKEN"
 MIN_TOKEN_CHARS = 16
@@ -51,6 +58,24 @@ def job_token(token_file: str | None, env: dict[str, str] | None = None) -> str:
     if len(token) < MIN_TOKEN_CHARS:
         raise TokenError(f"the job's token is too short: at least {MIN_TOKEN_CHARS} characters")
     return token
+
+
+def write_token_file(path: Path, token: str) -> None:
+    """Write the job's token for its node agents (``--token-file``): readable by its owner
+    only, and whole or absent for a reader. Several hosts may share the state directory,
+    and each writes the job's token file as it joins: a truncate-and-write let an agent
+    starting elsewhere read it empty (it exited 2, its node lost)."""
+    if path.is_file() and path.read_text().strip() == token:
+        return
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(token)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def server_tls(cert: str | None, key: str | None) -> ssl.SSLContext | None:

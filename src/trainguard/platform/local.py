@@ -33,6 +33,7 @@ from trainguard.control.controller import JobController, JobPhase
 from trainguard.hosts.addresses import resolve
 from trainguard.hosts.controller_host import AGENT_CONTACT_TIMEOUT, ControllerHost, interface_env
 from trainguard.hosts.launcher import HostsLauncher
+from trainguard.hosts.security import write_token_file
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
 from trainguard.observe.summary import fault_summary
@@ -247,8 +248,7 @@ class LocalRunner:
             self.store.update_job(self.job_id, controller_pid=os.getpid(), phase="Running")
         else:
             token = self.hosts.token if self.hosts is not None else secrets.token_urlsafe(32)
-            self.token_file.touch(mode=0o600)
-            self.token_file.write_text(token)
+            write_token_file(self.token_file, token)
         if self.resume is None and self.continue_record and self._has_record():
             self.store.update_job(self.job_id, controller_pid=os.getpid(), phase="Running")
         elif self.resume is None:
