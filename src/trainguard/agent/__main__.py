@@ -226,9 +226,9 @@ def parse_env(items: list[str]) -> dict[str, str]:
 
 def write_port_file(path: Path, port: int) -> None:
     """Write ``port`` atomically (readers never see a partial file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
+    from trainguard.atomic import write_text_atomic
+
+    write_text_atomic(path, f"{port}\n", mode=0o644)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from trainguard.atomic import write_text_atomic
 from trainguard.data.plan import Board, cover, victim, wanted
 from trainguard.data.slots import HEADER_BYTES, Key, SlotFile, encode_meta, tensors_of
 from trainguard.data.source import Source, rows_of, slice_rows
@@ -71,9 +72,8 @@ def _create_layout(directory: Path, settings: Settings, sample_bytes: int) -> Sl
     for stale in ("slots", "slots.steps"):  # a reader that died before its layout.json
         (directory / stale).unlink(missing_ok=True)
     slots = SlotFile(directory / "slots", slot_bytes, count, create=True)
-    temporary = directory / "layout.json.tmp"
-    temporary.write_text(json.dumps({"slot_bytes": slot_bytes, "count": count}), encoding="utf-8")
-    os.replace(temporary, directory / "layout.json")
+    layout = json.dumps({"slot_bytes": slot_bytes, "count": count})
+    write_text_atomic(directory / "layout.json", layout, mode=0o644)
     logger.info("data cache %s: %d slots of %d bytes", directory, count, slot_bytes)
     return slots
 
@@ -103,9 +103,8 @@ class Election(threading.Thread):
                     return  # stopped in a read, not the source's fault
                 logger.exception("data cache reader failed")
                 # whole or absent: consumers poll for the file and read it at once
-                temporary = self.directory / "error.tmp"
-                temporary.write_text(f"{type(exc).__name__}: {exc}", encoding="utf-8")
-                os.replace(temporary, self.directory / "error")
+                error = f"{type(exc).__name__}: {exc}"
+                write_text_atomic(self.directory / "error", error, mode=0o644)
                 return
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)

@@ -14,6 +14,8 @@ import ssl
 import stat
 from pathlib import Path
 
+from trainguard.atomic import write_text_atomic
+
 __all__ = [
     "TOKEN_ENV",
     "TokenError",
@@ -65,17 +67,8 @@ def write_token_file(path: Path, token: str) -> None:
     only, and whole or absent for a reader. Several hosts may share the state directory,
     and each writes the job's token file as it joins: a truncate-and-write let an agent
     starting elsewhere read it empty (it exited 2, its node lost)."""
-    if path.is_file() and path.read_text().strip() == token:
-        return
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(token)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    if not path.is_file() or path.read_text().strip() != token:
+        write_text_atomic(path, token, mode=0o600)
 
 
 def server_tls(cert: str | None, key: str | None) -> ssl.SSLContext | None:

@@ -24,13 +24,12 @@ No torch here: the agent and light test workers read these files too.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar, get_args
 
 from pydantic import Field
 
+from trainguard.atomic import write_text_atomic
 from trainguard.wire.base import Wire, WireError, parse_json
 
 __all__ = [
@@ -112,15 +111,7 @@ def spare_path(control_dir: str | Path, spare_id: int) -> Path:
 
 def write_json_atomic(path: str | Path, data: dict[str, Any]) -> None:
     """Write ``data`` as JSON to ``path`` so that readers never see a partial file."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps(data))
 
 
 def write_attempt(control_dir: str | Path, attempt: Attempt) -> None:
