@@ -37,9 +37,11 @@ def _attempt(number: int) -> Attempt:
 
 
 def _forget_identity(monkeypatch: pytest.MonkeyPatch) -> None:
-    """resolve_identity sets these in os.environ: restored after the test."""
+    """resolve_identity sets these in os.environ: restored after the test. (delenv alone
+    records nothing for a name that is not set, and the value set later would leak.)"""
     for name in ("RANK", "ROLE_RANK", "LOCAL_RANK", ATTEMPT_ENV):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 @pytest.fixture
