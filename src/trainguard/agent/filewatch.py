@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Final
 
-__all__ = ["DirWatch"]
+__all__ = ["REREAD_SECONDS", "DirWatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,9 @@ _IN_NONBLOCK: Final = os.O_NONBLOCK
 _IN_CLOEXEC: Final = os.O_CLOEXEC
 _MASK: Final = _IN_MODIFY | _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_CREATE
 _DRAIN: Final = 64 * 1024
+# A waiter's reread of what it watches when no change woke it: only in case inotify missed
+# one (it does not, where the watch is set before the first read).
+REREAD_SECONDS: Final = 1.0
 
 
 def _libc() -> ctypes.CDLL | None:

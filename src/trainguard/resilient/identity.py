@@ -7,18 +7,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainguard.agent.filewatch import DirWatch
+from trainguard.agent.filewatch import REREAD_SECONDS, DirWatch
 from trainguard.resilient.protocol import (
     ATTEMPT_ENV,
     SPARE_ID_ENV,
     Attempt,
-    SpareAssignment,
     read_spare,
 )
 
 __all__ = ["Identity", "attempt_from_env", "resolve_identity"]
-
-_WATCHED_REREAD_SECONDS = 1.0  # with inotify: a reread only in case a change was missed
 
 
 @dataclass(frozen=True)
@@ -36,16 +33,14 @@ def resolve_identity(control_dir: Path, poll_interval: float) -> Identity:
     if spare is None:
         return Identity(_env_int("RANK"), _env_int("LOCAL_RANK", 0), _env_int(ATTEMPT_ENV, 0))
     spare_id = _parse_int(SPARE_ID_ENV, spare)
-    assignment: SpareAssignment | None = None
     # Woken by the control directory's changes (inotify) where it can be watched: the
     # assignment is the start of a recovery, and a poll's latency would add to its stall.
     watch = DirWatch.open([control_dir])
     try:
-        while assignment is None:
-            assignment = read_spare(control_dir, spare_id)
-            if assignment is None and watch is not None:
-                watch.wait(_WATCHED_REREAD_SECONDS)
-            elif assignment is None:
+        while (assignment := read_spare(control_dir, spare_id)) is None:
+            if watch is not None:
+                watch.wait(REREAD_SECONDS)
+            else:
                 time.sleep(poll_interval)
     finally:
         if watch is not None:

@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trainguard.agent.filewatch import DirWatch
+from trainguard.agent.filewatch import REREAD_SECONDS, DirWatch
 from trainguard.resilient.protocol import ProtocolError, read_attempt
 
 __all__ = ["AttemptWatcher"]
 
 log = logging.getLogger(__name__)
-
-# With inotify the file is read when it changes; this is only the reread that would catch
-# a change inotify missed (it does not: the watch is set before the first read).
-_WATCHED_REREAD_SECONDS = 1.0
 
 
 class AttemptWatcher:
@@ -75,15 +70,11 @@ class AttemptWatcher:
             self._sleep()
 
     def _sleep(self) -> None:
-        if self._watch is None:
-            with self._cond:
-                self._cond.wait_for(lambda: self._stopped, timeout=self._poll)
+        if self._watch is not None:  # until a change, stop()'s poke or the reread
+            self._watch.wait(REREAD_SECONDS)
             return
-        deadline = time.monotonic() + _WATCHED_REREAD_SECONDS
-        while not self._stopped and time.monotonic() < deadline:
-            changed, _ = self._watch.wait(deadline - time.monotonic())
-            if changed:
-                return
+        with self._cond:
+            self._cond.wait_for(lambda: self._stopped, timeout=self._poll)
 
     def _read(self) -> None:
         try:
