@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.steps import StepRecord, throughput
+from bench.steps import StepRecord, parse_lines, throughput
 
 IN_PROCESS, RESTART = "in-process", "restart"
 PHASE_SKIP = 3
@@ -39,20 +39,9 @@ class WorldRecord:
 
 def read_worlds(path: Path) -> list[WorldRecord]:
     """The lines of ``worlds.txt``; a missing file or a torn line is skipped."""
-    if not path.exists():
-        return []
-    found = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        parts = line.split()
-        if len(parts) != 5:
-            continue
-        try:
-            found.append(
-                WorldRecord(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), float(parts[4]))
-            )
-        except ValueError:
-            continue
-    return found
+    return parse_lines(
+        path, 5, lambda p: WorldRecord(p[0], int(p[1]), int(p[2]), int(p[3]), float(p[4]))
+    )
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,18 @@
 
 A record is one completed step of rank 0: its incarnation (a launch or restart), the
 step number and the step's start and end time (Unix seconds). Pure functions, no I/O
-besides :func:`read_steps`.
+besides :func:`read_steps` (and :func:`parse_lines`, which the other record files use).
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -35,20 +38,27 @@ class Recovery:
         return max(0, self.fault_step - self.resumed_step)
 
 
-def read_steps(path: Path) -> list[StepRecord]:
-    """The records in ``path`` in file order; a missing file or a torn last line is skipped."""
+def parse_lines(path: Path, fields: int, make: Callable[[list[str]], T]) -> list[T]:
+    """``make`` of each line of ``path`` that has ``fields`` whitespace-separated fields,
+    in file order; a missing file, a torn or foreign line (another count of fields, or
+    one ``make`` cannot parse: ``ValueError``) is skipped."""
     if not path.exists():
         return []
-    records = []
+    found = []
     for line in path.read_text(encoding="utf-8").splitlines():
         parts = line.split()
-        if len(parts) != 4:
+        if len(parts) != fields:
             continue
         try:
-            records.append(StepRecord(parts[0], int(parts[1]), float(parts[2]), float(parts[3])))
+            found.append(make(parts))
         except ValueError:
             continue
-    return records
+    return found
+
+
+def read_steps(path: Path) -> list[StepRecord]:
+    """The records in ``path`` in file order; a missing file or a torn last line is skipped."""
+    return parse_lines(path, 4, lambda p: StepRecord(p[0], int(p[1]), float(p[2]), float(p[3])))
 
 
 def first_step_end(records: Sequence[StepRecord]) -> float | None:

@@ -11,23 +11,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.steps import StepRecord
+from bench.steps import StepRecord, parse_lines
 
 
 def read_worlds(path: Path) -> list[tuple[str, int, float]]:
     """The (incarnation, world, time) lines in file order; torn or foreign lines skipped."""
-    if not path.exists():
-        return []
-    found = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        parts = line.split()
-        if len(parts) != 3:
-            continue
-        try:
-            found.append((parts[0], int(parts[1]), float(parts[2])))
-        except ValueError:
-            continue
-    return found
+    return parse_lines(path, 3, lambda p: (p[0], int(p[1]), float(p[2])))
 
 
 def world_after(
