@@ -11,7 +11,7 @@ import pytest
 
 import trainguard.slurm.allocation as allocation
 from conftest import SCRIPTS, write_job
-from trainguard.cli import _parser, main, parse_command_line
+from trainguard.cli import _parser, main, parse_command_line, run_flags_taking_a_value
 from trainguard.hosts.addresses import Endpoint
 from trainguard.slurm.allocation import Allocation, SlurmError, spare_count
 from trainguard.slurm.run import daemon_argv
@@ -66,6 +66,24 @@ def test_the_other_nodes_run_the_same_command_joined_to_the_controller() -> None
         "run", "--nproc-per-node", "2", "--rdzv-endpoint", "10.0.0.1:4242", "train.py",
         "--inject", "x",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("flag", sorted(run_flags_taking_a_value()))
+def test_every_run_flag_that_takes_a_value_keeps_the_script_and_its_arguments(flag: str) -> None:
+    # `--shutdown-timeout 30 train.py` once lost the script: the flags came from a list
+    # kept by hand, which had fallen behind the parser.
+    endpoint = Endpoint("10.0.0.1", 4242)
+    argv = ["run", "--nproc-per-node", "1", flag, "V", "train.py", "--lr", "1"]
+    other = daemon_argv(argv, endpoint)
+    assert other[-5:] == ["--rdzv-endpoint", "10.0.0.1:4242", "train.py", "--lr", "1"]
+    dropped = flag in ("--inject", "--metrics-port", "--metrics-host", "--metrics-linger")
+    assert (flag in other) is not dropped
+
+
+def test_the_flags_that_take_a_value_come_from_the_parser() -> None:
+    flags = run_flags_taking_a_value()
+    assert {"-f", "--nnodes", "--shutdown-timeout", "--state-dir", "--inject"} <= flags
+    assert not {"--no-python", "--standalone"} & flags
 
 
 def test_the_batch_script_asks_for_replicas_and_spares_and_keeps_running_on_a_lost_node(

@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from trainguard.cli import run_flags_taking_a_value
 from trainguard.control.events import Event, FaultType
 from trainguard.hosts.addresses import Endpoint, LocalAddress, resolve, route_to
 from trainguard.hosts.controller_host import ControllerHost
@@ -78,14 +79,7 @@ def daemon_argv(argv: Sequence[str], endpoint: Endpoint) -> list[str]:
 
 def _script_index(argv: Sequence[str]) -> int:
     """Where the flags of ``run`` end (the torchrun form's script, or the end)."""
-    takes_value = {
-        "-f", "--file", "--nnodes", "--nproc-per-node", "--nproc_per_node", "--max-restarts",
-        "--max_restarts", "--name", "--env-file", "--node-rank", "--node_rank", "--join-timeout",
-        "--token-file", "--tls-cert", "--tls-key", "--tls-ca", "--master-addr", "--master_addr",
-        "--master-port", "--master_port", "--rdzv-backend", "--rdzv_backend", "--rdzv-id",
-        "--rdzv_id", "--rdzv-endpoint", "--rdzv_endpoint", "--state-dir", "--inject",
-        "--metrics-port", "--metrics-host", "--metrics-linger",
-    }  # fmt: skip
+    takes_value = run_flags_taking_a_value()
     i = 1 if argv and argv[0] == "run" else 0
     while i < len(argv):
         arg = argv[i]
