@@ -103,6 +103,9 @@ def test_hosts_that_cannot_take_part_get_a_clear_refusal(
     refused = hosts.run(hosts[2], ["python3", "-c", probe])
     assert refused.stdout.strip() == "401", refused
     assert [controller.proc.wait(240), member.proc.wait(240)] == [0, 0], job.outputs()
+    said = controller.output()  # the controller's side says whom it refused, and why
+    assert f"refused host {hosts[2].name}" in said and "another job" in said, said
+    assert "is late: the job's 2 nodes" in said, said
 
 
 def test_a_job_across_hosts_refuses_to_start_without_a_token(tmp_path: Path) -> None:

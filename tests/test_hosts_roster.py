@@ -87,6 +87,22 @@ def test_a_host_with_another_job_is_refused_naming_what_differs() -> None:
     ]
 
 
+def test_a_refusal_shows_the_part_that_differs_not_a_cut_off_prefix() -> None:
+    # Seen: "command: ['/home/me/proj/.venv/bin/python', '-u', '/home/me/proj/tra..."
+    # on both sides, the differing script name cut off.
+    python = "/home/me/proj/.venv/bin/python"
+    ours = {"command": [python, "-u", "/home/me/proj/train.py", "--lr", "0.1"]}
+    theirs = {"command": [python, "-u", "/home/me/proj/train.py"]}
+    assert spec_differences(ours, theirs) == [
+        "command[3:]: ['--lr', '0.1'] on the controller, [] on the host"
+    ]
+    long = "/home/me/projects/language-models/experiments/2026/run"
+    assert spec_differences({"script": long + "-a.py"}, {"script": long + "-b.py"}) == [
+        "script: ...'xperiments/2026/run-a.py' on the controller, "
+        "...'xperiments/2026/run-b.py' on the host"
+    ]
+
+
 def test_a_host_declared_lost_is_fenced_and_comes_back_only_as_a_new_spare() -> None:
     r = roster(spares=1)
     r.join(request("h1"), 1.0)

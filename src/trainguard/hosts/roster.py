@@ -187,26 +187,53 @@ class Roster:
 
 def spec_differences(ours: Any, theirs: Any, path: str = "") -> list[str]:
     """Where two jobs (as JSON) differ, one ``path: ours on the controller, theirs on the
-    host`` each, down to the innermost field (``spec.replicaSpecs[0].replicas``)."""
+    host`` each, down to the innermost field (``spec.replicaSpecs[0].replicas``); a long
+    value is shown from where the two part (``...proj/train2.py``), and lists of other
+    lengths from their first differing item (``command[3:]``)."""
     if isinstance(ours, Mapping) and isinstance(theirs, Mapping):
         out: list[str] = []
         for key in sorted(set(ours) | set(theirs), key=str):
             here, there = ours.get(key, _MISSING), theirs.get(key, _MISSING)
             out += spec_differences(here, there, f"{path}.{key}" if path else str(key))
         return out
-    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
-        return [d for i, (a, b) in enumerate(zip(ours, theirs, strict=True))
-                for d in spec_differences(a, b, f"{path}[{i}]")]  # fmt: skip
+    if isinstance(ours, list) and isinstance(theirs, list):
+        if len(ours) == len(theirs):
+            return [d for i, (a, b) in enumerate(zip(ours, theirs, strict=True))
+                    for d in spec_differences(a, b, f"{path}[{i}]")]  # fmt: skip
+        first = next(
+            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+            min(len(ours), len(theirs)),
+        )
+        if first > 0:
+            return [
+                f"{path}[{first}:]: {_show(ours[first:])} on the controller, "
+                f"{_show(theirs[first:])} on the host"
+            ]
     if ours == theirs:
         return []
-    return [f"{path}: {_show(ours)} on the controller, {_show(theirs)} on the host"]
+    start = _parting(ours, theirs) if isinstance(ours, str) and isinstance(theirs, str) else 0
+    return [f"{path}: {_show(ours, start)} on the controller, {_show(theirs, start)} on the host"]
 
 
 _MISSING = object()
+_SHOWN = 60  # characters of a value in a refusal
+_CONTEXT = 20  # characters kept before the first one that differs
 
 
-def _show(value: object) -> str:
+def _parting(ours: str, theirs: str) -> int:
+    """Where to start showing two strings that differ: a little before their first
+    difference, when either is too long to show whole."""
+    if max(len(repr(ours)), len(repr(theirs))) <= _SHOWN:
+        return 0
+    common = next(
+        (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+        min(len(ours), len(theirs)),
+    )
+    return max(0, common - _CONTEXT)
+
+
+def _show(value: object, start: int = 0) -> str:
     if value is _MISSING:
         return "unset"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    text = "..." + repr(value[start:]) if isinstance(value, str) and start else repr(value)
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."

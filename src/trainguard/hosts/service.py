@@ -123,14 +123,19 @@ class HostsService:
             join = parse_json(JoinRequest, await request.read(), "join")
         except WireError as exc:
             return _error(400, str(exc))
+        refused: str | None = None
         with self._changed:
             if self._result is not None:
                 return _error(409, f"job {self.job_id} has ended: {self._result[1]}")
             try:
                 record = self.roster.join(join, self._clock())
             except JoinRefused as exc:
-                return _error(409, str(exc))
-            self._changed.notify_all()
+                refused = str(exc)
+            else:
+                self._changed.notify_all()
+        if refused is not None:  # the refused host exits saying why; so does this side
+            self.say(f"refused host {join.hostname} ({join.addr}): {refused}")
+            return _error(409, refused)
         self.say(
             f"host {record.hostname} ({record.addr}) joined as {record.node_id} ({record.role})"
         )
