@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 EXIT_JOIN_REFUSED = 2  # the controller turned this host down: a usage error
 EXIT_LOST_CONTROLLER = 1
 JOIN_RETRY_SECONDS = 0.5
+JOIN_QUIET_SECONDS = 10.0  # a join unanswered this long is said, and again every:
+JOIN_REMIND_SECONDS = 30.0
 PORT_WAIT_SECONDS = 60.0
 REQUEST_TIMEOUT = 5.0
 
@@ -169,9 +171,17 @@ class HostDaemon:
             daemon_url=self.server.url,
             spec=self.spec,
         )
-        deadline = time.monotonic() + self.join_timeout
+        started = time.monotonic()
+        deadline, tell_at = started + self.join_timeout, started + JOIN_QUIET_SECONDS
         last = "no answer yet"
-        while time.monotonic() < deadline:
+        while (now := time.monotonic()) < deadline:
+            if now >= tell_at:  # an endpoint that never answers is said, not waited out
+                tell_at = now + JOIN_REMIND_SECONDS
+                self._say(
+                    f"cannot reach the controller at {self.controller_url} yet ({last}); "
+                    f"still trying for {deadline - now:.0f}s (--join-timeout): check "
+                    "--rdzv-endpoint's host and port, and that trainguard run is started there"
+                )
             try:
                 answer = self._post("/join", request.to_json())
                 return JoinReply.from_json(answer, "join reply")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import json
 import shutil
 import ssl
@@ -48,7 +49,7 @@ from trainguard.spec.plan import JobPlan
 from trainguard.spec.secrets import redact_spec
 from trainguard.wire.hosts import JoinReply
 
-__all__ = ["endpoint_of", "run_on_hosts"]
+__all__ = ["endpoint_of", "loopback_endpoint", "run_on_hosts"]
 
 EXIT_USAGE = 2
 
@@ -64,6 +65,19 @@ def endpoint_of(args: argparse.Namespace, nnodes: int) -> Endpoint | None:
     if args.master_addr and nnodes > 1:
         return Endpoint(args.master_addr, args.master_port)
     return None
+
+
+def loopback_endpoint(endpoint: Endpoint, local: LocalAddress) -> str | None:
+    """Why no other host can reach ``endpoint`` when this host serves it on a loopback
+    address (Debian's hosts file maps the hostname to 127.0.1.1); None when it can."""
+    if not ipaddress.ip_address(local.addr).is_loopback:
+        return None
+    return (
+        f"--rdzv-endpoint {endpoint} is {local.addr} on this host, a loopback address no "
+        "other host can reach (a hosts file line such as '127.0.1.1 "
+        f"{endpoint.host}'): the other hosts will wait for it; give this host's network "
+        "address (or a name that resolves to it) on every host"
+    )
 
 
 def run_on_hosts(
@@ -92,6 +106,8 @@ def run_on_hosts(
         return usage(f"--rdzv-endpoint {endpoint}: no route to {endpoint.host}: {exc}")
     partition = plan.job.spec.trainguard.partition_timeout_seconds
     if is_local(endpoint.host):
+        if (why := loopback_endpoint(endpoint, local)) is not None:
+            print(f"[trainguard] warning: {why}", file=sys.stderr, flush=True)
         if args.node_rank not in (None, 0):
             return usage(
                 f"--node-rank {args.node_rank}: the host that owns --rdzv-endpoint "

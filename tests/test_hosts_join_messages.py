@@ -1,0 +1,47 @@
+"""Mistakes get answers: a joining host that cannot reach the endpoint says so (after a
+short bound, then periodically), and a controller host whose endpoint is a loopback
+address (Debian's '127.0.1.1 host0') names it as such."""
+
+from __future__ import annotations
+
+import pytest
+
+import trainguard.hosts.daemon as daemon_module
+from trainguard.hosts.addresses import Endpoint, LocalAddress
+from trainguard.hosts.daemon import HostDaemon, JoinError
+from trainguard.hosts.run import loopback_endpoint
+from trainguard.platform.procs import free_port
+
+
+def test_a_join_that_nobody_answers_is_said_then_said_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(daemon_module, "JOIN_QUIET_SECONDS", 0.3)
+    monkeypatch.setattr(daemon_module, "JOIN_REMIND_SECONDS", 0.6)
+    said: list[str] = []
+    port = free_port("127.0.0.1")  # nothing listens there
+    daemon = HostDaemon(
+        Endpoint("127.0.0.1", port),
+        "token",
+        LocalAddress("127.0.0.1", "lo"),
+        {},
+        lambda reply: None,  # type: ignore[arg-type,return-value]  # never joined
+        join_timeout=2.0,
+        say=said.append,
+    )
+    try:
+        with pytest.raises(JoinError, match="could not join"):
+            daemon.join()
+    finally:
+        daemon.server.close()
+    told = [line for line in said if line.startswith("cannot reach the controller")]
+    assert 2 <= len(told) <= 4, said
+    assert f"127.0.0.1:{port}" in told[0] and "--rdzv-endpoint" in told[0]
+    assert "Connection refused" in told[0] or "refused" in told[0].lower(), told[0]
+
+
+def test_an_endpoint_served_on_a_loopback_address_is_named_as_such() -> None:
+    why = loopback_endpoint(Endpoint("host0", 29500), LocalAddress("127.0.1.1", "lo"))
+    assert why is not None
+    assert "127.0.1.1" in why and "loopback" in why and "127.0.1.1 host0" in why
+    assert loopback_endpoint(Endpoint("host0", 29500), LocalAddress("10.0.0.1", "eth0")) is None
