@@ -79,6 +79,18 @@ def service(tmp_path: Path) -> Iterator[StoreServiceHandle]:
     handle.shutdown()
 
 
+def test_a_service_stopped_while_it_starts_is_ended_not_waited_for(tmp_path: Path) -> None:
+    # A job stopped before its first attempt (Ctrl-C while hosts join): the service is
+    # still importing torch, has no port to be asked on, and used to be waited for
+    # REQUEST_TIMEOUT, then killed.
+    handle = start_service(tmp_path / "rendezvous.json", TOKEN, 0.0, None, START_WITHIN)
+    process = handle._process
+    assert process is not None
+    handle.shutdown()
+    assert process.returncode == -signal.SIGTERM
+    assert not (tmp_path / "rendezvous.json").exists()
+
+
 def test_a_hosted_endpoint_makes_every_rank_a_client() -> None:
     """torchrun's convention: TORCHELASTIC_USE_AGENT_STORE=True, MASTER_* the store's."""
     for hosted in (True, False):

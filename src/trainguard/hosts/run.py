@@ -72,12 +72,23 @@ def loopback_endpoint(endpoint: Endpoint, local: LocalAddress) -> str | None:
     address (Debian's hosts file maps the hostname to 127.0.1.1); None when it can."""
     if not ipaddress.ip_address(local.addr).is_loopback:
         return None
+    named = not _is_address(endpoint.host)  # a name a hosts file maps here
     return (
         f"--rdzv-endpoint {endpoint} is {local.addr} on this host, a loopback address no "
-        "other host can reach (a hosts file line such as '127.0.1.1 "
-        f"{endpoint.host}'): the other hosts will wait for it; give this host's network "
-        "address (or a name that resolves to it) on every host"
+        "other host can reach"
+        + (f" (a hosts file line such as '127.0.1.1 {endpoint.host}')" if named else "")
+        + ": the other hosts will wait for it; give this host's network address"
+        + (" (or a name that resolves to it)" if named else "")
+        + " on every host"
     )
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def run_on_hosts(

@@ -24,6 +24,7 @@ from trainguard.wire.hosts import HostLease, JoinReply, JoinRequest
 __all__ = ["HostsService"]
 
 MAX_JOIN_BYTES = 1 << 20
+STOP_CHECK_SECONDS = 0.2  # how soon a signal ends the wait for hosts
 
 
 class HostsService:
@@ -82,15 +83,23 @@ class HostsService:
         with self._lock:
             return self.roster.bind(node_id, busy, self._clock(), 3 * self.lease_seconds)
 
-    def wait_for(self, node_ids: Sequence[str], timeout: float) -> list[str]:
-        """Wait up to ``timeout`` seconds for hosts to hold ``node_ids``; the ones still
+    def wait_for(
+        self,
+        node_ids: Sequence[str],
+        timeout: float,
+        stop: Callable[[], bool] = lambda: False,
+    ) -> list[str]:
+        """Wait up to ``timeout`` seconds for hosts to hold ``node_ids``, or until
+        ``stop()`` (a signal: looked at every :data:`STOP_CHECK_SECONDS`); the ones still
         missing."""
         deadline = time.monotonic() + timeout
         with self._changed:
-            while (missing := self.roster.joined(node_ids)) and (
-                left := deadline - time.monotonic()
-            ) > 0:
-                self._changed.wait(min(left, 1.0))
+            while (
+                (missing := self.roster.joined(node_ids))
+                and not stop()
+                and (left := deadline - time.monotonic()) > 0
+            ):
+                self._changed.wait(min(left, STOP_CHECK_SECONDS))
             return missing
 
     def capacity(self, running: set[str], silent_after: float) -> tuple[int, tuple[str, ...]]:

@@ -313,6 +313,8 @@ class LocalRunner:
                 )
                 transport.start()
                 if self.hosts is not None and (missing := self._wait_for_hosts()):
+                    if (why := self._interrupted_by()) is not None:
+                        return self._stopped_before_start(controller, why)
                     return self._hosts_missing(controller, missing)
                 begin = None
                 if self.resume is not None:
@@ -476,7 +478,17 @@ class LocalRunner:
             f"waiting for {others} more hosts to join at {hosts.endpoint} "
             f"(--join-timeout {hosts.join_timeout:g}s)"
         )
-        return hosts.service.wait_for(self.config.node_ids, hosts.join_timeout)
+        return hosts.service.wait_for(
+            self.config.node_ids,
+            hosts.join_timeout,
+            stop=lambda: self._interrupted_by() is not None,
+        )
+
+    def _stopped_before_start(self, controller: JobController, why: str) -> JobResult:
+        """Ctrl-C or SIGTERM while hosts were still joining: the job ends ``Stopped`` (not
+        ``Lost``), and the hosts that joined are told, in the caller's ``finally``."""
+        reason = f"{why} while waiting for hosts to join"
+        return self._end_before_start(controller, reason, JobPhase.STOPPED)
 
     def _hosts_missing(self, controller: JobController, missing: list[str]) -> JobResult:
         assert self.hosts is not None
@@ -485,11 +497,16 @@ class LocalRunner:
             f"(--join-timeout): start `trainguard run` on every host, with the same "
             f"--rdzv-endpoint {self.hosts.endpoint} and the same job"
         )
+        return self._end_before_start(controller, reason, JobPhase.FAILED)
+
+    def _end_before_start(
+        self, controller: JobController, reason: str, phase: JobPhase
+    ) -> JobResult:
         controller.start(time.time())
-        controller.cancel(time.time(), reason, JobPhase.FAILED)
-        self.store.update_job(self.job_id, phase=JobPhase.FAILED.value, reason=reason)
-        self._say(f"job {self.job_id} failed: {reason}")
-        return JobResult(self.job_id, JobPhase.FAILED, reason, self.job_dir)
+        controller.cancel(time.time(), reason, phase)
+        self.store.update_job(self.job_id, phase=phase.value, reason=reason)
+        self._say(f"job {self.job_id} {phase.value.lower()}: {reason}")
+        return JobResult(self.job_id, phase, reason, self.job_dir)
 
     def _result(self, controller: JobController) -> JobResult:
         for injection in self.injector.pending:

@@ -112,10 +112,16 @@ class StoreServiceHandle:
         """Stop the service (the job ended); waits for a service this process started."""
         if self._ahead is not None:
             self._ahead.join()
+        asked = False
         if self._url is not None or self._failed is None:
             with contextlib.suppress(OSError, ValueError, TimeoutError):
                 self._request("/shutdown", {}, wait=False)
+                asked = True
         if self._process is not None:
+            if not asked and self._process.poll() is None:
+                # Still starting (importing torch): it serves nothing yet, and would only
+                # be killed after REQUEST_TIMEOUT (a job stopped while hosts joined).
+                self._process.terminate()
             try:
                 self._process.wait(REQUEST_TIMEOUT)
             except subprocess.TimeoutExpired:
