@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -106,6 +107,21 @@ def test_hosts_that_cannot_take_part_get_a_clear_refusal(
     said = controller.output()  # the controller's side says whom it refused, and why
     assert f"refused host {hosts[2].name}" in said and "another job" in said, said
     assert "is late: the job's 2 nodes" in said, said
+
+
+def test_one_sigterm_ends_a_host_that_is_still_joining(
+    namespace_hosts: Make, tmp_path: Path
+) -> None:
+    hosts = namespace_hosts(2, prefix="host")
+    job = HostsJob(hosts)
+    # Nothing runs on host0 yet: host1 keeps asking to join until --join-timeout.
+    joining = job.start(hosts[1], torchrun_form(hosts, 2, STEPS, join_timeout=300), tmp_path)
+    deadline = time.monotonic() + 60
+    while "joining the job at" not in joining.output() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    joining.proc.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=60) == [130], job.outputs()
+    assert "interrupted" in joining.output(), job.outputs()
 
 
 def test_a_job_across_hosts_refuses_to_start_without_a_token(tmp_path: Path) -> None:

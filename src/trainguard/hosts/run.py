@@ -13,10 +13,13 @@ import contextlib
 import ipaddress
 import json
 import shutil
+import signal
 import ssl
 import sys
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from types import FrameType
 
 from trainguard.hosts.addresses import (
     Endpoint,
@@ -202,16 +205,33 @@ def _join(
         ),
     )
     say(f"joining the job at {daemon.controller_url} from {local.addr}")
+    previous = _sigterm_interrupts()
     try:
         code = daemon.run()
     except KeyboardInterrupt:
         say("interrupted; this host's workers were stopped")
         return EXIT_INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if daemon.reply is not None:
         phase = "Succeeded" if code == 0 else "Failed"
         store.update_job(daemon.reply.job_id, phase=phase)
         free_memory_tiers(MEMORY_ROOT / daemon.reply.job_id, daemon.launched)
     return code
+
+
+def _sigterm_interrupts() -> signal.Handlers | int | Callable[..., object] | None:
+    """SIGTERM (``systemctl stop``, ``kill``) ends a joined host as Ctrl-C does: its
+    agents and their workers are stopped, and it exits 130, in any phase (joining
+    included). The handler it replaces; None off the main thread (nothing installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def free_memory_tiers(job_root: Path, node_ids: Iterable[str]) -> None:
