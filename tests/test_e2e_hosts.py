@@ -157,6 +157,29 @@ def spec_with_spare(script: list[str], **trainguard: object) -> dict[str, object
     }
 
 
+def test_two_hosts_without_a_spare_survive_a_20s_cut_of_one_and_complete(
+    namespace_hosts: Make, tmp_path: Path
+) -> None:
+    """The restart after the cut needs a host: it waits for one (--join-timeout), as
+    torchrun would, instead of spending every restart at once on "no host can run"; the
+    cut host, back and fenced, rejoins as a new host and takes the node."""
+    hosts = namespace_hosts(2, prefix="host")
+    job = HostsJob(hosts)
+    argv = ["--max-restarts", "3", *torchrun_form(hosts, 2, STEPS, "1500")]
+    controller = job.start(hosts[0], argv, tmp_path)
+    cut = job.start(hosts[1], argv, tmp_path)
+    wait_for_text(cut, "Step 200", 120)
+    hosts.cut(hosts[1])
+    wait_for_text(controller, "waits up to 120s (--join-timeout) for a host", 60)
+    time.sleep(max(0.0, 20 - 8))  # 20 s in all: ~8 s of it went to declaring node-1 lost
+    hosts.restore(hosts[1])
+    assert job.wait(timeout=300) == [0, 0], job.outputs()
+    said = controller.output()
+    assert "a host can run it now" in said, said
+    data = job.describe(controller)
+    assert data["phase"] == "Succeeded" and data["restarts"] == 1, data
+
+
 def test_a_host_cut_off_mid_run_is_replaced_by_the_spare_host_and_fenced(
     namespace_hosts: Make, tmp_path: Path
 ) -> None:

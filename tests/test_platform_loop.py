@@ -50,6 +50,27 @@ def test_launch_waits_for_idle_agents_and_loses_late_ones() -> None:
     assert lost == [("b", "b lost: its agent was not ready within 60s")] and waiting == []
 
 
+def test_a_node_waiting_for_a_host_waits_within_the_bound_and_is_lost_after_it() -> None:
+    # Launch at t=100, no host for "b" since t=108; host_wait 600 s, start timeout 60 s.
+    waiting_b = {"b": NodeReport("b", awaiting_host=108.0)}
+    late = True  # the attempt's launch deadline (100 + 60) has passed
+    assert launch_verdict(("b",), waiting_b, 3, late, 60.0, now=300.0, host_wait=600.0) == (
+        [],
+        ["b"],
+    )
+    lost, waiting = launch_verdict(("b",), waiting_b, 3, late, 60.0, now=708.0, host_wait=600.0)
+    assert lost == [("b", "b lost: no host joined to run it within 600s")] and waiting == []
+    # A host came at t=300: its agent's start timeout counts from its launch, not the
+    # attempt's.
+    launched = {"b": NodeReport("b", launched_at=300.0)}
+    assert launch_verdict(("b",), launched, 3, late, 60.0, now=330.0, host_wait=600.0) == (
+        [],
+        ["b"],
+    )
+    lost, _ = launch_verdict(("b",), launched, 3, late, 60.0, now=361.0, host_wait=600.0)
+    assert lost == [("b", "b lost: its agent was not ready within 60s")]
+
+
 # -- the book ---------------------------------------------------------------------------
 
 

@@ -57,6 +57,10 @@ class ControlConfig:
     poll_interval: float = 0.5
     # A launched node's agent must answer within this long, or the node is lost.
     node_start_timeout: float = 60.0
+    # A node no host can run yet (a job across hosts whose host was lost, and no spare):
+    # how long its launch waits for a host to join or rejoin (--join-timeout, as
+    # torchrun's rendezvous waits for its nodes); 0: it is lost at once.
+    host_wait: float = 0.0
     # Consecutive failed contacts (status polls or requests) after which a node that
     # answered before is lost; one failure is evidence, not a verdict.
     unreachable_after: int = 3
@@ -123,6 +127,7 @@ class ControlConfig:
             "barrier_timeout",
             "stuck_rank_timeout",
             "lost_after",
+            "host_wait",
         ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):

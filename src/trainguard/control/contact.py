@@ -75,14 +75,31 @@ def launch_verdict(
     late: bool,
     start_timeout: float,
     lost_after: float = 0.0,
+    now: float = 0.0,
+    host_wait: float = 0.0,
 ) -> tuple[list[tuple[str, str]], list[str]]:
     """Of nodes being brought up for an attempt: ``(lost, waiting)`` — the lost ones with
     why, and the ones not up and idle yet (lost too once ``late``, past the start
-    timeout)."""
+    timeout). A node the platform waits for a host for is waiting for ``host_wait``
+    seconds, then lost; one launched once a host came counts its start timeout from its
+    launch."""
     lost: list[tuple[str, str]] = []
     waiting: list[str] = []
+    exempt: set[str] = set()  # not late: waiting for a host, or launched since
     for node_id in node_ids:
         report = reports.get(node_id)
+        if report is not None and report.awaiting_host is not None:
+            if now - report.awaiting_host < host_wait:
+                waiting.append(node_id)
+                exempt.add(node_id)
+            else:
+                lost.append(
+                    (node_id, f"{node_id} lost: no host joined to run it within {host_wait:g}s")
+                )
+            continue
+        launched_at = report.launched_at if report is not None else None
+        if launched_at is not None and now - launched_at < start_timeout:
+            exempt.add(node_id)
         verdict = contact(report, unreachable_after, lost_after)
         if verdict is Contact.LOST and report is not None:
             lost.append((node_id, lost_reason(report, unreachable_after)))
@@ -90,6 +107,6 @@ def launch_verdict(
             waiting.append(node_id)
     if late:
         why = f"its agent was not ready within {start_timeout:g}s"
-        lost += [(n, f"{n} lost: {why}") for n in waiting]
-        waiting = []
+        lost += [(n, f"{n} lost: {why}") for n in waiting if n not in exempt]
+        waiting = [n for n in waiting if n in exempt]
     return lost, waiting

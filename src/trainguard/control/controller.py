@@ -285,6 +285,8 @@ class JobController:
             deadline is not None and now >= deadline,
             self.config.node_start_timeout,
             self.config.lost_after,
+            now,
+            self.config.host_wait,
         )
         deadline = attempt.faulty_deadline
         if self.elastic is not None and deadline is not None and now >= deadline:

@@ -36,6 +36,12 @@ class NodeReport:
     error: str | None = None
     # The machine the node runs on, when the platform knows it (host avoidance).
     host: str | None = None
+    # Since when (wall clock) the platform waits for a host to run the node (its launch
+    # found none: ControlConfig.host_wait); None: not waiting.
+    awaiting_host: float | None = None
+    # When (wall clock) its agent was launched, where that came after the attempt's
+    # launch (it waited for a host): its start timeout counts from then.
+    launched_at: float | None = None
 
     def about(self, attempt: int) -> NodeStatus | None:
         """The status, if it is about ``attempt`` (an agent may lag behind the controller)."""

@@ -22,11 +22,11 @@ from trainguard.agent.client import AgentClient, AgentError
 from trainguard.health.suite import Peers
 from trainguard.hosts.roster import HostRecord
 from trainguard.hosts.service import HostsService
-from trainguard.platform.node import AgentLauncher, LaunchedNode
+from trainguard.platform.node import AgentLauncher, LaunchedNode, NoCapacity
 from trainguard.wire.base import WireError
 from trainguard.wire.hosts import LaunchReply, LaunchRequest, ShutdownRequest
 
-__all__ = ["DaemonError", "HostsLauncher", "RemoteNode", "call_daemon"]
+__all__ = ["DaemonError", "HostsLauncher", "NoHost", "RemoteNode", "call_daemon"]
 
 LAUNCH_TIMEOUT = 60.0  # the daemon answers once the agent serves (it imports no torch)
 SHUTDOWN_TIMEOUT = 2.0
@@ -34,6 +34,10 @@ SHUTDOWN_TIMEOUT = 2.0
 
 class DaemonError(OSError):
     """A host daemon did not do what it was asked (unreachable, refused, bad answer)."""
+
+
+class NoHost(DaemonError, NoCapacity):
+    """No host that joined can run the node now (every one busy, silent or fenced)."""
 
 
 def call_daemon(
@@ -146,9 +150,7 @@ class HostsLauncher:
         host = self.service.bind(node_id, self.busy() - {node_id})
         if host is None:
             self.on_no_host(node_id)
-            raise DaemonError(
-                f"no host can run {node_id}: every host that joined is busy or silent"
-            )
+            raise NoHost(f"no host can run {node_id}: every host that joined is busy or silent")
         if host.local:
             return self.local(node_id, incarnation, peers)
         assert host.daemon_url is not None

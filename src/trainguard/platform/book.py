@@ -52,10 +52,19 @@ class ReportBook:
 
     # -- the platform's side -----------------------------------------------------------
 
-    def reset(self, node_id: str, incarnation: str) -> None:
-        """A new agent was launched for ``node_id``: nothing is known of it yet."""
+    def reset(self, node_id: str, incarnation: str, launched_at: float | None = None) -> None:
+        """A new agent was launched for ``node_id``: nothing is known of it yet
+        (``launched_at``: when, for one launched after its attempt's launch)."""
         with self._lock:
-            self._entries[node_id] = _Entry(NodeReport(node_id), incarnation)
+            report = NodeReport(node_id, launched_at=launched_at)
+            self._entries[node_id] = _Entry(report, incarnation)
+
+    def awaiting_host(self, node_id: str, since: float) -> None:
+        """No host can run ``node_id`` yet; the platform waits for one since ``since``."""
+        with self._lock:
+            entry = self._entries.get(node_id)
+            if entry is not None and entry.report.awaiting_host is None:
+                entry.report = replace(entry.report, awaiting_host=since)
 
     def forget(self, node_id: str) -> None:
         with self._lock:

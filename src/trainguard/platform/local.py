@@ -301,6 +301,13 @@ class LocalRunner:
             platform.partitioner = self.hosts.partition
             if isinstance(platform.launcher, HostsLauncher):
                 platform.launcher.on_no_host = self._no_host(platform)
+                if self.on_no_host is None:  # (a Slurm job requeues itself instead)
+                    # A restart that needs a host waits for one to join or rejoin, as
+                    # torchrun's rendezvous waits for its nodes.
+                    platform.host_wait = self.hosts.join_timeout
+                    self.config = dataclasses.replace(
+                        self.config, host_wait=self.hosts.join_timeout
+                    )
         controller = JobController(self.config, platform.endpoint)
         previous = self._install_signal_handlers()
         console_log = RotatingFile(self.logs_dir / "console.log", self.config.log_limits)

@@ -35,7 +35,7 @@ from trainguard.platform.base import Cancel, Observation, Replace
 from trainguard.platform.book import ReportBook
 from trainguard.platform.follow import FollowedFile, LineSource
 from trainguard.platform.inject import Injector, Targets
-from trainguard.platform.node import LaunchedNode, NodeLauncher
+from trainguard.platform.node import LaunchedNode, NoCapacity, NodeLauncher
 from trainguard.platform.procs import free_port, start_time
 from trainguard.platform.store import JobRow, NodeRow, Store
 from trainguard.platform.transport import AgentTransport, Delivery
@@ -92,6 +92,11 @@ class LocalPlatform:
         # A stop decided outside the controller (no host left to run a node), taken at
         # the next look.
         self.cancel: Cancel | None = None
+        # How long a node no host can run yet waits for one (ControlConfig.host_wait; 0:
+        # lost at once), and the nodes waiting: their incarnation and peers, looked for
+        # a host again at every turn.
+        self.host_wait = 0.0
+        self._awaiting: dict[str, tuple[str, Peers]] = {}
         # The job's log directory, where adopted agents write their orphaned console.
         self.console_dir: Path | None = None
         # The job's rendezvous store service (None: rank 0 hosts each attempt's store).
@@ -145,21 +150,50 @@ class LocalPlatform:
             # <node>/memory: the node's own tier; <node>/replicas: its copies of its peers'.
             (self.memory_root / node_id / "memory").mkdir(parents=True, exist_ok=True)
             self.book.reset(node_id, incarnation)
-            try:
-                node = self.launcher(node_id, incarnation, Peers(rank, world, self.address, port))
-            except OSError as exc:
+            self._awaiting.pop(node_id, None)
+            self._launch_one(node_id, incarnation, Peers(rank, world, self.address, port))
+
+    def _launch_one(
+        self, node_id: str, incarnation: str, peers: Peers, waited: bool = False
+    ) -> None:
+        """Start ``node_id``'s agent; with no host for it yet, wait for one (``host_wait``:
+        looked for again at every turn, :meth:`_launch_awaiting`)."""
+        try:
+            node = self.launcher(node_id, incarnation, peers)
+        except NoCapacity as exc:
+            if self.host_wait <= 0:
                 self.book.gone(node_id, f"its agent could not be launched: {exc}")
-                continue
-            self.nodes[node_id] = node
-            self._unlocated.add(node_id)
-            console = node.console
-            if console is not None:
-                threading.Thread(
-                    target=self._pump,
-                    args=(console,),
-                    daemon=True,
-                    name=f"console-{node_id}",
-                ).start()
+            elif not waited:
+                self._awaiting[node_id] = (incarnation, peers)
+                self.book.awaiting_host(node_id, time.time())
+                self._say(
+                    f"{exc}: {node_id} waits up to {self.host_wait:g}s (--join-timeout) "
+                    "for a host to join or rejoin"
+                )
+            return
+        except OSError as exc:
+            self._awaiting.pop(node_id, None)
+            self.book.gone(node_id, f"its agent could not be launched: {exc}")
+            return
+        if waited:
+            self._awaiting.pop(node_id, None)
+            self.book.reset(node_id, incarnation, launched_at=time.time())
+            self._say(f"{node_id}: a host can run it now; launching its agent")
+        self.nodes[node_id] = node
+        self._unlocated.add(node_id)
+        console = node.console
+        if console is not None:
+            threading.Thread(
+                target=self._pump,
+                args=(console,),
+                daemon=True,
+                name=f"console-{node_id}",
+            ).start()
+
+    def _launch_awaiting(self) -> None:
+        """The nodes that wait for a host: launched as soon as one can run them."""
+        for node_id, (incarnation, peers) in list(self._awaiting.items()):
+            self._launch_one(node_id, incarnation, peers, waited=True)
 
     def adopt(self, nodes: Sequence[LaunchedNode], urls: Sequence[str]) -> None:
         """Take over agents a dead controller launched (``trainguard resume``); their
@@ -186,6 +220,7 @@ class LocalPlatform:
     def retire(self, node_ids: Sequence[str]) -> None:
         self._shutdown(node_ids)
         for node_id in node_ids:
+            self._awaiting.pop(node_id, None)
             self.book.forget(node_id)
 
     def close(self) -> None:
@@ -224,6 +259,8 @@ class LocalPlatform:
                 return
 
     def observe(self, now: float) -> Observation:
+        if self._awaiting:
+            self._launch_awaiting()
         located = [n for n in list(self._unlocated) if self._locate(n)]
         if located:
             self.transport.poll(located)  # its answer is in this turn's reports

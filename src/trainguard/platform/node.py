@@ -31,12 +31,18 @@ __all__ = [
     "HealthLaunch",
     "LaunchedNode",
     "LocalNode",
+    "NoCapacity",
     "NodeLauncher",
     "WorkerPids",
 ]
 
 # Time an agent gets to exit after /shutdown before it is killed.
 AGENT_SHUTDOWN_SECONDS = 15.0
+
+
+class NoCapacity(OSError):
+    """The launcher has nowhere to run the node now, and may later (a job across hosts
+    whose node's host was lost: another may join, or the same one rejoin)."""
 
 
 class LaunchedNode(Protocol):
