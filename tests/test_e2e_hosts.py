@@ -71,6 +71,8 @@ def test_a_sigkilled_rank_on_another_host_is_restarted(
     [fault] = data["faults"]
     assert fault["type"] == "WorkerCrash" and fault["rank"] == 1 and fault["node"] == "node-1"
     assert data["restarts"] == 1 and data["phase"] == "Succeeded"
+    joined = job.runs[0].output()  # the joined host prints the job's events too
+    assert re.search(r"\d\d:\d\d:\d\d Fault: .*rank 1", joined), joined
 
 
 def test_hosts_that_cannot_take_part_get_a_clear_refusal(

@@ -25,6 +25,7 @@ from trainguard.control.events import Event, FaultType
 from trainguard.hosts.addresses import Endpoint, LocalAddress
 from trainguard.hosts.roster import Roster
 from trainguard.hosts.service import HostsService
+from trainguard.observe.summary import event_line
 
 __all__ = ["LEASE_SECONDS", "ControllerHost", "interface_env"]
 
@@ -91,8 +92,12 @@ class ControllerHost:
         return service
 
     def on_event(self, event: Event) -> None:
-        """A node declared lost (or dropped for cause) fences its host."""
-        if event.kind != "Fault" or event.node is None or self.service is None:
+        """Every host prints the event (with its next lease); a node declared lost (or
+        dropped for cause) fences its host."""
+        if self.service is None:
+            return
+        self.service.publish(event_line(event))
+        if event.kind != "Fault" or event.node is None:
             return
         kind = event.data.get("type")
         if kind in {t.value for t in FaultType if t.loses_node}:

@@ -217,6 +217,8 @@ class HostDaemon:
                     )
                 continue
             last_ok = time.monotonic()
+            for line in lease.events:  # the job's events, as the controller printed them
+                self._say(line)
             if lease.finished:
                 self._shutdown_all()
                 self._say(f"job {reply.job_id} ended: {lease.reason} (exit {lease.exit_code})")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from aiohttp import web
@@ -19,12 +20,13 @@ from aiohttp import web
 from trainguard.hosts.roster import HostRecord, JoinRefused, Roster
 from trainguard.platform.inbox import bearer_ok
 from trainguard.wire.base import WireError, parse_json
-from trainguard.wire.hosts import HostLease, JoinReply, JoinRequest
+from trainguard.wire.hosts import MAX_LEASE_EVENTS, HostLease, JoinReply, JoinRequest
 
 __all__ = ["HostsService"]
 
 MAX_JOIN_BYTES = 1 << 20
 STOP_CHECK_SECONDS = 0.2  # how soon a signal ends the wait for hosts
+EVENTS_KEPT = 1000  # event lines kept for hosts that have not renewed their lease yet
 
 
 class HostsService:
@@ -53,6 +55,11 @@ class HostsService:
         self._changed = threading.Condition(self._lock)
         self._phase = "Pending"
         self._result: tuple[int, str] | None = None  # exit code, reason
+        # The job's event lines for the hosts (numbered; the newest EVENTS_KEPT), and
+        # the number of the last one each host was handed.
+        self._events: deque[tuple[int, str]] = deque(maxlen=EVENTS_KEPT)
+        self._published = 0
+        self._handed: dict[str, int] = {}
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/join", self._join), web.get("/hosts/{host_id}", self._lease)]
@@ -62,6 +69,20 @@ class HostsService:
     def set_phase(self, phase: str) -> None:
         with self._lock:
             self._phase = phase
+
+    def publish(self, line: str) -> None:
+        """An event line every host prints with its next lease."""
+        with self._lock:
+            self._published += 1
+            self._events.append((self._published, line))
+
+    def _unseen(self, host_id: str) -> list[str]:
+        """The event lines ``host_id`` was not handed yet (the newest, at most a lease's
+        worth); from now on, for a host new to the lease. Under the lock."""
+        last = self._handed.get(host_id, self._published)
+        self._handed[host_id] = self._published
+        lines = [line for number, line in self._events if number > last]
+        return lines[-MAX_LEASE_EVENTS:]
 
     def finish(self, phase: str, exit_code: int, reason: str) -> None:
         """The job ended: every host's next lease says so (and with what exit code)."""
@@ -141,6 +162,7 @@ class HostsService:
             except JoinRefused as exc:
                 refused = str(exc)
             else:
+                self._handed.setdefault(record.host_id, self._published)
                 self._changed.notify_all()
         if refused is not None:  # the refused host exits saying why; so does this side
             self.say(f"refused host {join.hostname} ({join.addr}): {refused}")
@@ -173,6 +195,7 @@ class HostsService:
                 finished=result is not None,
                 exit_code=result[0] if result else None,
                 reason=result[1] if result else None,
+                events=self._unseen(host.host_id),
             )
         return web.json_response(lease.to_json())
 

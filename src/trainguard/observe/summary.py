@@ -9,11 +9,13 @@ Pure: it reads the controller's fault timeline.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
+from trainguard.control.events import Event
 from trainguard.control.timeline import FaultRecord
 
-__all__ = ["fault_summary"]
+__all__ = ["event_line", "fault_summary"]
 
 _SCOPES = {"in-process": "an in-process restart", "process": "a process restart",
            "job": "a full job restart"}  # fmt: skip
@@ -35,3 +37,9 @@ def fault_summary(records: Sequence[FaultRecord]) -> str | None:
         parts.append(f"{what} recovered in {r.recovery_seconds:.1f}s by {how}{lost}")
     count = f"{len(records)} fault{'s' if len(records) > 1 else ''}"
     return f"{count}: " + "; ".join(parts)
+
+
+def event_line(event: Event) -> str:
+    """An event as the console shows it, on every host: ``HH:MM:SS Kind: message``."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+    return f"{stamp} {event.kind}: {event.message}"

@@ -31,6 +31,7 @@ from trainguard.control.reports import NodeReport, Refusal
 from trainguard.health.suite import Peers
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
+from trainguard.observe.summary import event_line
 from trainguard.platform.base import Cancel, Observation, Replace
 from trainguard.platform.book import ReportBook
 from trainguard.platform.follow import FollowedFile, LineSource
@@ -548,5 +549,4 @@ class LocalPlatform:
             self._injections_out[node_id] = sent
 
     def _say_event(self, event: Event) -> None:
-        stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
-        self._say(f"{stamp} {event.kind}: {event.message}")
+        self._say(event_line(event))

@@ -34,6 +34,9 @@ __all__ = [
 ]
 
 
+MAX_LEASE_EVENTS = 200  # event lines one lease carries at most (older ones are dropped)
+
+
 class JoinRequest(Wire):
     """A host asks to take part in the job."""
 
@@ -65,6 +68,9 @@ class HostLease(Wire):
     finished: bool = False
     exit_code: int | None = None
     reason: str | None = None
+    # The job's event lines since this host's last lease (faults, fencing, restarts,
+    # scaling): every host shows the job, not only the controller's.
+    events: list[str] = Field(default_factory=list, max_length=MAX_LEASE_EVENTS)
 
 
 class LaunchRequest(Wire):
