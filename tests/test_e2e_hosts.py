@@ -73,6 +73,22 @@ def test_a_sigkilled_rank_on_another_host_is_restarted(
     assert data["restarts"] == 1 and data["phase"] == "Succeeded"
     joined = job.runs[0].output()  # the joined host prints the job's events too
     assert re.search(r"\d\d:\d\d:\d\d Fault: .*rank 1", joined), joined
+    # ... and its record agrees with the controller's on the phase and the restarts.
+    mine = job.describe(job.runs[0])
+    assert (mine["phase"], mine["restarts"]) == ("Succeeded", 1), mine
+    # `logs --rank` for a rank of the other host says where its log is.
+    there = _logs(job.runs[1], data["id"], 1)
+    assert there.returncode == 1 and f"on host {hosts[1].addr}" in there.stderr, there
+    here = _logs(job.runs[0], data["id"], 0)
+    assert here.returncode == 1 and "ran on another host" in here.stderr, here
+
+
+def _logs(run: HostRun, job_id: str, rank: int) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TRAINGUARD_STATE_DIR": str(run.state)}
+    return subprocess.run(
+        [sys.executable, "-m", "trainguard.cli", "logs", job_id, "--rank", str(rank)],
+        env=env, capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
 
 
 def test_hosts_that_cannot_take_part_get_a_clear_refusal(

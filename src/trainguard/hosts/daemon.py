@@ -91,17 +91,22 @@ class HostDaemon:
         say: Callable[[str], None] = lambda line: None,
         out: IO[bytes] | None = None,
         first_launch: Callable[[JoinReply, str], None] = lambda reply, node_id: None,
+        on_progress: Callable[[JoinReply, str, int], None] = lambda reply, phase, n: None,
     ) -> None:
         """``make_launcher``: this host's agent launcher for the job the controller named
         (its id, in the reply); ``out``: where this host's ranks' lines go;
         ``first_launch``: called before a node id's first agent since this host joined
-        (not before its relaunches, which resume from what the node left here)."""
+        (not before its relaunches, which resume from what the node left here);
+        ``on_progress``: the job's phase and restarts, as the controller has them, each
+        time they change (this host's record of the job follows them)."""
         self.endpoint = endpoint
         self._token = token
         self.local = local
         self.spec = spec
         self._make_launcher = make_launcher
         self._first_launch = first_launch
+        self._on_progress = on_progress
+        self.progress: tuple[str, int] | None = None  # the newest lease's phase, restarts
         self.node_rank = node_rank
         self.join_timeout = join_timeout
         self._tls_client = tls_client
@@ -219,6 +224,9 @@ class HostDaemon:
             last_ok = time.monotonic()
             for line in lease.events:  # the job's events, as the controller printed them
                 self._say(line)
+            if (progress := (lease.phase, lease.restarts)) != self.progress:
+                self.progress = progress
+                self._on_progress(reply, *progress)
             if lease.finished:
                 self._shutdown_all()
                 self._say(f"job {reply.job_id} ended: {lease.reason} (exit {lease.exit_code})")

@@ -48,6 +48,7 @@ from trainguard.platform.local import (
 )
 from trainguard.platform.node import AgentLauncher
 from trainguard.platform.store import JobNotFound, Store
+from trainguard.platform.views import JOINED
 from trainguard.spec.plan import JobPlan
 from trainguard.spec.secrets import redact_spec
 from trainguard.wire.hosts import JoinReply
@@ -203,6 +204,9 @@ def _join(
         first_launch=lambda reply, node_id: free_memory_tiers(
             MEMORY_ROOT / reply.job_id, [node_id]
         ),
+        on_progress=lambda reply, phase, restarts: store.update_job(
+            reply.job_id, phase=phase, restarts=restarts
+        ),
     )
     say(f"joining the job at {daemon.controller_url} from {local.addr}")
     previous = _sigterm_interrupts()
@@ -215,8 +219,10 @@ def _join(
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     if daemon.reply is not None:
-        phase = "Succeeded" if code == 0 else "Failed"
-        store.update_job(daemon.reply.job_id, phase=phase)
+        ended = daemon.progress[0] if daemon.progress is not None else None
+        if ended not in ("Succeeded", "Failed", "Stopped"):  # no word of the end
+            ended = "Succeeded" if code == 0 else "Failed"
+        store.update_job(daemon.reply.job_id, phase=ended)
         free_memory_tiers(MEMORY_ROOT / daemon.reply.job_id, daemon.launched)
     return code
 
@@ -259,7 +265,7 @@ def _record_row(
         store.create_job(
             reply.job_id,
             plan.name,
-            f"joined {endpoint} as {reply.node_id}",
+            f"{JOINED}{endpoint} as {reply.node_id}",
             job_dir,
             plan.nnodes,
             plan.nproc_per_node,

@@ -54,6 +54,7 @@ class HostsService:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._phase = "Pending"
+        self._restarts = 0
         self._result: tuple[int, str] | None = None  # exit code, reason
         # The job's event lines for the hosts (numbered; the newest EVENTS_KEPT), and
         # the number of the last one each host was handed.
@@ -66,9 +67,10 @@ class HostsService:
 
     # -- the job's side ------------------------------------------------------------------
 
-    def set_phase(self, phase: str) -> None:
+    def set_phase(self, phase: str, restarts: int) -> None:
+        """The job's phase and restarts now: every host's record shows them."""
         with self._lock:
-            self._phase = phase
+            self._phase, self._restarts = phase, restarts
 
     def publish(self, line: str) -> None:
         """An event line every host prints with its next lease."""
@@ -192,6 +194,7 @@ class HostsService:
             lease = HostLease(
                 phase=self._phase,
                 standing="lost" if host.lost else "member",
+                restarts=self._restarts,
                 finished=result is not None,
                 exit_code=result[0] if result else None,
                 reason=result[1] if result else None,

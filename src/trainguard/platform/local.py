@@ -294,6 +294,8 @@ class LocalRunner:
         platform.rendezvous = self._rendezvous(token)
         if self.hosts is not None:
             platform.listeners += [self.hosts.on_event, *self.hosts.listeners]
+            if self.hosts.service is not None:
+                platform.progress_listeners.append(self.hosts.service.set_phase)
             if isinstance(platform.launcher, HostsLauncher):
                 platform.launcher.busy = lambda: set(platform.nodes)
             if self.config.elastic is not None:

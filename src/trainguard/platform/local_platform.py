@@ -84,6 +84,9 @@ class LocalPlatform:
         # Called with every event the controller records (a job on several hosts fences
         # the host of a node declared lost).
         self.listeners: list[Callable[[Event], None]] = []
+        # Called with the job's phase and restarts when they change (a job on several
+        # hosts hands them to every host with its lease).
+        self.progress_listeners: list[Callable[[str, int], None]] = []
         # Where the job's capacity comes from when not the store's pool (a job on several
         # hosts: the hosts that renew their lease), and the nodes taken away with it.
         self.capacity_of: Callable[[], tuple[int, tuple[str, ...]]] | None = None
@@ -430,6 +433,10 @@ class LocalPlatform:
         return starts
 
     def _record_job(self, controller: JobController) -> None:
+        progress = (controller.phase.value, controller.restarts)
+        if self._changed("progress", progress):
+            for tell in self.progress_listeners:
+                tell(*progress)
         faults = controller.timeline.to_json()
         fields: dict[str, object] = {
             "phase": controller.phase.value,

@@ -20,6 +20,7 @@ from trainguard.platform.store import JobRow, Store
 from trainguard.spec.secrets import redact_spec
 
 TERMINAL_PHASES = ("Succeeded", "Failed", "Stopped")
+JOINED = "joined "  # how a joined host's record of a job names its source
 # How often `logs -f`, `stop` and `delete` look again.
 FOLLOW_INTERVAL_SECONDS = 0.25
 
@@ -150,6 +151,12 @@ def describe(store: Store, ref: str, output: str) -> int:
         ("Logs", data["logs_dir"]),
     ]:
         print(f"{label + ':':<10} {value}")
+    if (data["source"] or "").startswith(JOINED):
+        print(
+            f"\nThis host {data['source']}: its record follows the job's phase and restarts,"
+            " and holds this host's ranks' logs; the controller's host has every fault, "
+            "node and rank (trainguard describe there)."
+        )
     print("\nNodes:")
     _table(
         [["NODE", "NODE RANK", "RANKS", "STATE", "ATTEMPT", "AGENT"]]
@@ -274,6 +281,9 @@ def logs(store: Store, ref: str, rank: int | None, follow: bool) -> int:
             file=sys.stderr,
         )
         return 2
+    if rank is not None and not path.exists() and (where := _elsewhere(store, job, rank)):
+        print(f"trainguard: rank {rank}'s log is not on this host: {where}", file=sys.stderr)
+        return 1
     # Rotated files first, oldest first (agent/logcap.py: NAME.1 is the newest).
     rotations = [p for p in logs_dir.glob(f"{path.name}.*") if _rotation_index(p)]
     for old in sorted(rotations, key=_rotation_index, reverse=True):
@@ -290,6 +300,24 @@ def logs(store: Store, ref: str, rank: int | None, follow: bool) -> int:
                 continue  # drain what was written while we looked at the phase
             return 0
         time.sleep(FOLLOW_INTERVAL_SECONDS)
+
+
+def _elsewhere(store: Store, job: JobRow, rank: int) -> str | None:
+    """Where ``rank``'s log is when another host ran it (a job across hosts), or None."""
+    if (job.source or "").startswith(JOINED):
+        return (
+            f"this host {job.source}, and the rank ran on another host: run trainguard logs "
+            f"{job.id} --rank {rank} on the host that ran it"
+        )
+    for node in store.nodes(job.id):
+        url = node["agent_url"] or ""
+        host = url.split("//", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        if rank in node["ranks"] and host and host not in ("127.0.0.1", "::1", "localhost"):
+            return (
+                f"it ran on {node['node_id']}, on host {host}: run trainguard logs {job.id} "
+                f"--rank {rank} there"
+            )
+    return None
 
 
 def _rotation_index(path: Path) -> int:

@@ -65,6 +65,7 @@ class HostLease(Wire):
 
     phase: str
     standing: Literal["member", "lost"]  # lost: declared lost, its work fenced off
+    restarts: int = Field(default=0, ge=0)  # the job's, as the controller counts them
     finished: bool = False
     exit_code: int | None = None
     reason: str | None = None
