@@ -155,6 +155,9 @@ class FakePlatform:
     def observe(self, now: float) -> Observation:
         return Observation(dict(self.reports), self.cancel)
 
+    def announce(self, controller: JobController) -> None:
+        self.calls.append(("announce", [e.kind for e in controller.drain_events()]))
+
     def record(self, controller: JobController, observation: Observation | None) -> None:
         self.calls.append(("record", controller.phase.value))
 
@@ -169,9 +172,23 @@ def test_drive_launches_starts_and_ends_with_the_job() -> None:
     c = controller()
     drive(c, platform, clock=lambda: 1.0)
     assert c.phase is JobPhase.SUCCEEDED
-    sent = [call for call in platform.calls if call[0] != "record"]
+    sent = [call for call in platform.calls if call[0] not in ("record", "announce")]
     assert sent == [("launch", NODES), ("start", "node-0"), ("start", "node-1")]
     assert platform.calls[-1] == ("record", "Succeeded")
+
+
+def test_the_decisions_are_told_before_they_are_carried_out() -> None:
+    # A /stop to a cut-off host waits out its timeout: the fault that caused it is said
+    # first, not after.
+    platform = FakePlatform()
+    c = controller()
+    drive(c, platform, clock=lambda: 1.0)
+    launch = platform.calls.index(("launch", NODES))
+    told = [kinds for call, kinds in platform.calls[:launch] if call == "announce"]
+    assert any("NodesLaunching" in kinds for kinds in told), platform.calls
+    start = platform.calls.index(("start", "node-0"))
+    told = [kinds for call, kinds in platform.calls[launch:start] if call == "announce"]
+    assert any("AttemptStarted" in kinds for kinds in told), platform.calls
 
 
 def test_drive_gives_refusals_back_to_the_controller_at_once() -> None:

@@ -350,6 +350,10 @@ class KubePlatform:
 
     # -- the record ----------------------------------------------------------------------
 
+    def announce(self, controller: JobController) -> None:
+        """Nothing ahead of :meth:`record`: the job's events become Kubernetes Events and
+        its status there, once a turn."""
+
     def record(self, controller: JobController, observation: Observation | None) -> None:
         reports = observation.reports if observation is not None else self.book.reports()
         pods = [

@@ -74,5 +74,9 @@ class Platform(Protocol):
     def observe(self, now: float) -> Observation:
         """Every node's report now, and any request to stop the job."""
 
+    def announce(self, controller: JobController) -> None:
+        """Tell the turn's decisions (the controller's new events) before they are carried
+        out, so that a slow request (a /stop to a cut-off host) never holds them up."""
+
     def record(self, controller: JobController, observation: Observation | None) -> None:
         """Keep the job's state, events and progress where people look (after each step)."""

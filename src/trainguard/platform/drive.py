@@ -5,9 +5,10 @@
 1. **observe**: the platform's reports (the newest status each agent polled or pushed,
    contact facts) and any outside request to stop;
 2. **decide**: :meth:`JobController.observe` (pure) returns actions;
-3. **act**: launch and retire nodes through the platform, and send every request to
-   every node it names at once (:class:`~trainguard.platform.transport.Delivery`);
-   refusals go back to the controller on the next turn.
+3. **act**: the decisions' events are told first (:meth:`Platform.announce`), then nodes
+   are launched and retired through the platform, and every request is sent to every
+   node it names at once (:class:`~trainguard.platform.transport.Delivery`); refusals go
+   back to the controller on the next turn.
 
 The loop sleeps in :meth:`Platform.wait` between turns: up to ``poll_interval``, or
 until an agent pushes news, so a worker's death is decided on within milliseconds of
@@ -47,7 +48,9 @@ def drive(
 ) -> None:
     """Run the job until the controller says it ended (see the module docstring);
     ``begin``: the first actions, instead of ``controller.start`` (a resumed job)."""
-    refusals = execute(platform, (begin or controller.start)(clock()))
+    first = (begin or controller.start)(clock())
+    platform.announce(controller)
+    refusals = execute(platform, first)
     platform.record(controller, None)
     while not controller.phase.terminal:
         if not refusals:
@@ -61,6 +64,7 @@ def drive(
             controller.replace_nodes(now, [(r.node_id, r.reason) for r in seen.replace])
         controller.set_capacity(seen.capacity, seen.preempted)
         actions += controller.observe(now, seen.reports, [*seen.refusals, *refusals])
+        platform.announce(controller)  # what was decided is said before it is done
         refusals = execute(platform, actions)
         platform.record(controller, seen)
 

@@ -130,6 +130,7 @@ class LocalPlatform:
         self._first_step_at: float | None = None
         self._replacements_seen = 0  # node replacement requests handed on so far
         self._written: dict[str, object] = {}  # what the store has, by row key
+        self._announced: list[Event] = []  # events told this turn, to be stored
         # What each node's agent holds of the step injections: (its incarnation, them).
         self._injections_out: dict[str, tuple[str, tuple[StepInjection, ...]]] = {}
         # Each node's recorded pids (agent, workers) and their start times, read once per pid.
@@ -340,14 +341,21 @@ class LocalPlatform:
 
     # -- the record ----------------------------------------------------------------------
 
-    def record(self, controller: JobController, observation: Observation | None) -> None:
-        if observation is not None:
-            self._inject(controller, observation.reports)
+    def announce(self, controller: JobController) -> None:
+        """Say the new events and hand them to the listeners (a lost node's host is fenced
+        before its replacement is launched); :meth:`record` stores them."""
         events = controller.drain_events()
         for event in events:
             self._say_event(event)
             for listener in self.listeners:
                 listener(event)
+        self._announced += events
+
+    def record(self, controller: JobController, observation: Observation | None) -> None:
+        if observation is not None:
+            self._inject(controller, observation.reports)
+        self.announce(controller)  # what the acts added
+        events, self._announced = self._announced, []
         if self._live is not None:
             self._live.update(controller, events, time.time())
         samples = []
