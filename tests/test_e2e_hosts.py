@@ -365,6 +365,7 @@ def test_an_elastic_job_grows_when_a_host_joins_and_shrinks_when_one_is_cut(
         time.sleep(0.2)
     assert sizes[:3] == [2, 3, 2], text
     assert "ElasticScaling" in text and "scale down 3 -> 2" in text, text
+    assert "cut off (its host went silent)" in text and " preempted" not in text, text
     controller.proc.terminate()  # the worker runs "forever": stop the job (Ctrl-C)
     assert controller.proc.wait(60) == 130, job.outputs()
 

@@ -162,10 +162,14 @@ class JobController:
         self.phase = JobPhase.STOPPING
         return [self._stop(now, attempt, "graceful", reason)]
 
-    def set_capacity(self, capacity: int | None, preempted: Sequence[str] = ()) -> None:
+    def set_capacity(
+        self, capacity: int | None, preempted: Sequence[str] = (), taken_as: str = "preempted"
+    ) -> None:
         """What the platform can give the job now: ``capacity`` nodes (None: unknown),
-        ``preempted`` being taken away (elastic jobs scale to it)."""
+        ``preempted`` being taken away (elastic jobs scale to it), as ``taken_as`` says."""
         self.capacity, self.preempted = capacity, tuple(preempted)
+        if self.elastic is not None:
+            self.elastic.taken_as = taken_as
 
     def replace_nodes(self, now: float, requests: Sequence[tuple[str, str]]) -> None:
         """Someone outside asked for these nodes (``(node id, why)``) to be replaced (by

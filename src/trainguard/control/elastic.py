@@ -85,6 +85,9 @@ class ElasticWatch:
     def __init__(self, config: ElasticConfig) -> None:
         self.config = config
         self.failures = 0  # consecutive scalings whose nodes did not come up
+        # How the platform takes nodes away, in the reasons ("preempted"; across hosts,
+        # "cut off (its host went silent)").
+        self.taken_as = "preempted"
         self.last_scaling: float | None = None
         self.target: int | None = None  # the size the last scaling aimed at
         self._ample_since: float | None = None  # capacity has fitted a larger size since
@@ -111,7 +114,7 @@ class ElasticWatch:
                 return None  # under the minimum: the controller decides (wait, or fail)
             keep = [n for n in nodes if n not in gone][:target]
             drop = tuple(n for n in nodes if n not in keep)
-            why = f"{', '.join(gone)} preempted" if gone else f"capacity fell to {capacity}"
+            why = f"{', '.join(gone)} {self.taken_as}" if gone else f"capacity fell to {capacity}"
             return Scale(target, f"scale down {size} -> {target} nodes: {why}", drop)
         target = cfg.fit(capacity) if capacity is not None else None
         if target is None or target <= size:

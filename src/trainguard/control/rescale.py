@@ -104,7 +104,8 @@ def preempted_lost(
     if scale is None or not lost <= set(scale.drop):
         return None
     for fault in faults:
-        c._event(now, "NodePreempted", f"{fault.message} (preempted: a scale-down, not a fault)",
+        how = c.elastic.taken_as
+        c._event(now, "NodePreempted", f"{fault.message} ({how}: a scale-down, not a fault)",
                  attempt=attempt.number, node=fault.node)  # fmt: skip
     actions = abandon_growth(c, now, attempt, "nodes are being taken away")
     return [*actions, *_scale(c, now, attempt, scale, reports)]

@@ -52,6 +52,9 @@ class Observation:
     # being taken away (preempted) that it should give up.
     capacity: int | None = None
     preempted: Sequence[str] = field(default_factory=tuple)
+    # How those nodes are being taken away, in the job's events ("preempted"; across
+    # hosts, "cut off": their host went silent).
+    taken_as: str = "preempted"
 
 
 class Platform(Protocol):

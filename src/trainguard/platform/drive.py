@@ -62,7 +62,7 @@ def drive(
             actions += controller.cancel(now, seen.cancel.reason, seen.cancel.phase)
         if seen.replace:
             controller.replace_nodes(now, [(r.node_id, r.reason) for r in seen.replace])
-        controller.set_capacity(seen.capacity, seen.preempted)
+        controller.set_capacity(seen.capacity, seen.preempted, seen.taken_as)
         actions += controller.observe(now, seen.reports, [*seen.refusals, *refusals])
         platform.announce(controller)  # what was decided is said before it is done
         refusals = execute(platform, actions)

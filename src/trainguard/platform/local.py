@@ -300,6 +300,7 @@ class LocalRunner:
                 platform.launcher.busy = lambda: set(platform.nodes)
             if self.config.elastic is not None:
                 platform.capacity_of = self._hosts_capacity(platform)
+                platform.taken_as = "cut off (its host went silent)"
             platform.partitioner = self.hosts.partition
             if isinstance(platform.launcher, HostsLauncher):
                 platform.launcher.on_no_host = self._no_host(platform)

@@ -90,6 +90,7 @@ class LocalPlatform:
         # Where the job's capacity comes from when not the store's pool (a job on several
         # hosts: the hosts that renew their lease), and the nodes taken away with it.
         self.capacity_of: Callable[[], tuple[int, tuple[str, ...]]] | None = None
+        self.taken_as = "preempted"  # how capacity_of's nodes are taken away, in events
         # Cuts a node's host off the network for so many seconds (None: for good); None
         # where the platform cannot (one machine). Returns why it could not, or None.
         self.partitioner: Callable[[str, float | None], str | None] | None = None
@@ -282,15 +283,17 @@ class LocalPlatform:
             cancel = Cancel(asked)
         self._take_preempted(now)
         capacity = job.capacity if self.preempt_grace is not None else None
-        preempted = tuple(self._preempted)
+        preempted, taken_as = tuple(self._preempted), "preempted"
         if self.capacity_of is not None:
             capacity, preempted = self.capacity_of()
+            taken_as = self.taken_as
         return Observation(
             self.book.reports(),
             cancel,
             replace=self._replace_requests(job),
             capacity=capacity,
             preempted=preempted,
+            taken_as=taken_as,
         )
 
     def _take_preempted(self, now: float) -> None:
