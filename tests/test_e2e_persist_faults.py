@@ -47,10 +47,14 @@ def _next(lines: queue.Queue[str], pattern: re.Pattern[str]) -> re.Match[str]:
             return match
 
 
-@pytest.mark.parametrize("node", ["node-1", "node-0"], ids=["writer", "committer"])
-def test_an_agent_killed_during_a_persist_does_not_end_persisting(
-    tg: Trainguard, tmp_path: Path, node: str
+@pytest.mark.parametrize(
+    "target", ["node-1", "node-0", pytest.param("controller", marks=pytest.mark.long)]
+)
+def test_a_fault_during_a_persist_does_not_end_persisting(
+    tg: Trainguard, tmp_path: Path, target: str
 ) -> None:
+    """``node-1``: the agent of a node that writes shards; ``node-0``: the committing
+    node's; ``controller``: ``trainguard run`` itself, then ``trainguard resume``."""
     command = ["python", str(SCRIPTS / "ckpt_worker.py"), "--steps", str(STEPS)]
     spec = write_job(
         tmp_path / "job.yaml",
@@ -74,18 +78,23 @@ def test_an_agent_killed_during_a_persist_does_not_end_persisting(
         job_id = _next(lines, re.compile(r"job (\S+): 2 nodes")).group(1)
         _next(lines, re.compile("AttemptStarted"))
         job = tg.describe(job_id)
-        [agent] = [n["agent_pid"] for n in job["nodes"] if n["node_id"] == node]
+        pids = {n["node_id"]: n["agent_pid"] for n in job["nodes"]}
+        pid = proc.pid if target == "controller" else pids[target]
         tier = DurableTier(str(Path(job["job_dir"]) / "durable"), job_id)
         while killed is None:
             step = int(_next(lines, PERSISTING).group(1))
             assert step < STEPS, "no persist was caught before its commit"
-            os.kill(agent, signal.SIGSTOP)
+            os.kill(pid, signal.SIGSTOP)
             if step in tier.committed_steps():
-                os.kill(agent, signal.SIGCONT)  # too late for this one: the next
+                os.kill(pid, signal.SIGCONT)  # too late for this one: the next
                 continue
-            os.kill(agent, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
             killed = step
         proc.wait(timeout=300)
+        if target == "controller":
+            resumed = tg.run("resume", job_id, timeout=300)
+            out.append(resumed.stdout + resumed.stderr)
+            proc.returncode = resumed.returncode
     finally:
         if proc.poll() is None:
             proc.kill()  # the controller by its pid; its agents follow it
@@ -96,8 +105,9 @@ def test_an_agent_killed_during_a_persist_does_not_end_persisting(
     assert proc.returncode == 0, output[-4000:]
     job = tg.describe(job_id)
     events = [(e["kind"], e["data"].get("step"), e["message"]) for e in job["events"]]
-    failed = [m for k, s, m in events if k == "CheckpointPersistFailed" and s == killed]
-    assert failed, f"the persist of step {killed} in flight at the kill never failed:\n{output}"
+    if target != "controller":  # a resumed controller knows nothing of the old request
+        failed = [m for k, s, m in events if k == "CheckpointPersistFailed" and s == killed]
+        assert failed, f"the persist of step {killed} in flight never failed:\n{output}"
     committed = [s for k, s, _ in events if k == "CheckpointCommitted"]
     assert [s for s in committed if s > killed], f"no persist after step {killed}:\n{output}"
     assert tier.committed_steps()[-1] == STEPS, "the final step is durable"

@@ -486,7 +486,8 @@ class JobController:
                 return actions
         else:
             timeout = self.config.final_persist_timeout
-            notes.append(checkpoints.give_up(now, f"the job ended {timeout:g} s after its ranks"))
+            why = f"not committed within the {timeout:g} s the job's end waits for it"
+            notes.append(checkpoints.give_up(now, why))
         notes.append(checkpoints.shortfall())
         self._checkpoint_events(now, notes)
         self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0")
