@@ -115,3 +115,38 @@ def test_a_fault_during_a_persist_does_not_end_persisting(
     assert "CheckpointNotDurable" not in {k for k, _, _ in events}
     text = tg.run("describe", job_id).stdout
     assert f"Durable:   step {STEPS}" in text, text
+
+
+def test_a_job_whose_steps_never_become_durable_ends_with_a_warning(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    """The durable tier cannot be written (its path runs through a file): every persist
+    fails, each an event, and the job ends Succeeded (exit 0, the training completed)
+    with a warning line and ``describe`` saying its final step is not durable."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    command = ["python", str(SCRIPTS / "ckpt_worker.py"), "--steps", "20"]
+    spec = write_job(
+        tmp_path / "job.yaml",
+        "never-durable",
+        [*command, "--step-sleep", "0.05"],
+        checkpointing={"durableUrl": str(blocker / "durable"), "durableEverySteps": 10},
+    )
+    done = tg.run("run", "-f", str(spec), timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    warning = "warning: step 20, the newest the schedule asked to persist, is not in durable"
+    assert re.search(rf"^\[trainguard\] {warning}", output, re.MULTILINE), output[-4000:]
+    job = tg.only_job()
+    assert job["phase"] == "Succeeded"
+    assert job["checkpoints"] == {
+        "durable_step": None,
+        "asked_step": 20,
+        "missing": True,
+        "failed_persists": job["checkpoints"]["failed_persists"],
+    }
+    assert job["checkpoints"]["failed_persists"] >= 2, "step 10 and the final step 20"
+    kinds = [e["kind"] for e in job["events"]]
+    assert kinds.index("CheckpointNotDurable") < kinds.index("JobSucceeded")
+    text = tg.run("describe", job["id"]).stdout
+    assert "Durable:   none (the schedule asked for 20: not durable)" in text, text

@@ -117,6 +117,7 @@ class CheckpointPlanner:
         self._asked = -1  # the newest step the schedule asked to persist
         self._owed_since: float | None = None  # when the request in flight last failed
         self._failures_in_a_row = 0
+        self._last_failed: int | None = None  # the step of the newest failed request
         self._memory_noted = -1
         self._memory_noted_at: float | None = None
 
@@ -133,10 +134,11 @@ class CheckpointPlanner:
         notes = self.settle(now, node_ids, reports) + self._note_memory(now, complete)
         if self.cadence is None or self._inflight is not None:
             return [], notes
-        step = self._due(now, complete, forced)
-        if step is None:
+        due = self._due(now, complete, forced)
+        if due is None:
             return [], notes
-        retry = self._owed_since is not None
+        step, retry = due
+        retry = retry or step == self._last_failed
         request = self._request(now, step, node_ids, reports)
         again = " again, after a failure" if retry else ""
         persisting = CheckpointNote(
@@ -236,23 +238,24 @@ class CheckpointPlanner:
         complete = {step for step, have in ranks.items() if everyone <= have}
         return complete, forced & complete
 
-    def _due(self, now: float, complete: set[int], forced: set[int]) -> int | None:
+    def _due(self, now: float, complete: set[int], forced: set[int]) -> tuple[int, bool] | None:
+        """The step to ask for now, and whether it is for one that failed; None: none."""
         assert self.cadence is not None
         fresh = {s for s in complete if s > self._last_requested and s not in self._failed}
         due = {s for s in fresh if s in forced}
         if self.cadence.every_steps:
             due |= {s for s in fresh if s % self.cadence.every_steps == 0}
         if due:
-            return max(due)
+            return max(due), False
         owed = self._owed_since
         if owed is not None:  # the newest step in memory, once the back-off has passed
             wait = self.cadence.retry_after * 2 ** (self._failures_in_a_row - 1)
             if fresh and now - owed >= min(wait, self.cadence.retry_max):
-                return max(fresh)
+                return max(fresh), True
             return None
         seconds = self.cadence.every_seconds
         if seconds is not None and fresh and now - self._last_request_at >= seconds:
-            return max(fresh)  # in memory on every rank: never a step that may not come
+            return max(fresh), False  # in memory on every rank: never a step that may not come
         return None
 
     def _request(
@@ -276,7 +279,7 @@ class CheckpointPlanner:
             self._failed.add(inflight.step)
         # Anything newer than the newest durable step may be asked for now.
         self._last_requested = max(self.committed, default=-1)
-        self._owed_since = now
+        self._owed_since, self._last_failed = now, inflight.step
         self._failures_in_a_row += 1
         return CheckpointNote(
             "CheckpointPersistFailed",
