@@ -154,6 +154,11 @@ def test_a_persist_whose_node_is_lost_or_leaves_the_job_fails_at_once() -> None:
     spare = {"node-0": both([10])["node-0"], "node-2": node("node-1", {10: (2, 3)})}
     _, notes = p.observe(4.0, ("node-0", "node-2"), spare)
     assert "node-1 left the job" in notes[0].message
+    # A full job restart relaunches every agent.
+    p.observe(5.0, NODES, both([10]))
+    restarted = {n: replaced(r, f"{n}-b") for n, r in both([10]).items()}
+    _, notes = p.observe(6.0, NODES, restarted)
+    assert "the agents of node-0, node-1 were replaced" in notes[0].message
 
 
 def test_an_earlier_tries_failure_does_not_fail_the_retry() -> None:

@@ -350,6 +350,7 @@ def _lost_agent(
     inflight: _InFlight, node_ids: Sequence[str], reports: Mapping[str, NodeReport]
 ) -> str | None:
     """Why a node the request went to can no longer carry it out; None while all can."""
+    replaced = []
     for node_id, agent in sorted(inflight.agents.items()):
         report = reports.get(node_id)
         if node_id not in node_ids:
@@ -358,5 +359,9 @@ def _lost_agent(
             return f"{node_id} was lost while persisting it ({report.gone})"
         now_agent = _agent(report)
         if agent and now_agent and now_agent != agent:
-            return f"{node_id}'s agent was replaced while persisting it"
-    return None
+            replaced.append(node_id)
+    if not replaced:
+        return None
+    if len(replaced) == 1:
+        return f"{replaced[0]}'s agent was replaced while persisting it"
+    return f"the agents of {', '.join(replaced)} were replaced while persisting it"
