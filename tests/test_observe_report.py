@@ -230,6 +230,17 @@ def test_the_report_shows_the_newest_durable_step_and_a_missing_final_one() -> N
     clean = render(_history(), T0 + 100.0).html
     assert "<b>Newest durable step:</b> step 50</p>" in clean
     assert durable_state(()).line() == "-" and not durable_state(()).missing
+    # A persist on its way is not missing; once it failed, or the job ended without it, it is.
+    flight = (
+        Event(T0 + 1.0, "CheckpointCommitted", "c", data={"step": 380, "tier": "durable"}),
+        Event(T0 + 2.0, "CheckpointPersisting", "p", data={"step": 400}),
+    )
+    state = durable_state(flight)
+    assert not state.missing and state.line() == "step 380 (step 400 being persisted)"
+    failed = Event(T0 + 3.0, "CheckpointPersistFailed", "f", data={"step": 400})
+    assert durable_state((*flight, failed)).missing
+    retried = Event(T0 + 4.0, "CheckpointCommitted", "c", data={"step": 400})
+    assert durable_state((*flight, failed, retried)).line() == "step 400; 1 failed persist"
 
 
 def test_report_of_a_running_job_without_samples_or_faults() -> None:
