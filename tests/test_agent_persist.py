@@ -136,6 +136,34 @@ def test_commit_waits_for_the_other_nodes_shards_then_gives_up(tmp_path: Path) -
     assert DurableTier(settings.url, JOB).committed_steps() == []
 
 
+def test_a_request_waiting_on_a_killed_nodes_shards_gives_way_to_the_next(
+    tmp_path: Path,
+) -> None:
+    """The committing node waits for the other node's shards of step 7; that node's agent
+    was killed, so the controller fails the request and asks for step 8. The waiting
+    request stops at once, without a failure of its own (the controller has counted it),
+    and step 8 commits once the other node's new agent has written its shards (before,
+    step 8 waited behind step 7's whole commit timeout)."""
+    memory = tmp_path / "memory"
+    save_steps(memory, [7, 8], memory_keep=2)  # this node's ranks 0 and 1 of a 4-rank job
+    settings = DurableSettings(str(tmp_path / "durable"), JOB)
+    persister = DurablePersister(memory, settings, commit_timeout=600.0)
+    tier = DurableTier(settings.url, JOB)
+    try:
+        persister.request(7, 4, True, [0, 1])
+        wait_for(lambda: persister.status().written == (7,), timeout=60)
+        persister.request(8, 4, True, [0, 1])
+        wait_for(lambda: persister.status().written == (7, 8), timeout=60)
+        for rank in (2, 3):  # the other node's successor writes its shards
+            data, meta = tier.read_shard(8, rank - 2)
+            tier.write_shard(8, rank, data, {**meta, "rank": rank})
+        status = persisted(persister, 8)
+    finally:
+        persister.close()
+    assert status["committed"] == [8] and status["failed"] == {}, status
+    assert tier.committed_steps() == [8]
+
+
 def test_the_requested_step_is_held_while_the_training_loop_keeps_saving(tmp_path: Path) -> None:
     """Two ranks save every step into two slots as fast as they can; the agent asks for
     the first step >= 300 (ahead of the loop): it stays out of rotation until durable."""

@@ -115,6 +115,94 @@ def test_a_request_that_never_settles_times_out() -> None:
     assert notes[0].kind == "CheckpointPersistFailed" and "60 s" in notes[0].message
 
 
+def replaced(report: NodeReport, incarnation: str) -> NodeReport:
+    """``report`` as a new agent of the same node (a killed agent's successor) gives it."""
+    assert report.status is not None
+    return NodeReport(report.node_id, report.status.model_copy(update={"incarnation": incarnation}))
+
+
+def test_a_persist_whose_agent_was_killed_fails_and_is_asked_for_again() -> None:
+    """Regression (issue 38): node-1's agent was SIGKILLed while step 100 persisted. Its
+    successor knew nothing of the request, so the step was never committed, and the
+    planner, waiting on it, asked for no other step: the job trained on to step 400 with
+    step 100 its newest durable step, and ended without a word."""
+    p = planner(every_steps=20)
+    [first], _ = p.observe(1.0, NODES, both([99, 100]))
+    assert first.step == 100
+    restarted = both([100, 101])  # the job restored step 100 from memory
+    restarted["node-1"] = replaced(restarted["node-1"], "node-1-agent-2")
+    [again], notes = p.observe(5.0, NODES, restarted)
+    assert [n.kind for n in notes] == ["CheckpointPersistFailed", "CheckpointPersisting"]
+    assert "node-1's agent was replaced" in notes[0].message
+    assert again.step == 100 and notes[1].data["retry"] is True
+    _, notes = p.observe(6.0, NODES, both([100, 101], committed=(100,)))
+    assert [n.kind for n in notes] == ["CheckpointCommitted"] and not p.busy
+    [later], _ = p.observe(7.0, NODES, both([119, 120]))
+    assert later.step == 120, "the schedule goes on"
+
+
+def test_a_persist_whose_node_is_lost_or_leaves_the_job_fails_at_once() -> None:
+    p = planner(every_steps=10)
+    p.observe(1.0, NODES, both([10]))
+    reports = both([10])
+    reports["node-1"] = h.lost("node-1")
+    _, notes = p.observe(2.0, NODES, reports)
+    assert "node-1 was lost while persisting it" in notes[0].message and not p.busy
+    # A spare took node-1's ranks: the request went to node-1, which is no longer asked.
+    [retry], _ = p.observe(3.0, NODES, both([10]))
+    assert retry.step == 10
+    spare = {"node-0": both([10])["node-0"], "node-2": node("node-1", {10: (2, 3)})}
+    _, notes = p.observe(4.0, ("node-0", "node-2"), spare)
+    assert "node-1 left the job" in notes[0].message
+    # A full job restart relaunches every agent.
+    p.observe(5.0, NODES, both([10]))
+    restarted = {n: replaced(r, f"{n}-b") for n, r in both([10]).items()}
+    _, notes = p.observe(6.0, NODES, restarted)
+    assert "the agents of node-0, node-1 were replaced" in notes[0].message
+
+
+def test_an_earlier_tries_failure_does_not_fail_the_retry() -> None:
+    p = planner(every_steps=10)
+    p.observe(1.0, NODES, both([10]))
+    reports = both([10], failed={10: "step 10: not every rank's shard reached the tier"})
+    reports["node-1"] = replaced(reports["node-1"], "node-1-agent-2")
+    [retry], _ = p.observe(2.0, NODES, reports)  # node-0's failure came with the loss
+    assert retry.step == 10
+    assert p.observe(3.0, NODES, reports) == ([], []), "still in flight"
+    reports["node-1"] = replaced(
+        node("node-1", {10: (2, 3)}, failed={10: "no checksum"}), "node-1-agent-2"
+    )
+    _, notes = p.observe(4.0, NODES, reports)
+    assert "node-1: no checksum" in notes[0].message
+
+
+def test_after_a_failure_the_newest_step_is_asked_for_after_a_back_off() -> None:
+    p = planner(every_seconds=600.0, retry_after=5.0)
+    [first], _ = p.observe(601.0, NODES, both([7]))
+    assert first.step == 7
+    _, notes = p.observe(602.0, NODES, both([7, 8], failed={7: "unreachable storage"}))
+    assert notes[0].kind == "CheckpointPersistFailed"
+    assert p.observe(603.0, NODES, both([8]))[0] == [], "backing off"
+    [retry], _ = p.observe(607.5, NODES, both([8, 9]))
+    assert retry.step == 9, "the newest step every rank holds, not the next period's"
+    p.observe(608.0, NODES, both([9, 10], failed={9: "unreachable storage"}))
+    assert p.observe(615.0, NODES, both([10]))[0] == [], "twice as long after two in a row"
+    assert p.observe(618.5, NODES, both([10]))[0] != []
+
+
+def test_the_newest_step_asked_for_and_not_durable_is_a_shortfall() -> None:
+    p = planner(every_steps=10)
+    assert p.shortfall() is None, "nothing asked"
+    p.observe(1.0, NODES, both([10]))
+    p.observe(2.0, NODES, both([10], committed=(10,)))
+    assert p.shortfall() is None
+    p.observe(3.0, NODES, both([20]))
+    note = p.shortfall()
+    assert note is not None and note.kind == "CheckpointNotDurable"
+    assert note.data == {"step": 20, "durable_step": 10}
+    assert "newest durable step is 10" in note.message
+
+
 def test_memory_saves_are_events_at_most_every_interval() -> None:
     p = CheckpointPlanner(None, 4, started_at=0.0, memory_event_interval=10.0)
     kinds = []
@@ -198,3 +286,31 @@ def test_success_does_not_wait_forever_for_the_final_step() -> None:
     assert c.observe(20.0, done) == []
     [finish] = c.observe(32.0, done)
     assert isinstance(finish, Finish) and c.phase is JobPhase.SUCCEEDED
+
+
+def test_a_job_whose_persist_was_lost_ends_saying_its_final_step_is_not_durable() -> None:
+    """Issue 38 at the controller: the persist of step 100 lost with node-1's agent, the
+    job ran to step 400 and succeeded. Its final step is asked for once the lost request
+    has failed, and when it never becomes durable the end says so."""
+    c = controller(every_steps=20)
+    [request] = c.observe(1.0, both([100]))
+    assert isinstance(request, PersistCheckpoint) and request.step == 100
+    done = both([399, 400], state=NodeState.COMPLETED)
+    done["node-1"] = replaced(
+        node("node-1", {399: (2, 3), 400: (2, 3)}, state=NodeState.COMPLETED), "node-1-b"
+    )
+    [final] = c.observe(2.0, done)
+    assert isinstance(final, PersistCheckpoint) and final.step == 400
+    assert c.observe(20.0, done) == [] and c.phase is JobPhase.RUNNING
+    [finish] = c.observe(33.0, done)  # final_persist_timeout: 30 s
+    assert isinstance(finish, Finish) and c.phase is JobPhase.SUCCEEDED
+    events = [(e.kind, e.data.get("step")) for e in c.drain_events()]
+    checkpoints = [e for e in events if e[0].startswith("CheckpointPersist") or "Not" in e[0]]
+    assert checkpoints == [
+        ("CheckpointPersisting", 100),
+        ("CheckpointPersistFailed", 100),
+        ("CheckpointPersisting", 400),
+        ("CheckpointPersistFailed", 400),
+        ("CheckpointNotDurable", 400),
+    ]
+    assert events[-2:] == [("AttemptEnded", None), ("JobSucceeded", None)]

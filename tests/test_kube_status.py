@@ -15,12 +15,14 @@ import control_helpers as h
 from kube_harness import ApiServer
 from trainguard.control.assignment import Endpoint
 from trainguard.control.controller import ControlConfig, JobController, StopNodes
+from trainguard.control.events import Event
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeState
 from trainguard.kube.api import KubeApi
 from trainguard.kube.config import GROUP, KIND, VERSION
 from trainguard.kube.node import PodNode
 from trainguard.kube.record import ClusterRecord
+from trainguard.kube.status import k8s_event
 from trainguard.observe.job import JobObserver
 
 Obj = dict[str, Any]
@@ -135,3 +137,18 @@ def test_process_then_job_level_restarts_are_plr_then_jlr(api: KubeApi) -> None:
         "faultyRankList": [],
     }
     assert status["restartStatus"] == {"restartCount": 1, "fullJobRestartCount": 1}
+
+
+def test_a_step_that_did_not_reach_the_durable_tier_is_a_warning_event() -> None:
+    """``kubectl get events`` shows a failed persist and a job that ended with its newest
+    asked-for step not durable as Warnings (issue 38), a committed step as Normal."""
+    job = {"metadata": {"name": "j", "namespace": "ns", "uid": "u"}}
+    types = {
+        kind: k8s_event(job, Event(1.0, kind, "m", data={"step": 20}), "c")["type"]
+        for kind in ("CheckpointPersistFailed", "CheckpointNotDurable", "CheckpointCommitted")
+    }
+    assert types == {
+        "CheckpointPersistFailed": "Warning",
+        "CheckpointNotDurable": "Warning",
+        "CheckpointCommitted": "Normal",
+    }

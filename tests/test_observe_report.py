@@ -27,6 +27,7 @@ from PIL import Image
 from conftest import REPO, SCRIPTS, Trainguard, wait_for
 from trainguard.control.events import Event
 from trainguard.observe.account import account
+from trainguard.observe.durable import DurableState, durable_state
 from trainguard.observe.figures import FAULT_COLOR, Png, pace_figure, progress_figure
 from trainguard.observe.history import JOB, AttemptSpan, JobHistory, Sample
 from trainguard.observe.report import png_path, render
@@ -199,6 +200,47 @@ def test_a_failed_jobs_report_starts_with_why_it_failed() -> None:
     assert "Why it failed:" in why.group(1) and html.escape(reason) in why.group(1)
     assert page.index('id="why"') < page.index("<h2>")  # at the top
     assert 'id="why"' not in render(_history(), T0 + 100.0).html
+
+
+def test_the_report_shows_the_newest_durable_step_and_a_missing_final_one() -> None:
+    """Issue 38: a job whose newest asked-for step never became durable must not look
+    clean. The events (controller's and rank 0's commits, a lost persist, the end's
+    CheckpointNotDurable) say the newest durable step is 100, the schedule asked for 400."""
+    events = (
+        Event(T0 + 1.0, "CheckpointPersisting", "p", data={"step": 100}),
+        Event(T0 + 2.0, "CheckpointCommitted", "c", data={"step": 80, "tier": "durable"}),
+        Event(T0 + 2.5, "CheckpointCommitted", "rank 0's", rank=0, data={"step": 100}),
+        Event(T0 + 2.6, "CheckpointCommitted", "memory", data={"step": 120, "tier": "memory"}),
+        Event(T0 + 3.0, "CheckpointPersistFailed", "lost", data={"step": 200}),
+        Event(T0 + 40.0, "CheckpointNotDurable", "warning", data={"step": 400}),
+    )
+    state = durable_state(events)
+    assert state.to_json() == {
+        "durable_step": 100,
+        "asked_step": 400,
+        "missing": True,
+        "failed_persists": 1,
+    }
+    assert state.line() == "step 100 (the schedule asked for 400: not durable); 1 failed persist"
+    assert DurableState.from_json(state.to_json()) == state
+    page = render(_history(events=events), T0 + 100.0).html
+    shown = re.search(r'<p id="durable"([^>]*)>(.*?)</p>', page)
+    assert shown is not None and FAULT_COLOR in shown.group(1)
+    assert "step 100 (the schedule asked for 400: not durable)" in shown.group(2)
+    clean = render(_history(), T0 + 100.0).html
+    assert "<b>Newest durable step:</b> step 50</p>" in clean
+    assert durable_state(()).line() == "-" and not durable_state(()).missing
+    # A persist on its way is not missing; once it failed, or the job ended without it, it is.
+    flight = (
+        Event(T0 + 1.0, "CheckpointCommitted", "c", data={"step": 380, "tier": "durable"}),
+        Event(T0 + 2.0, "CheckpointPersisting", "p", data={"step": 400}),
+    )
+    state = durable_state(flight)
+    assert not state.missing and state.line() == "step 380 (step 400 being persisted)"
+    failed = Event(T0 + 3.0, "CheckpointPersistFailed", "f", data={"step": 400})
+    assert durable_state((*flight, failed)).missing
+    retried = Event(T0 + 4.0, "CheckpointCommitted", "c", data={"step": 400})
+    assert durable_state((*flight, failed, retried)).line() == "step 400; 1 failed persist"
 
 
 def test_report_of_a_running_job_without_samples_or_faults() -> None:

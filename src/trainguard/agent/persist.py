@@ -25,7 +25,10 @@ in memory, or one a few steps ahead). Each agent then, in its own background thr
    present in the durable tier, writes the step's COMMITTED marker and prunes old steps.
 
 The agent reports what it wrote, committed and failed in its status; the controller
-turns that into events and picks the next step.
+turns that into events and picks the next step. The controller has one request in flight
+at a time, so a request that comes while another still waits (for its ranks' step, a
+checksum, or the other nodes' shards) means the controller gave the waiting one up, after
+a fault: it stops there, without a failure of its own, and the new one runs.
 """
 
 from __future__ import annotations
@@ -65,6 +68,11 @@ _META = re.compile(r"^rank-(\d+)-slot-(\d+)\.meta$")
 
 class PersistFailed(Exception):
     """A step could not be persisted from this node (the message says why)."""
+
+
+class Superseded(Exception):
+    """A newer request came while this one waited: the controller sends one at a time,
+    so it has given this one up (failed it, after a fault): not reported as failed."""
 
 
 @dataclass(frozen=True)
@@ -234,8 +242,15 @@ class DurablePersister:
             with self._lock:
                 self._busy = request.from_step
             write_hold(str(self.memory_dir), request.from_step)
+            with self._lock:
+                self._failed.pop(request.from_step, None)  # an earlier try's
             try:
                 self._persist(request)
+            except Superseded:
+                logger.warning(
+                    "durable checkpoint from step %d given up: a newer request came",
+                    request.from_step,
+                )  # fmt: skip
             except Exception as exc:
                 message = str(exc) if isinstance(exc, PersistFailed) else f"{exc!r}"
                 logger.warning(
@@ -273,6 +288,7 @@ class DurablePersister:
                 step = found.pop()
                 assert step is not None
                 return step, {rank: memory[step][rank] for rank in request.ranks}
+            self._check_superseded()
             if not self._workers_alive():
                 raise PersistFailed(
                     f"the workers exited before saving a step >= {request.from_step}"
@@ -319,6 +335,7 @@ class DurablePersister:
             missing = [s for _, s in sorted(shards.items()) if s.meta.get("checksum") is None]
             if not missing:
                 return shards
+            self._check_superseded()
             why = None
             if not self._workers_alive():
                 why = "the workers exited before adding it"
@@ -331,6 +348,11 @@ class DurablePersister:
                     f"({files}); {why}, and an unverified shard is never persisted"
                 )
             time.sleep(HOLD_POLL_SECONDS)
+
+    def _check_superseded(self) -> None:
+        """:class:`Superseded` when a newer request waits (asked between waits)."""
+        if not self._requests.empty():
+            raise Superseded
 
     def _check_fence(self, step: int) -> None:
         why = self._fence()
@@ -348,6 +370,7 @@ class DurablePersister:
                     f"within {self.commit_timeout:.0f} s"
                 )
             time.sleep(COMMIT_POLL_SECONDS)
+            self._check_superseded()
             self._check_fence(step)
         pruned = tier.prune(self.settings.keep)
         with self._lock:

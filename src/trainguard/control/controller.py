@@ -47,7 +47,7 @@ from trainguard.control.detect import AttemptWatch, finished, refusal_faults, st
 from trainguard.control.elastic import ElasticWatch
 from trainguard.control.events import Event, Fault, FaultType
 from trainguard.control.health import HealthBook, HealthNote
-from trainguard.control.persist import CheckpointPlanner, PersistCheckpoint
+from trainguard.control.persist import CheckpointNote, CheckpointPlanner, PersistCheckpoint
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.record import JobRecord
 from trainguard.control.reports import NodeReport, Refusal
@@ -479,18 +479,28 @@ class JobController:
     ) -> list[Action]:
         if self._final_persist_until is None:
             self._final_persist_until = now + self.config.final_persist_timeout
-            final = self.checkpoints.flush(now, attempt.nodes, reports)
+        checkpoints = self.checkpoints
+        notes: list[CheckpointNote | None] = [*checkpoints.settle(now, attempt.nodes, reports)]
+        if now < self._final_persist_until:
+            final = checkpoints.flush(now, attempt.nodes, reports)
             if final is not None:
                 request, note = final
-                self._event(now, note.kind, note.message, data=note.data)
-                return [*actions, request]
-        if self.checkpoints.busy and now < self._final_persist_until:
-            return actions  # the newest checkpoint is still on its way to durable storage
+                notes.append(note)
+                actions = [*actions, request]
+            if checkpoints.busy:  # the newest checkpoint is on its way to durable storage
+                self._checkpoint_events(now, notes)
+                return actions
+        else:
+            timeout = self.config.final_persist_timeout
+            why = f"not committed within the {timeout:g} s the job's end waits for it"
+            notes.append(checkpoints.give_up(now, why))
+        notes.append(checkpoints.shortfall())
+        self._checkpoint_events(now, notes)
         self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0")
         return [*actions, *self._finish(now, JobPhase.SUCCEEDED, reason)]
 
     def _note_persist_refused(self, now: float, refusal: Refusal) -> None:
-        note = self.checkpoints.refused(refusal.node_id, refusal.message)
+        note = self.checkpoints.refused(now, refusal.node_id, refusal.message)
         if note is not None:
             self._event(now, note.kind, note.message, node=refusal.node_id, data=note.data)
 
@@ -498,9 +508,13 @@ class JobController:
         self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
     ) -> list[Action]:
         requests, notes = self.checkpoints.observe(now, attempt.nodes, reports)
-        for note in notes:
-            self._event(now, note.kind, note.message, data=note.data)
+        self._checkpoint_events(now, notes)
         return list(requests)
+
+    def _checkpoint_events(self, now: float, notes: Sequence[CheckpointNote | None]) -> None:
+        for note in notes:
+            if note is not None:
+                self._event(now, note.kind, note.message, data=note.data)
 
     # -- stopping and what follows -------------------------------------------------
 

@@ -21,6 +21,21 @@ One request is in flight at a time; the first node commits the step once every r
 shard is durable. Because one controller picks the step for all nodes, every rank
 persists the same step, which wall-clock cadences decided per rank cannot promise.
 
+A request in flight always ends, as committed or as a ``CheckpointPersistFailed`` note:
+
+- an agent reports the step failed (or refuses the request);
+- a node it was sent to is lost, leaves the attempt, or answers with another agent
+  (``incarnation``): a killed agent's successor knows nothing of the request, and the
+  committing node would wait in vain for the killed one's shards;
+- it is not committed within ``request_timeout``.
+
+A failure is never the end of the schedule: the step is *owed*, and once
+``retry_after`` has passed (doubling with each failure in a row) the newest step every
+rank holds in memory that is newer than the newest durable one is asked for, whatever the
+cadence says (a step lost to a fault is asked for again; a step an agent reported
+failed, torn or overwritten, is not). ``shortfall`` says, at the job's end, whether the
+newest step the schedule asked for is durable.
+
 Pure logic, like the rest of :mod:`trainguard.control`: times come in as arguments.
 """
 
@@ -41,6 +56,10 @@ class DurableCadence:
     every_seconds: float | None = None
     # A requested step neither committed nor failed after this long is given up on.
     request_timeout: float = 180.0
+    # After a failed request, how long until the owed step is asked for again (doubled
+    # with each failure in a row, up to ``retry_max``).
+    retry_after: float = 5.0
+    retry_max: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,10 @@ class CheckpointNote:
 class _InFlight:
     step: int
     since: float
+    # The agent each node ran when asked (its status's incarnation; "" when unknown).
+    agents: dict[str, str]
+    # Failures of this step the nodes reported before it was asked (an earlier try's).
+    stale: set[tuple[str, str]]
 
 
 MEMORY_EVENT_INTERVAL = 30.0
@@ -90,7 +113,11 @@ class CheckpointPlanner:
         self._last_request_at = started_at
         self._last_requested = -1  # the newest step a request was made for (or from)
         self._inflight: _InFlight | None = None
-        self._failed: set[int] = set()
+        self._failed: set[int] = set()  # steps an agent failed: never asked for again
+        self._asked = -1  # the newest step the schedule asked to persist
+        self._owed_since: float | None = None  # when the request in flight last failed
+        self._failures_in_a_row = 0
+        self._last_failed: int | None = None  # the step of the newest failed request
         self._memory_noted = -1
         self._memory_noted_at: float | None = None
 
@@ -104,55 +131,92 @@ class CheckpointPlanner:
     ) -> tuple[list[PersistCheckpoint], list[CheckpointNote]]:
         """One poll: notes about what changed, and the step to persist if one is due."""
         complete, forced = self._memory(node_ids, reports)
-        notes = self._note_durable(now, reports) + self._note_memory(now, complete)
+        notes = self.settle(now, node_ids, reports) + self._note_memory(now, complete)
         if self.cadence is None or self._inflight is not None:
             return [], notes
-        step = self._due(now, complete, forced)
-        if step is None:
+        due = self._due(now, complete, forced)
+        if due is None:
             return [], notes
-        request = self._request(now, step, node_ids)
+        step, retry = due
+        retry = retry or step == self._last_failed
+        request = self._request(now, step, node_ids, reports)
+        again = " again, after a failure" if retry else ""
         persisting = CheckpointNote(
             "CheckpointPersisting",
-            f"persisting step {step} from node memory to durable storage",
-            {"step": step},
+            f"persisting step {step} from node memory to durable storage{again}",
+            {"step": step, "retry": retry},
         )
         return [request], [*notes, persisting]
 
     def flush(
         self, now: float, node_ids: Sequence[str], reports: Mapping[str, NodeReport]
     ) -> tuple[PersistCheckpoint, CheckpointNote] | None:
-        """The job is done: persist its newest complete step unless it is already durable
-        (or requested). None when there is nothing to do."""
-        if self.cadence is None:
+        """The job is done: persist its newest complete step unless it is already durable,
+        failed, or a request is still in flight (asked again once that one has settled).
+        None when there is nothing to do now."""
+        if self.cadence is None or self._inflight is not None:
             return None
         complete, _ = self._memory(node_ids, reports)
         if not complete:
             return None
         newest = max(complete)
-        if newest in self.committed:
+        if max(self.committed, default=-1) >= newest or newest in self._failed:
             return None
-        if self._inflight is not None and self._inflight.step <= newest:
-            return None  # the request in flight will find it
         note = CheckpointNote(
             "CheckpointPersisting",
             f"persisting the final step {newest} to durable storage",
-            {"step": newest},
+            {"step": newest, "final": True},
         )
-        return self._request(now, newest, node_ids), note
+        return self._request(now, newest, node_ids, reports), note
 
-    def refused(self, node_id: str, message: str) -> CheckpointNote | None:
-        """A node's agent refused the request in flight: it fails now, not at its timeout."""
+    def settle(
+        self, now: float, node_ids: Sequence[str], reports: Mapping[str, NodeReport]
+    ) -> list[CheckpointNote]:
+        """Notes of the steps newly committed, and of the request in flight once it has
+        failed (reported failed, a node of it gone or its agent replaced, timed out)."""
+        notes = self._note_committed(reports)
         inflight = self._inflight
         if inflight is None:
+            return notes
+        if max(self.committed, default=-1) >= inflight.step:
+            self._inflight = None
+            self._owed_since, self._failures_in_a_row = None, 0
+            return notes
+        lost = _lost_agent(inflight, node_ids, reports)
+        if lost is not None:
+            return [*notes, self._fail(now, f"{lost}; it is asked for again", retry=True)]
+        reason = _reported_failure(inflight, reports)
+        if reason is None and self.cadence and now - inflight.since > self.cadence.request_timeout:
+            reason = f"not committed within {self.cadence.request_timeout:.0f} s"
+        if reason is not None:
+            notes.append(self._fail(now, reason, retry=False))
+        return notes
+
+    def give_up(self, now: float, reason: str) -> CheckpointNote | None:
+        """The job ends with a request in flight: it failed (None when there is none)."""
+        if self._inflight is None:
             return None
-        self._inflight = None
-        self._failed.add(inflight.step)
-        reason = f"{node_id} refused it: {message}"
+        return self._fail(now, reason, retry=False)
+
+    def shortfall(self) -> CheckpointNote | None:
+        """A warning when the newest step the schedule asked to persist is not durable (the
+        job's end state); None when it is, or when nothing was asked."""
+        durable = max(self.committed, default=None)
+        if self._asked < 0 or (durable is not None and durable >= self._asked):
+            return None
+        newest = "none" if durable is None else str(durable)
         return CheckpointNote(
-            "CheckpointPersistFailed",
-            f"step {inflight.step} was not persisted: {reason}",
-            {"step": inflight.step, "reason": reason},
+            "CheckpointNotDurable",
+            f"warning: step {self._asked}, the newest the schedule asked to persist, is not "
+            f"in durable storage; the newest durable step is {newest}",
+            {"step": self._asked, "durable_step": durable},
         )
+
+    def refused(self, now: float, node_id: str, message: str) -> CheckpointNote | None:
+        """A node's agent refused the request in flight: it fails now, not at its timeout."""
+        if self._inflight is None:
+            return None
+        return self._fail(now, f"{node_id} refused it: {message}", retry=False)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -174,33 +238,61 @@ class CheckpointPlanner:
         complete = {step for step, have in ranks.items() if everyone <= have}
         return complete, forced & complete
 
-    def _due(self, now: float, complete: set[int], forced: set[int]) -> int | None:
+    def _due(self, now: float, complete: set[int], forced: set[int]) -> tuple[int, bool] | None:
+        """The step to ask for now, and whether it is for one that failed; None: none."""
         assert self.cadence is not None
         fresh = {s for s in complete if s > self._last_requested and s not in self._failed}
         due = {s for s in fresh if s in forced}
         if self.cadence.every_steps:
             due |= {s for s in fresh if s % self.cadence.every_steps == 0}
         if due:
-            return max(due)
+            return max(due), False
+        owed = self._owed_since
+        if owed is not None:  # the newest step in memory, once the back-off has passed
+            wait = self.cadence.retry_after * 2 ** (self._failures_in_a_row - 1)
+            if fresh and now - owed >= min(wait, self.cadence.retry_max):
+                return max(fresh), True
+            return None
         seconds = self.cadence.every_seconds
         if seconds is not None and fresh and now - self._last_request_at >= seconds:
-            return max(fresh)  # in memory on every rank: never a step that may not come
+            return max(fresh), False  # in memory on every rank: never a step that may not come
         return None
 
-    def _request(self, now: float, step: int, node_ids: Sequence[str]) -> PersistCheckpoint:
-        self._inflight = _InFlight(step, now)
+    def _request(
+        self, now: float, step: int, node_ids: Sequence[str], reports: Mapping[str, NodeReport]
+    ) -> PersistCheckpoint:
+        agents = {n: _agent(reports.get(n)) for n in node_ids}
+        stale = {(n, why) for n, why in _failures(reports, step)}
+        self._inflight = _InFlight(step, now, agents, stale)
         self._last_requested = max(self._last_requested, step)
         self._last_request_at = now
+        self._asked = max(self._asked, step)
         return PersistCheckpoint(step, self.world_size, tuple(node_ids), node_ids[0])
 
-    def _note_durable(self, now: float, reports: Mapping[str, NodeReport]) -> list[CheckpointNote]:
+    def _fail(self, now: float, reason: str, *, retry: bool) -> CheckpointNote:
+        """The request in flight failed; the step is owed (asked for again when ``retry``,
+        else the newest newer step)."""
+        inflight = self._inflight
+        assert inflight is not None
+        self._inflight = None
+        if not retry:
+            self._failed.add(inflight.step)
+        # Anything newer than the newest durable step may be asked for now.
+        self._last_requested = max(self.committed, default=-1)
+        self._owed_since, self._last_failed = now, inflight.step
+        self._failures_in_a_row += 1
+        return CheckpointNote(
+            "CheckpointPersistFailed",
+            f"step {inflight.step} was not persisted: {reason}",
+            {"step": inflight.step, "reason": reason, "retry": retry},
+        )
+
+    def _note_committed(self, reports: Mapping[str, NodeReport]) -> list[CheckpointNote]:
         notes = []
         committed: set[int] = set()
-        failed: dict[int, str] = {}
         for report in reports.values():
             if report.status is not None and report.gone is None:
                 committed.update(report.status.checkpoint.committed)
-                failed.update(report.status.checkpoint.failed)
         for step in sorted(committed - self.committed):
             self.committed.add(step)
             self._last_requested = max(self._last_requested, step)
@@ -209,24 +301,6 @@ class CheckpointPlanner:
                     "CheckpointCommitted",
                     f"step {step} committed to durable storage ({self.world_size} shards)",
                     {"step": step, "tier": "durable"},
-                )
-            )
-        inflight = self._inflight
-        if inflight is None:
-            return notes
-        reason = failed.get(inflight.step)
-        if reason is None and self.cadence and now - inflight.since > self.cadence.request_timeout:
-            reason = f"not committed within {self.cadence.request_timeout:.0f} s"
-        if any(step >= inflight.step for step in self.committed):
-            self._inflight = None
-        elif reason is not None:
-            self._inflight = None
-            self._failed.add(inflight.step)
-            notes.append(
-                CheckpointNote(
-                    "CheckpointPersistFailed",
-                    f"step {inflight.step} was not persisted: {reason}",
-                    {"step": inflight.step, "reason": reason},
                 )
             )
         return notes
@@ -246,3 +320,48 @@ class CheckpointPlanner:
                 {"step": step, "tier": "memory"},
             )
         ]
+
+
+def _agent(report: NodeReport | None) -> str:
+    status = report.status if report is not None else None
+    return status.incarnation if status is not None else ""
+
+
+def _failures(reports: Mapping[str, NodeReport], step: int) -> list[tuple[str, str]]:
+    """(node, reason) for each live node that reports ``step`` failed."""
+    found = []
+    for node_id, report in reports.items():
+        if report.status is not None and report.gone is None:
+            reason = report.status.checkpoint.failed.get(step)
+            if reason is not None:
+                found.append((node_id, reason))
+    return found
+
+
+def _reported_failure(inflight: _InFlight, reports: Mapping[str, NodeReport]) -> str | None:
+    """Why a node failed the step in flight (not an earlier try's failure); else None."""
+    for node_id, reason in _failures(reports, inflight.step):
+        if (node_id, reason) not in inflight.stale:
+            return f"{node_id}: {reason}"
+    return None
+
+
+def _lost_agent(
+    inflight: _InFlight, node_ids: Sequence[str], reports: Mapping[str, NodeReport]
+) -> str | None:
+    """Why a node the request went to can no longer carry it out; None while all can."""
+    replaced = []
+    for node_id, agent in sorted(inflight.agents.items()):
+        report = reports.get(node_id)
+        if node_id not in node_ids:
+            return f"{node_id} left the job while persisting it"
+        if report is not None and report.gone is not None:
+            return f"{node_id} was lost while persisting it ({report.gone})"
+        now_agent = _agent(report)
+        if agent and now_agent and now_agent != agent:
+            replaced.append(node_id)
+    if not replaced:
+        return None
+    if len(replaced) == 1:
+        return f"{replaced[0]}'s agent was replaced while persisting it"
+    return f"the agents of {', '.join(replaced)} were replaced while persisting it"

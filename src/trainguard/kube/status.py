@@ -26,7 +26,10 @@ Obj = dict[str, Any]
 # Timeline entries kept in the status (the oldest are dropped; Events keep the rest).
 MAX_STATUS_FAULTS = 20
 MAX_EVENT_MESSAGE = 1024
-WARNING_EVENTS = frozenset({"Fault", "JobFailed", "PodLost", "HealthFinding"})
+WARNING_EVENTS = frozenset(
+    {"Fault", "JobFailed", "PodLost", "HealthFinding"}
+    | {"CheckpointPersistFailed", "CheckpointNotDurable"}  # a step not durable: docs/checkpoints.md
+)
 CONDITION_TYPES = ("Created", "PodsRunning", "Running", "Restarting", "Succeeded", "Failed")
 
 
@@ -180,7 +183,8 @@ def job_status(
 
 
 def _warning(event: Event) -> bool:
-    """A Warning Event: a fault, a failure, a failed health check, an unhealthy node."""
+    """A Warning Event: a fault, a failure, a failed health check, an unhealthy node, a
+    checkpoint step that did not reach the durable tier."""
     if event.kind == "NodeHealth":
         return event.data.get("status") not in (None, "Schedulable")
     if event.kind == "HealthCheck":

@@ -25,6 +25,7 @@ from typing import Any
 
 from trainguard.control.events import Event
 from trainguard.observe.account import OTHER, STARTUP, Accounting, account
+from trainguard.observe.durable import durable_state
 from trainguard.observe.figures import (
     FAULT_COLOR,
     USEFUL_COLOR,
@@ -328,6 +329,11 @@ def _checkpoint_section(events: Sequence[Event], acc: Accounting) -> str:
     out = "<section><h2>Checkpoints</h2>"
     if not saves and not restores and not failed:
         return out + '<p class="none">No checkpoint saves or restores were recorded.</p></section>'
+    durable = durable_state(events)
+    style = ""
+    if durable.missing:  # marked as the page marks why a job failed
+        style = f' style="border-left:4px solid {FAULT_COLOR};padding:4px 10px"'
+    out += f'<p id="durable"{style}><b>Newest durable step:</b> {esc(durable.line())}</p>'
     unit, name = time_unit(acc.wall_seconds)
     if saves:
         rows = []

@@ -526,6 +526,9 @@ class LocalRunner:
             )
         reason = controller.reason or ""
         self._say(f"job {self.job_id} {controller.phase.value.lower()}: {reason}")
+        shortfall = controller.checkpoints.shortfall()  # its newest asked-for step not durable
+        if shortfall is not None:
+            self._say(shortfall.message)
         summary = fault_summary(controller.timeline.records)
         if summary is not None:
             self._say(summary)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.observe.account import account
+from trainguard.observe.durable import DurableState, durable_state
 from trainguard.observe.history import load_history
 from trainguard.platform.procs import alive, runs
 from trainguard.platform.store import JobRow, Store
@@ -69,6 +70,7 @@ def job_json(store: Store, job: JobRow) -> dict[str, Any]:
         "attempts": store.attempts(job.id),
         "faults": json.loads(job.faults_json),
         "accounting": account(history, time.time()).to_json(),
+        "checkpoints": durable_state(history.events).to_json(),
         "events": [e.to_json() for e in history.events],
         "spec": redact_spec(json.loads(job.spec_json)),  # also a row stored before redaction
     }
@@ -148,6 +150,7 @@ def describe(store: Store, ref: str, output: str) -> int:
         ("Finished", _stamp(data["finished_at"])),
         ("Duration", f"{duration:.1f}s" if duration is not None else "-"),
         ("Goodput", _goodput(data["accounting"])),
+        ("Durable", DurableState.from_json(data["checkpoints"]).line()),
         ("Logs", data["logs_dir"]),
     ]:
         print(f"{label + ':':<10} {value}")
