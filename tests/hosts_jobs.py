@@ -43,6 +43,7 @@ class HostsJob:
         log = tmp / f"{host.name}.log"
         full = {**os.environ, "TRAINGUARD_STATE_DIR": str(state), "PYTHONUNBUFFERED": "1"}
         full.setdefault("TRAINGUARD_TOKEN", TOKEN)
+        full.setdefault("TRAINGUARD_ALLOW_PARTITION", "1")  # --inject partition rehearsals
         full.update(env or {})
         with log.open("w") as out:
             proc = self.hosts.popen(
