@@ -10,12 +10,15 @@ anything else.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from aiohttp import web
 
+from trainguard.atomic import write_text_atomic
 from trainguard.hosts.roster import HostRecord, JoinRefused, Roster
 from trainguard.platform.inbox import bearer_ok
 from trainguard.wire.base import WireError, parse_json
@@ -52,6 +55,24 @@ class HostsService:
         self._changed = threading.Condition(self._lock)
         self._phase = "Pending"
         self._result: tuple[int, str] | None = None  # exit code, reason
+        self._peers_file: Path | None = None
+
+    @property
+    def peers_file(self) -> Path | None:
+        """Where the joined hosts' addresses are kept, for the rendezvous store's door
+        (:mod:`trainguard.rendezvous.gateway`); written at once and at each join."""
+        return self._peers_file
+
+    @peers_file.setter
+    def peers_file(self, path: Path | None) -> None:
+        with self._lock:
+            self._peers_file = path
+            self._write_peers()
+
+    def _write_peers(self) -> None:
+        if self._peers_file is not None:
+            addrs = sorted({h.addr for h in self.roster.hosts.values()})
+            write_text_atomic(self._peers_file, json.dumps(addrs), mode=0o600)
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/join", self._join), web.get("/hosts/{host_id}", self._lease)]
@@ -130,6 +151,7 @@ class HostsService:
                 record = self.roster.join(join, self._clock())
             except JoinRefused as exc:
                 return _error(409, str(exc))
+            self._write_peers()
             self._changed.notify_all()
         self.say(
             f"host {record.hostname} ({record.addr}) joined as {record.node_id} ({record.role})"
