@@ -46,7 +46,9 @@ def gate(server: web.Server, table: ConnTable, quiet: QuietLog) -> None:
             old.abort()
         if not admitted:
             quiet.note(f"refused:{peer}", f"refused a connection from {peer}: too many open")
-            transport.abort()
+            # After the handler's task has started (it is scheduled after this call):
+            # closed before, the task finds its handler torn down and fails an assert.
+            asyncio.get_running_loop().call_soon(transport.abort)
             return
         transports[handler] = transport
 
