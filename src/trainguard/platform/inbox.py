@@ -121,7 +121,10 @@ class RouteServer:
         await self._runner.setup()
         assert self._runner.server is not None
         gate(self._runner.server, self.connections, self._quiet)
-        await web.SockSite(self._runner, sock, backlog=4096, ssl_context=tls).start()
+        # asyncio accepts up to ``backlog`` connections in one go before any is looked
+        # at: a batch that fits the descriptors left beside the admitted ones.
+        backlog = min(1024, self.connections.limits.total)
+        await web.SockSite(self._runner, sock, backlog=backlog, ssl_context=tls).start()
 
 
 class Inbox(RouteServer):
