@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 from trainguard.agent.logcap import _regular_file_of, copy_truncate
 from trainguard.netlimits import NOTE_INTERVAL
@@ -32,18 +34,31 @@ def kind_of(line: bytes) -> bytes:
     return _DIGITS.sub(b"#", line[:200])
 
 
-def capture_output(max_bytes: int = LOG_MAX_BYTES) -> None:
+def capture_output(max_bytes: int = LOG_MAX_BYTES) -> Callable[[], None]:
     """Route this process's stdout and stderr through a rate-limited, capped copier (see
-    the module doc). Call once, early."""
+    the module doc). Call once, early; call what it returns at the end, to have the last
+    lines written (the process's output goes back to the log, unfiltered)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     target = os.dup(2)
     path = _regular_file_of(2)
     read_end, write_end = os.pipe()
     os.dup2(write_end, 1)
     os.dup2(write_end, 2)
     os.close(write_end)
-    threading.Thread(
+    copier = threading.Thread(
         target=_copy, args=(read_end, target, path, max_bytes), daemon=True, name="tg-output"
-    ).start()
+    )
+    copier.start()
+
+    def finish() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(target, 1)  # the pipe's last writers gone: the copier reads to its end
+        os.dup2(target, 2)
+        copier.join(2.0)
+
+    return finish
 
 
 def _copy(read_end: int, target: int, path: object, max_bytes: int) -> None:

@@ -1,12 +1,14 @@
 """The job's rendezvous store service: every attempt's TCPStore, served outside the ranks.
 
-``python -m trainguard.rendezvous.service --state FILE --owner PID --grace S`` runs on the
-controller's host for as long as the job does. For each attempt the controller asks it
-(``POST /open``) for a fresh ``torch.distributed.TCPStore`` (``is_master=True``, libuv,
-an ephemeral port); the attempt's workers get ``TORCHELASTIC_USE_AGENT_STORE=True`` and
-``MASTER_ADDR``/``MASTER_PORT`` pointing at it, so every rank, rank 0 too, connects as a
-client (``torch.distributed.rendezvous._create_c10d_store``), torchrun's convention for
-an agent-hosted store. The store is up before any worker starts: no rank waits for rank
+``python -m trainguard.rendezvous.service --state FILE --owner PID --grace S [--host ADDR
+--peers-file FILE]`` runs on the controller's host for as long as the job does. For each
+attempt the controller asks it (``POST /open``) for a fresh ``torch.distributed.TCPStore``
+(``is_master=True``, libuv, on loopback), reached through the service's door at
+``--host`` (:mod:`.gateway`: only the job's hosts get in); the attempt's workers get
+``TORCHELASTIC_USE_AGENT_STORE=True`` and ``MASTER_ADDR``/``MASTER_PORT`` pointing at
+it, so every rank, rank 0 too, connects as a client
+(``torch.distributed.rendezvous._create_c10d_store``), torchrun's convention for an
+agent-hosted store. The store is up before any worker starts: no rank waits for rank
 0 to bind, and a rank 0 (or node 0) that is killed and replaced finds the same endpoint
 with its keys. A fresh store per attempt (not one store with a prefix, which unmodified
 scripts would not add) keeps an attempt from reading a previous attempt's peer addresses.
@@ -181,7 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers-file", type=Path, help="JSON list of the job hosts' addresses")
     args = parser.parse_args(argv)
     raise_nofile()
-    capture_output(LOG_MAX_BYTES)
+    finish_output = capture_output(LOG_MAX_BYTES)
+    try:
+        return _serve(args)
+    finally:
+        finish_output()
+
+
+def _serve(args: argparse.Namespace) -> int:
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         print(f"{TOKEN_ENV} is not set", file=sys.stderr)
