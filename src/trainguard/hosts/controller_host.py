@@ -118,6 +118,8 @@ class ControllerHost:
             body = PartitionRequest(seconds=cut).to_json()
             call_daemon(host.daemon_url, "/partition", self.token, body, 5.0, self.tls_client)
         except DaemonError as exc:
+            if exc.status == 404:  # the route is off (hosts/daemon.py partition_allowed)
+                return f"{host.hostname} does not allow it (TRAINGUARD_ALLOW_PARTITION=1 there)"
             return str(exc)
         return None
 
