@@ -181,7 +181,7 @@ class HostsTrainguardRun(TrainguardRun):
     def _spawn_on(self, host: Host, argv: Sequence[str], state: Path) -> Path:
         log = self.workdir / f"{host.name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRAINGUARD_STATE_DIR": str(state),
-               "TRAINGUARD_TOKEN": TOKEN}  # fmt: skip
+               "TRAINGUARD_TOKEN": TOKEN, "TRAINGUARD_ALLOW_PARTITION": "1"}  # fmt: skip
         with open(log, "ab") as out:
             self.procs.append(
                 self.hosts.popen(

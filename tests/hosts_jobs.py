@@ -37,12 +37,19 @@ class HostsJob:
     runs: list[HostRun] = field(default_factory=list)
 
     def start(
-        self, host: Host, argv: Sequence[str], tmp: Path, env: dict[str, str] | None = None
+        self,
+        host: Host,
+        argv: Sequence[str],
+        tmp: Path,
+        env: dict[str, str] | None = None,
+        nofile: int | None = None,
     ) -> HostRun:
+        """``nofile``: the run's descriptor limit (soft and hard, as ``ulimit -n``)."""
         state = tmp / f"state-{host.name}"
         log = tmp / f"{host.name}.log"
         full = {**os.environ, "TRAINGUARD_STATE_DIR": str(state), "PYTHONUNBUFFERED": "1"}
         full.setdefault("TRAINGUARD_TOKEN", TOKEN)
+        full.setdefault("TRAINGUARD_ALLOW_PARTITION", "1")  # --inject partition rehearsals
         full.update(env or {})
         with log.open("w") as out:
             proc = self.hosts.popen(
@@ -52,6 +59,7 @@ class HostsJob:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
+                preexec_fn=None if nofile is None else lambda: _limit_files(nofile),
             )
         run = HostRun(host, proc, log, state)
         self.runs.append(run)
@@ -81,6 +89,12 @@ class HostsJob:
         )  # fmt: skip
         data: dict[str, Any] = json.loads(done.stdout)
         return data
+
+
+def _limit_files(count: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (count, count))
 
 
 def endpoint(hosts: NamespaceHosts) -> str:

@@ -96,6 +96,16 @@ def error_of(body: bytes) -> str:
     return error
 
 
+def everything_until_closed(sock: socket.socket) -> bytes:
+    """What the other end sends before it closes ``sock``."""
+    sock.settimeout(REPLY_TIMEOUT)
+    data = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
 def closed_by_peer(sock: socket.socket, timeout: float = REPLY_TIMEOUT) -> bool:
     """Whether the other end closes ``sock`` within ``timeout`` (unread bytes ignored)."""
     sock.settimeout(timeout)
@@ -429,6 +439,7 @@ SHORT = ServerLimits(
     workers=3,
     replica_transfers=1,
     connections=6,
+    per_peer=3,
     head_seconds=1.0,
     idle_seconds=1.5,
     io_seconds=1.0,
@@ -442,6 +453,30 @@ def server(tmp_path: Path) -> Iterator[AgentHTTPServer]:
     server.start()
     yield server
     server.stop()
+
+
+def test_one_address_holds_at_most_its_share_of_connections(server: AgentHTTPServer) -> None:
+    """127.0.0.2 plays another host (127.0.0.1, this host's, counts against the total
+    only): past its share it is refused at once, and the controller is still answered."""
+    held = []
+    for _ in range(SHORT.per_peer + 1):
+        sock = socket.socket()
+        sock.bind(("127.0.0.2", 0))
+        sock.connect(("127.0.0.1", server.port))
+        held.append(sock)
+    try:
+        for sock in held[:-1]:
+            sock.sendall(head("GET", "/status"))
+            assert read_reply(sock)[0] == 200
+        with contextlib.suppress(OSError):
+            held[-1].sendall(head("GET", "/status"))
+        assert everything_until_closed(held[-1]) == b""  # refused: closed unanswered
+        with connect(server.port) as sock:
+            sock.sendall(head("GET", "/status"))
+            assert read_reply(sock)[0] == 200
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def test_a_head_must_come_whole_in_time(server: AgentHTTPServer) -> None:

@@ -52,6 +52,7 @@ from trainguard.agent.http_conn import Connection, HttpError, head_end, reply_by
 from trainguard.agent.http_handler import RequestHandler
 from trainguard.agent.lease import ControllerLease
 from trainguard.agent.replicas import ReplicaStore
+from trainguard.netlimits import LOOPBACK
 
 __all__ = ["MAX_BODY_BYTES", "AgentHTTPServer", "ServerLimits"]
 
@@ -76,6 +77,9 @@ class ServerLimits:
     """Replica files streamed at once; the other workers stay free for the controller."""
     connections: int = 64
     """Connections open at once."""
+    per_peer: int = 32
+    """Connections one address may hold (127.0.0.1 and ::1 count against ``connections``
+    only): a flood from one host cannot take every slot from the controller."""
     head_bytes: int = 16 * 1024
     head_seconds: float = 10.0
     idle_seconds: float = 120.0
@@ -87,6 +91,8 @@ class ServerLimits:
             raise ValueError("ServerLimits: expected 1 <= replica_transfers < workers")
         if self.connections <= self.workers:
             raise ValueError("ServerLimits: expected connections > workers")
+        if self.per_peer < 1:
+            raise ValueError("ServerLimits: expected per_peer >= 1")
         if min(self.head_seconds, self.idle_seconds, self.io_seconds) <= 0:
             raise ValueError("ServerLimits: timeouts must be positive")
 
@@ -217,6 +223,9 @@ class AgentHTTPServer:
                 self._selector.unregister(self.socket)
                 self._accept_paused_until = now + 0.5
                 return
+            if self._over_peer_cap(address):
+                sock.close()
+                continue
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -228,6 +237,20 @@ class AgentHTTPServer:
             self._waiting.add(conn)
             if count > self.limits.connections:
                 self._evict()
+
+    def _over_peer_cap(self, address: Any) -> bool:
+        """Whether ``address``'s host already holds :attr:`ServerLimits.per_peer`
+        connections (then a debug line)."""
+        host = str(address[0]) if isinstance(address, tuple) and address else "?"
+        if host in LOOPBACK:
+            return False
+        prefix = f"{host}:"
+        with self._lock:
+            held = sum(1 for c in self._open if c.peer.startswith(prefix))
+        if held < self.limits.per_peer:
+            return False
+        logger.debug("%s: refused: it holds %d connections", host, held)
+        return True
 
     def _evict(self) -> None:
         """Close the waiting connection that has gone longest without finishing a

@@ -111,7 +111,7 @@ class ControllerHost:
         """``--inject partition``: have ``node_id``'s host cut itself off; why not, or
         None."""
         from trainguard.hosts.launcher import DaemonError, call_daemon
-        from trainguard.wire.hosts import PartitionRequest
+        from trainguard.wire.hosts import MAX_PARTITION_SECONDS, PartitionRequest
 
         host = self.service.holder(node_id) if self.service is not None else None
         if host is None:
@@ -119,9 +119,12 @@ class ControllerHost:
         if host.daemon_url is None:
             return f"{node_id} runs on the controller's own host"
         try:
-            body = PartitionRequest(seconds=seconds).to_json()
+            cut = MAX_PARTITION_SECONDS if seconds is None else min(seconds, MAX_PARTITION_SECONDS)
+            body = PartitionRequest(seconds=cut).to_json()
             call_daemon(host.daemon_url, "/partition", self.token, body, 5.0, self.tls_client)
         except DaemonError as exc:
+            if exc.status == 404:  # the route is off (hosts/daemon.py partition_allowed)
+                return f"{host.hostname} does not allow it (TRAINGUARD_ALLOW_PARTITION=1 there)"
             return str(exc)
         return None
 

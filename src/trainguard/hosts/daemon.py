@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_JOIN_REFUSED = 2  # the controller turned this host down: a usage error
 EXIT_LOST_CONTROLLER = 1
+PARTITION_ENV = "TRAINGUARD_ALLOW_PARTITION"  # "1": --inject partition may cut this host off
 JOIN_RETRY_SECONDS = 0.5
 JOIN_QUIET_SECONDS = 10.0  # a join unanswered this long is said, and again every:
 JOIN_REMIND_SECONDS = 30.0
@@ -127,7 +128,7 @@ class HostDaemon:
             [
                 web.post("/launch", self._launch),
                 web.post("/shutdown", self._shutdown),
-                web.post("/partition", self._partition),
+                *([web.post("/partition", self._partition)] if partition_allowed() else []),
             ],
             tls=tls_server,
             name="tg-host-daemon",
@@ -363,6 +364,12 @@ async def _in_thread(pool: ThreadPoolExecutor, call: Callable[[], Any]) -> Any:
     return await asyncio.get_running_loop().run_in_executor(pool, call)
 
 
+def partition_allowed() -> bool:
+    """Whether this host serves ``POST /partition`` (a rehearsal taking its interface
+    down): only where ``$TRAINGUARD_ALLOW_PARTITION`` is ``1``, never by default."""
+    return os.environ.get(PARTITION_ENV) == "1"
+
+
 def partition_unavailable(ifname: str | None) -> str | None:
     """Why this host cannot cut itself off (``--inject partition``), or None."""
     if ifname is None:
@@ -374,14 +381,13 @@ def partition_unavailable(ifname: str | None) -> str | None:
     return None
 
 
-def cut_off(ifname: str, seconds: float | None) -> None:
-    """Take ``ifname`` down; up again after ``seconds`` (None: it stays down)."""
+def cut_off(ifname: str, seconds: float) -> None:
+    """Take ``ifname`` down; up again after ``seconds``."""
     logger.warning("rehearsal: cutting this host off the network (%s down)", ifname)
     subprocess.run(["ip", "link", "set", ifname, "down"], check=False)
-    if seconds is not None:
-        time.sleep(seconds)
-        subprocess.run(["ip", "link", "set", ifname, "up"], check=False)
-        logger.warning("rehearsal: %s is up again after %g s", ifname, seconds)
+    time.sleep(seconds)
+    subprocess.run(["ip", "link", "set", ifname, "up"], check=False)
+    logger.warning("rehearsal: %s is up again after %g s", ifname, seconds)
 
 
 def _error(status: int, message: str) -> web.Response:

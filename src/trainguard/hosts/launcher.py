@@ -33,7 +33,12 @@ SHUTDOWN_TIMEOUT = 2.0
 
 
 class DaemonError(OSError):
-    """A host daemon did not do what it was asked (unreachable, refused, bad answer)."""
+    """A host daemon did not do what it was asked (unreachable, refused, bad answer);
+    ``status``: its HTTP status, when it answered one."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class NoHost(DaemonError, NoCapacity):
@@ -61,7 +66,7 @@ def call_daemon(
             return data
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:500]
-        raise DaemonError(f"{url}{path}: HTTP {exc.code}: {detail}") from None
+        raise DaemonError(f"{url}{path}: HTTP {exc.code}: {detail}", exc.code) from None
     except (OSError, ValueError) as exc:
         raise DaemonError(f"{url}{path}: {exc}") from None
 

@@ -37,7 +37,9 @@ from trainguard.hosts.security import (
     server_tls,
     write_token_file,
 )
+from trainguard.netlimits import raise_nofile
 from trainguard.platform.config import control_config, fence_after
+from trainguard.platform.inbox import ListenError
 from trainguard.platform.inject import Injection
 from trainguard.platform.local import (
     EXIT_INTERRUPTED,
@@ -109,6 +111,7 @@ def run_on_hosts(
         print(f"trainguard: {message}", file=sys.stderr)
         return EXIT_USAGE
 
+    raise_nofile()  # listening beyond loopback: the most descriptors this user may have
     try:
         token = job_token(args.token_file)
         tls_server = server_tls(args.tls_cert, args.tls_key)
@@ -140,7 +143,7 @@ def run_on_hosts(
             return usage(str(exc))
         try:
             result = runner.run()
-        except OSError as exc:  # the endpoint's port is taken
+        except ListenError as exc:  # the endpoint's port is taken; not a fault mid-job
             return usage(f"--rdzv-endpoint {endpoint}: cannot listen: {exc.strerror or exc}")
         except KeyboardInterrupt:
             print("[trainguard] interrupted; every worker was stopped", file=sys.stderr)

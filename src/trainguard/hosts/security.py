@@ -3,8 +3,10 @@
 A job on several hosts listens on the network (the controller's endpoint, each host's
 daemon, each node's agent), so it needs a token every host shares: ``--token-file FILE``
 (the same file on every host; only its owner should read it) or ``$TRAINGUARD_TOKEN``.
-Without one ``trainguard run`` refuses to start (exit 2): nothing beyond loopback is ever
-served unauthenticated. The token never appears on a command line or in a log.
+Without one ``trainguard run`` refuses to start (exit 2): no control request beyond
+loopback is served without it (torch's rendezvous store takes none: it is served to the
+job's hosts' addresses only, :mod:`trainguard.rendezvous.gateway`). The token never
+appears on a command line or in a log.
 """
 
 from __future__ import annotations

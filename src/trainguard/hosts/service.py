@@ -10,13 +10,16 @@ anything else.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from aiohttp import web
 
+from trainguard.atomic import write_text_atomic
 from trainguard.hosts.roster import HostRecord, JoinRefused, Roster
 from trainguard.platform.inbox import bearer_ok
 from trainguard.wire.base import WireError, parse_json
@@ -61,6 +64,24 @@ class HostsService:
         self._events: deque[tuple[int, str]] = deque(maxlen=EVENTS_KEPT)
         self._published = 0
         self._handed: dict[str, int] = {}
+        self._peers_file: Path | None = None
+
+    @property
+    def peers_file(self) -> Path | None:
+        """Where the joined hosts' addresses are kept, for the rendezvous store's door
+        (:mod:`trainguard.rendezvous.gateway`); written at once and at each join."""
+        return self._peers_file
+
+    @peers_file.setter
+    def peers_file(self, path: Path | None) -> None:
+        with self._lock:
+            self._peers_file = path
+            self._write_peers()
+
+    def _write_peers(self) -> None:
+        if self._peers_file is not None:
+            addrs = sorted({h.addr for h in self.roster.hosts.values()})
+            write_text_atomic(self._peers_file, json.dumps(addrs), mode=0o600)
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/join", self._join), web.get("/hosts/{host_id}", self._lease)]
@@ -165,6 +186,7 @@ class HostsService:
                 refused = str(exc)
             else:
                 self._handed.setdefault(record.host_id, self._published)
+                self._write_peers()
                 self._changed.notify_all()
         if refused is not None:  # the refused host exits saying why; so does this side
             self.say(f"refused host {join.hostname} ({join.addr}): {refused}")

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+
+from trainguard.bounded_http import BoundedHandler, BoundedHTTPServer
 
 __all__ = ["serve_probes"]
 
@@ -18,7 +20,7 @@ def serve_probes(
 ) -> ThreadingHTTPServer:
     """Serve the probes on a daemon thread; returns the server (``shutdown()`` stops it)."""
 
-    class Probes(BaseHTTPRequestHandler):
+    class Probes(BoundedHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/healthz":
@@ -33,10 +35,6 @@ def serve_probes(
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:
-            pass  # a probe every few seconds is not news
-
-    server = ThreadingHTTPServer((host, port), Probes)
-    server.daemon_threads = True
+    server = BoundedHTTPServer((host, port), Probes)  # a probe every few seconds: unlogged
     threading.Thread(target=server.serve_forever, name="tg-probes", daemon=True).start()
     return server

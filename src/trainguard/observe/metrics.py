@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
+import threading
 from collections.abc import Iterable, Mapping
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -24,9 +26,10 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
 
+from trainguard.bounded_http import BoundedWSGIServer, QuietWSGIHandler
 from trainguard.control.events import Event
 from trainguard.observe.job import JobState
 
@@ -243,5 +246,11 @@ def _remove(family: Gauge, *labels: str) -> None:
 def serve(metrics: Metrics, port: int, host: str = "127.0.0.1") -> WSGIServer:
     """Serve ``GET /metrics`` on a daemon thread; ``.shutdown()`` stops it. ``port`` 0
     picks a free one (``server.server_port``)."""
-    server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+
+    class Server(BoundedWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    app = make_wsgi_app(metrics.registry)
+    server = make_server(host, port, app, Server, handler_class=QuietWSGIHandler)
+    threading.Thread(target=server.serve_forever, daemon=True, name="tg-metrics").start()
     return server

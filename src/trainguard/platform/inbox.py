@@ -25,16 +25,23 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from trainguard.netlimits import ConnLimits, ConnTable, QuietLog, conn_limits, quiet_loggers
 from trainguard.platform.book import Taken
+from trainguard.platform.http_gate import busy_middleware, gate, loop_errors
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.status import NodeStatus
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_REPORT_BYTES", "Inbox", "bearer_ok"]
+__all__ = ["MAX_REPORT_BYTES", "Inbox", "ListenError", "bearer_ok"]
 
 MAX_REPORT_BYTES = 4 * 1024 * 1024
 START_TIMEOUT = 10.0
+
+
+class ListenError(OSError):
+    """A server could not bind its address (in use, not this host's): a usage error where
+    the user named it, unlike an OSError once the job runs (out of descriptors, say)."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +53,8 @@ class _Job:
 class RouteServer:
     """An aiohttp server on its own event-loop thread: ``routes`` at ``host:port`` (0: any
     free port), HTTPS with ``tls``. Binds on construction (a port in use is an OSError
-    before any thread starts); ``url`` is where it serves."""
+    before any thread starts); ``url`` is where it serves. Its connections are bounded by
+    ``limits`` (:mod:`trainguard.netlimits`; default: by this process's descriptors)."""
 
     def __init__(
         self,
@@ -58,20 +66,25 @@ class RouteServer:
         tls: ssl.SSLContext | None = None,
         max_body: int = MAX_REPORT_BYTES,
         name: str = "tg-server",
+        limits: ConnLimits | None = None,
     ) -> None:
+        quiet_loggers()
+        self.connections = ConnTable(limits or conn_limits())
+        self._quiet = QuietLog(logging.getLogger("trainguard.net"))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
-        except OSError:
+        except OSError as exc:
             sock.close()
-            raise
+            raise ListenError(exc.errno, exc.strerror) from exc
         bound = int(sock.getsockname()[1])
         self.port = bound
         scheme = "https" if tls is not None else "http"
         self.url = (public_url or f"{scheme}://{_host(host)}:{bound}").rstrip("/")
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(loop_errors(self._quiet))
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
         self._runner: web.AppRunner | None = None
@@ -95,11 +108,23 @@ class RouteServer:
         tls: ssl.SSLContext | None,
         max_body: int,
     ) -> None:
-        app = web.Application(client_max_size=max_body)
+        app = web.Application(
+            client_max_size=max_body, middlewares=[busy_middleware(self.connections)]
+        )
         app.router.add_routes(routes)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=self.connections.limits.head_seconds,
+        )
         await self._runner.setup()
-        await web.SockSite(self._runner, sock, backlog=4096, ssl_context=tls).start()
+        assert self._runner.server is not None
+        gate(self._runner.server, self.connections, self._quiet)
+        # asyncio accepts up to ``backlog`` connections in one go before any is looked
+        # at: a batch that fits the descriptors left beside the admitted ones.
+        backlog = min(1024, self.connections.limits.total)
+        await web.SockSite(self._runner, sock, backlog=backlog, ssl_context=tls).start()
 
 
 class Inbox(RouteServer):

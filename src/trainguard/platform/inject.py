@@ -12,9 +12,10 @@ A SPEC names a fault, its target and its trigger::
     preempt:node=N@...       node N is taken away (elastic: capacity - 1, then it is killed
                              after gracefulShutdownTimeoutInSeconds unless given up)
     capacity:+K@...          K more nodes become available (elastic: capacity + K)
-    partition:node=N@...[,for=T]  node N's host is cut off the network (for T seconds;
-                             a job on several hosts: its host daemon takes its own
-                             interface down, as root; never node 0, the controller's)
+    partition:node=N@...[,for=T]  node N's host is cut off the network (for T seconds,
+                             at most and by default an hour; a job on several hosts:
+                             its host daemon takes its own interface down, as root,
+                             if started with TRAINGUARD_ALLOW_PARTITION=1; never node 0)
     ...@Ts                   T seconds (float) after the job's first completed step
 
 ``xid`` and ``disk-full`` go through the node agent's rehearsal hooks (files in its

@@ -400,7 +400,13 @@ class LocalRunner:
         if self.resume is not None and (found := find_service(state, token)) is not None:
             return found
         grace = self.plan.job.spec.trainguard.controller_grace_seconds
-        return start_service(state, token, grace, self.logs_dir / "rendezvous.log")
+        log = self.logs_dir / "rendezvous.log"
+        hosts = self.hosts
+        if hosts is None or hosts.service is None:
+            return start_service(state, token, grace, log)
+        peers = self.job_dir / "rendezvous-peers.json"
+        hosts.service.peers_file = peers  # each joined host's address, before its launch
+        return start_service(state, token, grace, log, host=hosts.local.addr, peers_file=peers)
 
     def _warn_of_credentials(self) -> None:
         options = self.plan.job.spec.checkpointing.storage_options

@@ -178,15 +178,22 @@ def start_service(
     grace: float,
     log_file: Path | None = None,
     start_timeout: float = START_TIMEOUT,
+    host: str = "127.0.0.1",
+    peers_file: Path | None = None,
 ) -> StoreServiceHandle:
-    """Start the job's store service (see the module docstring); returns at once."""
+    """Start the job's store service (see the module docstring); returns at once. Ranks
+    reach its stores at ``host`` (the job's address), from the job's hosts only: loopback
+    and the addresses ``peers_file`` lists (:mod:`trainguard.rendezvous.gateway`)."""
     state_file.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         state_file.unlink()  # a previous service's: not this one's port
     command = [
         sys.executable, "-m", "trainguard.rendezvous.service",
         "--state", str(state_file), "--owner", str(os.getpid()), "--grace", f"{grace:g}",
+        "--host", host,
     ]  # fmt: skip
+    if peers_file is not None:
+        command += ["--peers-file", str(peers_file)]
     env = {**os.environ, TOKEN_ENV: token, "OMP_NUM_THREADS": "1"}
     out = open(log_file, "ab") if log_file is not None else subprocess.DEVNULL  # noqa: SIM115
     try:

@@ -1,12 +1,14 @@
 """The job's rendezvous store service: every attempt's TCPStore, served outside the ranks.
 
-``python -m trainguard.rendezvous.service --state FILE --owner PID --grace S`` runs on the
-controller's host for as long as the job does. For each attempt the controller asks it
-(``POST /open``) for a fresh ``torch.distributed.TCPStore`` (``is_master=True``, libuv,
-an ephemeral port); the attempt's workers get ``TORCHELASTIC_USE_AGENT_STORE=True`` and
-``MASTER_ADDR``/``MASTER_PORT`` pointing at it, so every rank, rank 0 too, connects as a
-client (``torch.distributed.rendezvous._create_c10d_store``), torchrun's convention for
-an agent-hosted store. The store is up before any worker starts: no rank waits for rank
+``python -m trainguard.rendezvous.service --state FILE --owner PID --grace S [--host ADDR
+--peers-file FILE]`` runs on the controller's host for as long as the job does. For each
+attempt the controller asks it (``POST /open``) for a fresh ``torch.distributed.TCPStore``
+(``is_master=True``, libuv, on loopback), reached through the service's door at
+``--host`` (:mod:`.gateway`: only the job's hosts get in); the attempt's workers get
+``TORCHELASTIC_USE_AGENT_STORE=True`` and ``MASTER_ADDR``/``MASTER_PORT`` pointing at
+it, so every rank, rank 0 too, connects as a client
+(``torch.distributed.rendezvous._create_c10d_store``), torchrun's convention for an
+agent-hosted store. The store is up before any worker starts: no rank waits for rank
 0 to bind, and a rank 0 (or node 0) that is killed and replaced finds the same endpoint
 with its keys. A fresh store per attempt (not one store with a prefix, which unmodified
 scripts would not add) keeps an attempt from reading a previous attempt's peer addresses.
@@ -29,13 +31,18 @@ import contextlib
 import hmac
 import json
 import os
+import socket
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 from trainguard.agent.controller_watch import ControllerWatch
+from trainguard.bounded_http import BoundedHandler, BoundedHTTPServer
+from trainguard.netlimits import conn_limits, raise_nofile
+from trainguard.rendezvous.gateway import Gateway
+from trainguard.rendezvous.output import LOG_MAX_BYTES, capture_output
 
 __all__ = ["TOKEN_ENV", "TOKEN_HEADER", "StoreService", "main"]
 
@@ -47,11 +54,13 @@ MAX_BODY = 4096
 
 
 class StoreService:
-    """The attempts' stores (in this process); thread-safe."""
+    """The attempts' stores (in this process), each behind the :class:`Gateway`; thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, gateway: Gateway) -> None:
         self._lock = threading.Lock()
-        self._stores: dict[int, Any] = {}  # attempt -> torch.distributed.TCPStore
+        self._gateway = gateway
+        # attempt -> (its loopback socket, its TCPStore, the port the ranks are given)
+        self._stores: dict[int, tuple[socket.socket, Any, int]] = {}
 
     def open(self, attempt: int) -> tuple[int, int]:
         """The ports of ``attempt``'s store and of the next attempt's, each created on
@@ -60,23 +69,39 @@ class StoreService:
         with self._lock:
             ports = self._port(attempt), self._port(attempt + 1)
             for old in [a for a in self._stores if a <= attempt - KEEP_ATTEMPTS]:
-                del self._stores[old]  # the TCPStore's server stops with its last reference
+                sock, store, _ = self._stores.pop(old)
+                self._gateway.close_door(int(store.port))
+                del store  # the TCPStore's server stops with its last reference
+                sock.close()
             return ports
 
     def _port(self, attempt: int) -> int:
         import torch.distributed as dist  # imported at start-up (main); cheap here
 
-        store = self._stores.get(attempt)
-        if store is None:
-            store = dist.TCPStore(
-                "0.0.0.0", 0, 1, is_master=True, wait_for_workers=False, use_libuv=True
-            )
-            self._stores[attempt] = store
-        return int(store.port)
+        entry = self._stores.get(attempt)
+        if entry is None:
+            # torch's TCPStore binds every interface unless given a bound socket.
+            sock = socket.create_server(("127.0.0.1", 0), backlog=1024)
+            try:
+                store = dist.TCPStore(
+                    "127.0.0.1",
+                    sock.getsockname()[1],
+                    1,
+                    is_master=True,
+                    wait_for_workers=False,
+                    use_libuv=True,
+                    master_listen_fd=sock.fileno(),
+                )
+                door = self._gateway.open(int(store.port))
+            except BaseException:
+                sock.close()
+                raise
+            entry = self._stores[attempt] = (sock, store, door)
+        return entry[2]
 
     def attempts(self) -> dict[int, int]:
         with self._lock:
-            return {a: int(s.port) for a, s in self._stores.items()}
+            return {a: door for a, (_, _, door) in self._stores.items()}
 
     def close(self) -> None:
         with self._lock:
@@ -86,10 +111,7 @@ class StoreService:
 def _handler(
     service: StoreService, watch: ControllerWatch, token: str, stop: threading.Event
 ) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
-            return
-
+    class Handler(BoundedHandler):
         def _reply(self, code: int, body: dict[str, Any]) -> None:
             data = json.dumps(body).encode()
             self.send_response(code)
@@ -116,8 +138,11 @@ def _handler(
         def do_POST(self) -> None:
             if not self._allowed():
                 return
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY:
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_BODY:
                 return self._reply(413, {"error": "body too large"})
             try:
                 body = json.loads(self.rfile.read(length) or b"{}")
@@ -142,6 +167,8 @@ def _handler(
                     return self._reply(200, {"stopping": True})
             except (KeyError, ValueError) as exc:
                 return self._reply(400, {"error": f"bad request: {exc}"})
+            except (OSError, RuntimeError) as exc:  # cannot listen (out of descriptors?)
+                return self._reply(503, {"error": f"cannot open a store: {exc}"})
             self._reply(404, {"error": f"no route {self.path}"})
 
     return Handler
@@ -152,17 +179,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state", type=Path, required=True, help="where to write pid and port")
     parser.add_argument("--owner", type=int, required=True, help="the controller's pid")
     parser.add_argument("--grace", type=float, default=0.0, help="s to outlive the owner")
+    parser.add_argument("--host", default="127.0.0.1", help="the address ranks reach stores at")
+    parser.add_argument("--peers-file", type=Path, help="JSON list of the job hosts' addresses")
     args = parser.parse_args(argv)
+    raise_nofile()
+    finish_output = capture_output(LOG_MAX_BYTES)
+    try:
+        return _serve(args)
+    finally:
+        finish_output()
+
+
+def _serve(args: argparse.Namespace) -> int:
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         print(f"{TOKEN_ENV} is not set", file=sys.stderr)
         return 2
     import torch.distributed  # noqa: F401 - the slow part, before saying we listen
 
-    service, stop = StoreService(), threading.Event()
+    gateway = Gateway(args.host, args.peers_file, limits=conn_limits(1024, 8192))
+    service, stop = StoreService(gateway), threading.Event()
     watch = ControllerWatch(args.owner, args.grace)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(service, watch, token, stop))
-    server.daemon_threads = True
+    server = BoundedHTTPServer(("127.0.0.1", 0), _handler(service, watch, token, stop))
     threading.Thread(target=server.serve_forever, daemon=True, name="control").start()
     from trainguard.platform.procs import start_time
 
@@ -179,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.shutdown()
         service.close()
+        gateway.close()
         with contextlib.suppress(OSError):
             if json.loads(args.state.read_text()).get("pid") == os.getpid():
                 args.state.unlink()

@@ -24,6 +24,7 @@ from trainguard.wire.base import Wire
 from trainguard.wire.requests import Count, Name, Seconds
 
 __all__ = [
+    "MAX_PARTITION_SECONDS",
     "HostLease",
     "JoinReply",
     "JoinRequest",
@@ -91,8 +92,11 @@ class ShutdownRequest(Wire):
     node_id: Name
 
 
-class PartitionRequest(Wire):
-    """``--inject partition``: take this host's interface down (for ``seconds``; None:
-    until someone brings it back)."""
+MAX_PARTITION_SECONDS = 3600.0
 
-    seconds: Seconds | None = None
+
+class PartitionRequest(Wire):
+    """``--inject partition``: take this host's interface down for ``seconds`` (required,
+    at most an hour: a rehearsal never leaves a host off the network for good)."""
+
+    seconds: float = Field(gt=0, le=MAX_PARTITION_SECONDS, allow_inf_nan=False)
