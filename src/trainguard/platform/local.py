@@ -37,6 +37,7 @@ from trainguard.hosts.security import write_token_file
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
 from trainguard.observe.summary import fault_summary
+from trainguard.observe.terminal import safe_bytes, safe_text
 from trainguard.platform.base import Cancel
 from trainguard.platform.book import ReportBook
 from trainguard.platform.config import control_config, fence_after
@@ -512,12 +513,7 @@ class LocalRunner:
             for raw in iter(stream.readline, b""):
                 with self._out_lock:
                     if self._terminal.admit():  # the terminal gets its share; the file all
-                        line = raw.decode("utf-8", errors="replace")
-                        if self._live is not None:
-                            self._live.above(self.out, line)
-                        else:
-                            self.out.write(line)
-                            self.out.flush()
+                        self._show(self.out, safe_bytes(raw))  # shown, never obeyed
                     if self._console_log is not None:
                         self._console_log.write(raw)
                         self._console_log.flush()
@@ -526,13 +522,21 @@ class LocalRunner:
             pass  # the agent's pipe was closed under us at shutdown
 
     def _say(self, message: str, locked: bool = False) -> None:
-        """A line to the user (stderr); ``locked``: the caller holds the output lock."""
+        """A line to the user (stderr); ``locked``: the caller holds the output lock.
+        Control characters in it (a worker's error quoted in an event) are shown as
+        escapes (observe/terminal.py)."""
+        message = safe_text(message)
         with contextlib.nullcontext() if locked else self._out_lock:
-            if self._live is not None:
-                self._live.above(self.err, f"[trainguard] {message}\n")
-                return
-            self.err.write(f"[trainguard] {message}\n")
-            self.err.flush()
+            self._show(self.err, f"[trainguard] {message}\n")
+
+    def _show(self, stream: TextIO, text: str) -> None:
+        """Write ``text`` to the console (above the live line, if there is one). The
+        caller holds the output lock."""
+        if self._live is not None:
+            self._live.above(stream, text)
+        else:
+            stream.write(text)
+            stream.flush()
 
     def _say_lines_not_shown(self, locked: bool = False, final: bool = False) -> None:
         """How many worker lines the terminal did not get lately (see throttle.py)."""

@@ -11,10 +11,11 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from trainguard.observe.account import account
 from trainguard.observe.history import load_history
+from trainguard.observe.terminal import safe_bytes
 from trainguard.platform.procs import alive, runs
 from trainguard.platform.store import JobRow, Store
 from trainguard.spec.secrets import redact_spec
@@ -298,13 +299,28 @@ def _rotation_index(path: Path) -> int:
 
 
 def _copy_out(path: Path, offset: int) -> int:
-    """Write ``path`` from ``offset`` to stdout; how many bytes (0 if it is gone)."""
+    """Write ``path`` from ``offset`` to stdout; how many bytes (0 if it is gone).
+
+    On a terminal, control characters are shown as escapes (observe/terminal.py); to a
+    pipe or a file, the bytes go out as the workers wrote them."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
             chunk = f.read()
     except FileNotFoundError:
         return 0
-    sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+    if _on_terminal(sys.stdout):
+        sys.stdout.write(safe_bytes(chunk))
+    else:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(chunk)
     sys.stdout.flush()
     return len(chunk)
+
+
+def _on_terminal(stream: TextIO) -> bool:
+    """A terminal, or a stream that takes only text (no bytes to pass on)."""
+    try:
+        return stream.isatty() or not hasattr(stream, "buffer")
+    except ValueError:  # closed
+        return False

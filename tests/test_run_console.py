@@ -1,0 +1,80 @@
+"""What a run shows on its console: worker output made safe to show (observe/terminal.py),
+and a console nobody reads any more (``trainguard run | head``) is no reason to stop."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+from pathlib import Path
+
+from conftest import REPO, Trainguard
+from trainguard.observe.live import ERASE, LiveLine
+from trainguard.observe.terminal import safe_bytes, safe_text
+
+# What a hostile worker wrote (issue 38): clear the screen, set the window title, write
+# the clipboard (OSC 52), then erase its rank prefix and fake one of trainguard's lines.
+HOSTILE = (
+    "\x1b[2J\x1b[H"
+    "\x1b]0;pwned\x07"
+    "\x1b]52;c;ZWNobyBoaQ==\x07"
+    "\r\x1b[2K[trainguard] 99:99:99 JobSucceeded: ... (FAKE)"
+)
+WORKER = f"""\
+import sys
+sys.stdout.write({HOSTILE!r} + "\\n")
+sys.stdout.write("tab\\there, caf\\u00e9 \\u2713\\n")
+sys.stdout.flush()
+sys.stdout.buffer.write(b"not utf-8: \\xff\\xfe\\n")
+for i in range(400):
+    print(f"filler {{i}}", flush=True)
+"""
+
+
+def test_control_characters_are_shown_not_obeyed() -> None:
+    shown = safe_text(HOSTILE)
+    assert "\x1b" not in shown and "\r" not in shown and "\x07" not in shown
+    assert shown.startswith("\\x1b[2J\\x1b[H\\x1b]0;pwned\\x07")
+    assert shown.endswith("\\r\\x1b[2K[trainguard] 99:99:99 JobSucceeded: ... (FAKE)")
+    assert safe_text("a\tb\n") == "a\tb\n"  # tabs and line ends kept
+    assert safe_text("café ✓ 日本") == "café ✓ 日本"  # valid UTF-8 text kept
+    assert safe_text("\x00\x08\x7f\x9b\u202e\u2028") == "\\x00\\b\\x7f\\x9b\\u202e\\u2028"
+    assert safe_bytes(b"ok \xff\xe2\x9c\x93\x1b") == "ok \\xff✓\\x1b"
+    assert safe_text(shown) == shown  # nothing left to escape
+
+
+def test_lines_above_the_live_line_are_escaped() -> None:
+    out = io.StringIO()
+    live = LiveLine(out, width=100)
+    live.above(out, "[rank0]: " + HOSTILE + "\n")
+    assert out.getvalue() == "[rank0]: " + safe_text(HOSTILE) + "\n"
+    assert ERASE not in out.getvalue()
+
+
+def _hostile_job(tmp_path: Path) -> Path:
+    script = tmp_path / "hostile.py"
+    script.write_text(WORKER)
+    return script
+
+
+def test_worker_escapes_reach_the_console_escaped_and_the_logs_raw(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    done = tg.run("run", "--nproc-per-node", "1", str(_hostile_job(tmp_path)), timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    faked = [line for line in lines if "JobSucceeded" in line]
+    assert faked == ["[rank0]: " + safe_text(HOSTILE)]  # the prefix leads; nothing to obey
+    assert "\x1b" not in done.stdout and "\r" not in done.stdout and "\x07" not in done.stdout
+    assert "[rank0]: tab\there, café ✓" in lines
+    assert "[rank0]: not utf-8: \\xff\\xfe" in lines
+    job = tg.only_job()
+    logs = Path(job["logs_dir"])
+    assert HOSTILE.encode() in (logs / "console.log").read_bytes()  # the files keep the bytes
+    assert b"not utf-8: \xff\xfe\n" in (logs / "rank-0.log").read_bytes()
+    # `trainguard logs` into a pipe: the bytes as written (not a terminal's to interpret).
+    piped = subprocess.run(
+        tg.argv("logs", job["id"], "--rank", "0"), env=tg.env, capture_output=True,
+        cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert piped.returncode == 0
+    assert HOSTILE.encode() in piped.stdout and b"\xff\xfe" in piped.stdout
