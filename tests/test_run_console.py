@@ -78,3 +78,25 @@ def test_worker_escapes_reach_the_console_escaped_and_the_logs_raw(
     )  # fmt: skip
     assert piped.returncode == 0
     assert HOSTILE.encode() in piped.stdout and b"\xff\xfe" in piped.stdout
+
+
+def test_a_console_read_by_head_does_not_end_the_job(tg: Trainguard, tmp_path: Path) -> None:
+    """`trainguard run ... 2>&1 | head -1` killed the controller (exit 141): the job
+    was lost. The console's writes are dropped; the job runs to its end."""
+    head = subprocess.Popen(["head", "-1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert head.stdin is not None
+    try:
+        run = subprocess.run(
+            tg.argv("run", "--nproc-per-node", "2", str(_hostile_job(tmp_path))),
+            env=tg.env, stdout=head.stdin, stderr=subprocess.STDOUT, cwd=REPO, timeout=120,
+        )  # fmt: skip
+    finally:
+        head.stdin.close()
+        assert head.stdout is not None
+        first = head.stdout.read()
+        head.wait(timeout=30)
+    assert first.startswith(b"[trainguard] job ")
+    assert run.returncode == 0
+    job = tg.only_job()
+    assert job["phase"] == "Succeeded"
+    assert (Path(job["logs_dir"]) / "console.log").read_bytes().count(b"filler 399") == 2

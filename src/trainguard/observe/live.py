@@ -34,6 +34,7 @@ The text is a pure function of its values (:func:`live_text`), and so is the rat
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -284,8 +285,9 @@ class LiveLine:
                 return
             self._closed = True
             if self._rendered:
-                self._stream.write(ERASE)
-                self._stream.flush()
+                with contextlib.suppress(OSError, ValueError):  # the terminal went away
+                    self._stream.write(ERASE)
+                    self._stream.flush()
 
     def _sample(self, sample: Sample) -> None:
         samples = self._samples

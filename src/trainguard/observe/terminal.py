@@ -19,9 +19,11 @@ Only what is shown is changed: the log files on disk keep every byte the worker 
 
 from __future__ import annotations
 
+import os
 import re
+from typing import TextIO
 
-__all__ = ["safe_bytes", "safe_text"]
+__all__ = ["safe_bytes", "safe_text", "silence"]
 
 _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 _NAMED = {"\r": "\\r", "\x0b": "\\v", "\x0c": "\\f", "\b": "\\b"}
@@ -46,3 +48,17 @@ def safe_text(text: str) -> str:
 def safe_bytes(data: bytes) -> str:
     """:func:`safe_text` of ``data`` decoded as UTF-8 (a byte that is not: ``\\xff``)."""
     return safe_text(data.decode("utf-8", errors="backslashreplace"))
+
+
+def silence(stream: TextIO) -> None:
+    """Point ``stream``'s file descriptor at ``/dev/null``: its reader went away (a
+    closed pipe), and what is still buffered, or the flush at exit, must not fail again."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError, AttributeError):
+        return  # not a file (a test's StringIO), or closed already
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)

@@ -37,7 +37,7 @@ from trainguard.hosts.security import write_token_file
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
 from trainguard.observe.summary import fault_summary
-from trainguard.observe.terminal import safe_bytes, safe_text
+from trainguard.observe.terminal import safe_bytes, safe_text, silence
 from trainguard.platform.base import Cancel
 from trainguard.platform.book import ReportBook
 from trainguard.platform.config import control_config, fence_after
@@ -229,6 +229,7 @@ class LocalRunner:
         self.sigterm_reason = "terminated (SIGTERM)"
         self._out_lock = threading.Lock()
         self._console_log: RotatingFile | None = None  # capped like a rank's log
+        self._gone: list[TextIO] = []  # console streams whose reader went away
         self._terminal = LineThrottle()  # worker lines to the terminal: a share of them
         self.metrics = metrics  # serve Prometheus metrics (--metrics-port)
         self._live_wanted = live  # the live line on ``out`` (a terminal; observe/live.py)
@@ -531,12 +532,20 @@ class LocalRunner:
 
     def _show(self, stream: TextIO, text: str) -> None:
         """Write ``text`` to the console (above the live line, if there is one). The
-        caller holds the output lock."""
-        if self._live is not None:
-            self._live.above(stream, text)
-        else:
-            stream.write(text)
-            stream.flush()
+        caller holds the output lock. A console that is gone (``trainguard run | head``:
+        the reader stopped; a closed terminal) is no reason to stop the job: its writes
+        are dropped from then on, and the job and its record go on to the end."""
+        if stream in self._gone:
+            return
+        try:
+            if self._live is not None:
+                self._live.above(stream, text)
+            else:
+                stream.write(text)
+                stream.flush()
+        except (OSError, ValueError):
+            self._gone.append(stream)
+            silence(stream)
 
     def _say_lines_not_shown(self, locked: bool = False, final: bool = False) -> None:
         """How many worker lines the terminal did not get lately (see throttle.py)."""
