@@ -253,7 +253,10 @@ class Checkpointer:
         started = time.perf_counter()
         cfg = self.config
         attempt = writer_attempt(self._environ)
-        memory = self._trusted(self.memory.shards(), attempt)
+        memory = self._trusted(
+            self.memory.shards(lambda where, step, why: self._skipped("memory", step, where, why)),
+            attempt,
+        )
         durable: list[int] = []
         if cfg.durable:
             try:
@@ -317,16 +320,19 @@ class Checkpointer:
                 self._skipped("memory", step, self.memory.meta_path(shard.slot), refusal)
         return trusted
 
-    def _skipped(self, tier: str, step: int, where: str, why: object) -> None:
-        """Log, and put on the job's timeline, a shard of this rank that is not loaded."""
+    def _skipped(self, tier: str, step: int | None, where: str, why: object) -> None:
+        """Log, and put on the job's timeline, a shard of this rank that is not loaded
+        (``step``: None where its meta does not say)."""
         rank = self.config.rank
-        log.warning("%s tier: skipping %s (step %d, rank %d): %s", tier, where, step, rank, why)
+        which = "a shard" if step is None else f"step {step}"
+        log.warning("%s tier: skipping %s (%s, rank %d): %s", tier, where, which, rank, why)
         worker_events.emit(
             "CheckpointSkipped",
-            f"rank {rank} skipped step {step} in {tier}: {why}",
+            f"rank {rank} skipped {which} in {tier}: {why} ({where})",
             step=step,
             tier=tier,
             reason=str(why),
+            file=where,
         )
 
     def _fetch(
