@@ -52,6 +52,7 @@ from trainguard.checkpoint import host_memory
 from trainguard.checkpoint.files import hold_from
 from trainguard.checkpoint.shard import ShardInvalid, check_identity, layout_of
 from trainguard.checkpoint.state import Layout
+from trainguard.checkpoint.tier_dir import open_private, private_dir, user_root
 
 __all__ = ["MemoryShard", "MemoryTier", "default_memory_dir"]
 
@@ -66,7 +67,7 @@ def default_memory_dir(environ: Mapping[str, str] | None = None) -> str:
     """``/dev/shm/trainguard-<uid>/<TORCHELASTIC_RUN_ID or "local">`` (outside trainguard)."""
     env = os.environ if environ is None else environ
     run_id = env.get("TORCHELASTIC_RUN_ID") or "local"
-    return os.path.join("/dev/shm", f"trainguard-{os.getuid()}", run_id)
+    return str(user_root() / run_id)
 
 
 Skipped = Callable[[str, "int | None", str], None]
@@ -177,7 +178,7 @@ class MemoryTier:
         self.hold = hold
         self.slots = keep + 1 if hold else keep
         self._flagged: dict[int, bool] = {}  # slot -> its meta asks to be persisted
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        private_dir(directory)  # 0700, this user's own (tier_dir.py)
         self._slots: dict[int, _Slot] = {}
         self._steps: dict[int, int] | None = None  # slot -> committed step (writable slots)
 
@@ -366,7 +367,7 @@ class MemoryTier:
         """Make ``slot`` loadable with ``meta`` (tmp file + rename)."""
         path = self.meta_path(slot)
         tmp = f"{path}.tmp"
-        with open(tmp, "wb") as file:
+        with open_private(tmp) as file:
             file.write(json.dumps(meta, separators=(",", ":")).encode())
         os.replace(tmp, path)
         if self._steps is not None and isinstance(meta.get("step"), int):

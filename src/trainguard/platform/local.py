@@ -29,6 +29,7 @@ from trainguard.agent.logcap import RotatingFile
 from trainguard.agent.train_scripts import TrainScripts
 from trainguard.agent.warm import StartOptions
 from trainguard.agent.workers import HOST_WORKERS_ENV
+from trainguard.checkpoint.tier_dir import user_root
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.hosts.addresses import resolve
 from trainguard.hosts.controller_host import AGENT_CONTACT_TIMEOUT, ControllerHost, interface_env
@@ -62,8 +63,9 @@ from trainguard.spec.plan import JobPlan, NodeGroupPlan
 from trainguard.spec.secrets import redact_spec, secret_storage_keys
 
 EXIT_INTERRUPTED = 130
-# Where the local platform keeps each node's memory checkpoint tier.
-MEMORY_ROOT = Path("/dev/shm/trainguard")
+# Where the local platform keeps each node's memory checkpoint tier: this user's own
+# (``/dev/shm/trainguard-<uid>``, 0700; checkpoint/tier_dir.py), a job's in ``<root>/<job>``.
+MEMORY_ROOT = user_root()
 
 SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
