@@ -27,6 +27,7 @@ from trainguard.checkpoint.copying import (
     synchronize_devices,
 )
 from trainguard.checkpoint.memory import MemoryShard, MemoryTier, default_memory_dir
+from trainguard.checkpoint.room import MemoryRoom, no_room
 from trainguard.checkpoint.save_times import SaveTimes
 from trainguard.checkpoint.shard import (
     ShardInvalid,
@@ -110,6 +111,7 @@ class Checkpointer:
             keep=cfg.memory_keep,
             hold=cfg.durable_writer == "agent",
         )
+        self._room = MemoryRoom(cfg.memory_dir, cfg.rank)  # a full tier is skipped a while
         self.last_restore: Restore | None = None
         self._save_times = SaveTimes(enabled=cfg.rank == 0)
         self._durable: DurableTier | None = None
@@ -147,13 +149,21 @@ class Checkpointer:
         self._background.raise_error()
         if not force and step % self.config.memory_every_steps:
             return False
+        if self._room.full:  # no room in the memory tier lately: not tried again yet
+            return False
         started = time.perf_counter()
         layout, tensors = flatten(capture(state))
         cuda = has_cuda(tensors)
         slot = self.memory.choose_slot(step)
         self._background.wait_for_slot(slot, step)
         with self._background.copying():
-            buffer, prepared = self.memory.begin(slot, layout.nbytes, pin=cuda)
+            try:
+                buffer, prepared = self.memory.begin(slot, layout.nbytes, pin=cuda)
+            except OSError as exc:
+                if not no_room(exc):
+                    raise
+                self._room.no_room(step, exc)  # training goes on (checkpoint/room.py)
+                return False
             copy = copy_to_host(buffer, layout.entries, tensors)
             if blocking:
                 copy.wait()
@@ -171,7 +181,13 @@ class Checkpointer:
             meta["persist"] = force or bool(every and step % every == 0)
             durable = False
         if blocking:
-            self.memory.commit(slot, meta)
+            try:
+                self.memory.commit(slot, meta)
+            except OSError as exc:
+                if not no_room(exc):
+                    raise
+                self._room.no_room(step, exc)
+                return False
         else:  # committed in the background; the next save must not choose this slot
             self.memory.reserve(slot, step)
         self._background.submit(Snapshot(step, slot, meta, durable, None if blocking else copy))
@@ -180,6 +196,7 @@ class Checkpointer:
             if others:
                 self._background.submit(Prepare(others, layout.nbytes, cuda, copy.device))
         self._save_times.add(step, time.perf_counter() - started)
+        self._room.fits(step)
         return True
 
     def _durable_due(self, step: int, force: bool) -> bool:
@@ -279,7 +296,7 @@ class Checkpointer:
         cuda = has_cuda(tensors)
         if step is None or loaded is None:
             log.info("no checkpoint to restore (rank %d offered %s)", cfg.rank, sorted(offer))
-            self.memory.prepare(own.nbytes, pin=cuda)
+            self._prepare(own.nbytes, pin=cuda)
             return None
         tier, layout, buffer = loaded
         if cuda and tier == "memory":  # page-locked: the host-to-device copies run at DMA speed
@@ -291,7 +308,7 @@ class Checkpointer:
         self.last_restore = Restore(step, tier, seconds)
         del buffer, loaded
         self.memory.drop_newer_than(step)
-        self.memory.prepare(layout.nbytes, pin=cuda)
+        self._prepare(layout.nbytes, pin=cuda)
         log.info("rank %d restored step %d from %s in %.3f s", cfg.rank, step, tier, seconds)
         worker_events.emit(
             "CheckpointRestored",
@@ -303,6 +320,15 @@ class Checkpointer:
         if cfg.rank == 0:
             print(f"Restored step {step} from {tier} in {seconds:.3f} s", flush=True)
         return step
+
+    def _prepare(self, nbytes: int, pin: bool) -> None:
+        """Ready the memory slots for ``nbytes``; a tier with no room is not an error."""
+        try:
+            self.memory.prepare(nbytes, pin=pin)
+        except OSError as exc:
+            if not no_room(exc):
+                raise
+            self._room.no_room(None, exc)
 
     def _trusted(
         self, shards: dict[int, MemoryShard], attempt: int | None
