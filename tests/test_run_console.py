@@ -8,6 +8,8 @@ import subprocess
 from pathlib import Path
 
 from conftest import REPO, Trainguard
+from trainguard.hosts.addresses import Endpoint, LocalAddress
+from trainguard.hosts.daemon import HostDaemon
 from trainguard.observe.live import ERASE, LiveLine
 from trainguard.observe.terminal import safe_bytes, safe_text
 
@@ -100,3 +102,28 @@ def test_a_console_read_by_head_does_not_end_the_job(tg: Trainguard, tmp_path: P
     job = tg.only_job()
     assert job["phase"] == "Succeeded"
     assert (Path(job["logs_dir"]) / "console.log").read_bytes().count(b"filler 399") == 2
+
+
+class _ClosedPipe(io.BytesIO):
+    def write(self, data: object) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_another_hosts_daemon_shows_its_ranks_lines_escaped_and_survives_its_console() -> None:
+    """On a host that joined a job, the daemon copies its agents' consoles to its own."""
+    shown = io.BytesIO()
+    daemon = HostDaemon(
+        Endpoint("127.0.0.1", 1), "token", LocalAddress("127.0.0.1", "lo"), {},
+        lambda reply: None,  # type: ignore[arg-type,return-value]
+        out=shown,
+    )  # fmt: skip
+    try:
+        lines = f"[rank2]: {HOSTILE}\n[rank2]: after\n".encode()
+        daemon._pump(io.BytesIO(lines))
+        assert shown.getvalue().decode() == f"[rank2]: {safe_text(HOSTILE)}\n[rank2]: after\n"
+        agent = io.BytesIO(lines * 100)
+        daemon._out = _ClosedPipe()
+        daemon._pump(agent)  # no reader: the lines are dropped, the agent's pipe drained
+        assert agent.tell() == len(lines) * 100
+    finally:
+        daemon.server.close()
