@@ -7,11 +7,14 @@ import io
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, Trainguard
 from trainguard.hosts.addresses import Endpoint, LocalAddress
 from trainguard.hosts.daemon import HostDaemon
 from trainguard.observe.live import ERASE, LiveLine
-from trainguard.observe.terminal import safe_bytes, safe_text
+from trainguard.observe.terminal import safe_bytes, safe_cell, safe_text
+from trainguard.platform.views import _table
 
 # What a hostile worker wrote (issue 38): clear the screen, set the window title, write
 # the clipboard (OSC 52), then erase its rank prefix and fake one of trainguard's lines.
@@ -127,3 +130,11 @@ def test_another_hosts_daemon_shows_its_ranks_lines_escaped_and_survives_its_con
         assert agent.tell() == len(lines) * 100
     finally:
         daemon.server.close()
+
+
+def test_describe_and_list_show_worker_text_escaped(capsys: pytest.CaptureFixture[str]) -> None:
+    """A fault's message or a worker event's is the worker's text too."""
+    _table([["KIND", "MESSAGE"], ["Fault", "ValueError: " + HOSTILE + "\nsecond line"]])
+    shown = capsys.readouterr().out
+    assert "\x1b" not in shown and "\r" not in shown
+    assert shown.splitlines()[1].endswith(safe_cell(HOSTILE) + "\\nsecond line")

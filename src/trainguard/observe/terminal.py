@@ -23,7 +23,7 @@ import os
 import re
 from typing import TextIO
 
-__all__ = ["safe_bytes", "safe_text", "silence"]
+__all__ = ["safe_bytes", "safe_cell", "safe_text", "silence"]
 
 _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 _NAMED = {"\r": "\\r", "\x0b": "\\v", "\x0c": "\\f", "\b": "\\b"}
@@ -43,6 +43,11 @@ def safe_text(text: str) -> str:
     if _UNSAFE.search(text) is None:
         return text
     return _UNSAFE.sub(_escape, text)
+
+
+def safe_cell(text: str) -> str:
+    """:func:`safe_text` on one line: a newline is shown as ``\\n`` too (a table's cell)."""
+    return safe_text(text).replace("\n", "\\n")
 
 
 def safe_bytes(data: bytes) -> str:

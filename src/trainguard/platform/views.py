@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 from trainguard.observe.account import account
 from trainguard.observe.history import load_history
-from trainguard.observe.terminal import safe_bytes
+from trainguard.observe.terminal import safe_bytes, safe_cell
 from trainguard.platform.procs import alive, runs
 from trainguard.platform.store import JobRow, Store
 from trainguard.spec.secrets import redact_spec
@@ -121,7 +121,7 @@ def _print_stacks(faults: list[dict[str, Any]]) -> None:
             lines = str(text).splitlines()
             print(f"\nStacks of rank {rank} ({f['type']}, attempt {f['attempt']}):")
             for line in lines[:STACK_LINES]:
-                print(f"  {line}")
+                print(f"  {safe_cell(line)}")
             if len(lines) > STACK_LINES:
                 print(f"  ... {len(lines) - STACK_LINES} more lines: describe -o json")
 
@@ -150,7 +150,7 @@ def describe(store: Store, ref: str, output: str) -> int:
         ("Goodput", _goodput(data["accounting"])),
         ("Logs", data["logs_dir"]),
     ]:
-        print(f"{label + ':':<10} {value}")
+        print(f"{label + ':':<10} {safe_cell(str(value))}")
     print("\nNodes:")
     _table(
         [["NODE", "NODE RANK", "RANKS", "STATE", "ATTEMPT", "AGENT"]]
@@ -258,6 +258,9 @@ def _dash(value: object) -> str:
 
 
 def _table(rows: list[list[str]], indent: int = 0) -> None:
+    """Columns of text; what a worker may have written in a cell (a fault's message, a
+    worker event's) is shown with its control characters as escapes."""
+    rows = [[safe_cell(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = [c.ljust(w) for c, w in zip(row, widths, strict=True)]
