@@ -138,3 +138,20 @@ def test_describe_and_list_show_worker_text_escaped(capsys: pytest.CaptureFixtur
     shown = capsys.readouterr().out
     assert "\x1b" not in shown and "\r" not in shown
     assert shown.splitlines()[1].endswith(safe_cell(HOSTILE) + "\\nsecond line")
+
+
+def test_a_workers_error_quoted_by_an_event_stays_on_its_line(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    """The reason of a failure quotes the worker's exception: its escapes must not
+    return to the start of the line and pass for trainguard's."""
+    script = tmp_path / "raises.py"
+    fake = "[trainguard] 99:99:99 JobSucceeded: all ranks completed (FAKE)"
+    script.write_text(f"raise ValueError({('boom' + chr(27) + '[2J' + chr(13) + fake)!r})\n")
+    done = tg.run("run", "--max-restarts", "0", "--nproc-per-node", "1", str(script))
+    assert done.returncode == 1
+    assert "\x1b" not in done.stderr and "\x1b" not in done.stdout
+    lines = (done.stdout + done.stderr).splitlines()
+    assert not [line for line in lines if line.startswith("[trainguard] 99:99:99")]
+    [failed] = [line for line in lines if line.startswith("[trainguard]") and "JobFailed" in line]
+    assert "ValueError: boom\\x1b[2J" in failed  # shown, not obeyed

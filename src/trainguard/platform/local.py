@@ -38,7 +38,7 @@ from trainguard.hosts.security import write_token_file
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
 from trainguard.observe.summary import fault_summary
-from trainguard.observe.terminal import safe_bytes, safe_text, silence
+from trainguard.observe.terminal import safe_bytes, safe_cell, silence
 from trainguard.platform.base import Cancel
 from trainguard.platform.book import ReportBook
 from trainguard.platform.config import control_config, fence_after
@@ -526,9 +526,9 @@ class LocalRunner:
 
     def _say(self, message: str, locked: bool = False) -> None:
         """A line to the user (stderr); ``locked``: the caller holds the output lock.
-        Control characters in it (a worker's error quoted in an event) are shown as
-        escapes (observe/terminal.py)."""
-        message = safe_text(message)
+        One line: control characters in it, a newline included (a worker's error quoted
+        in an event), are shown as escapes (observe/terminal.py)."""
+        message = safe_cell(message)
         with contextlib.nullcontext() if locked else self._out_lock:
             self._show(self.err, f"[trainguard] {message}\n")
 
