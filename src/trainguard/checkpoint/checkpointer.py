@@ -141,6 +141,9 @@ class Checkpointer:
 
         The first save pre-faults its own slot; the other slots are then prepared in the
         background, so that every later save runs at copy speed.
+
+        A memory tier with no room (ENOSPC) is not an error: the save returns False, once
+        loudly, and the tier is tried again a while later (:mod:`.room`).
         """
         if self._closed:
             raise RuntimeError("Checkpointer.save() after close()")
