@@ -347,3 +347,35 @@ def test_a_ranked_checkpointer_is_made_again_when_rank_or_world_changes(
     assert second.config.memory_dir == shm and second.config.job_id == "job-a"
     ranked.close()
     ranked.close()  # nothing left to close
+
+
+def test_every_skipped_memory_shard_is_an_event(
+    shm: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Issue 38: only checksum skips were on the timeline; a truncated shard, a meta that
+    is not one and another job's shard were skipped with a log line only."""
+    with _ckpt(shm, memory_keep=4) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, _state(step))
+    foreign, truncated, garbage = _slot_of(shm, 2), _slot_of(shm, 3), _slot_of(shm, 4)
+    meta = json.loads(foreign.read_text())
+    foreign.write_text(json.dumps({**meta, "job_id": "job-b"}))
+    os.truncate(truncated.with_suffix(".data"), 10)
+    garbage.write_text("{not json")
+    monkeypatch.setenv("TRAINGUARD_EVENT_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    state = _blank()
+    with _ckpt(shm, memory_keep=4) as ckpt:
+        assert ckpt.load_latest(state) == 1
+    _assert_restored(state, 1)
+    events = [json.loads(line) for line in (tmp_path / "rank-0.jsonl").read_text().splitlines()]
+    skipped = {e["data"]["file"]: e for e in events if e["kind"] == "CheckpointSkipped"}
+    assert set(skipped) == {str(foreign), str(truncated), str(garbage)}
+    assert "belongs to job 'job-b'" in skipped[str(foreign)]["data"]["reason"]
+    assert skipped[str(foreign)]["data"]["step"] == 2
+    assert "data has 10 bytes" in skipped[str(truncated)]["data"]["reason"]
+    assert skipped[str(truncated)]["data"]["step"] == 3
+    assert "unreadable meta" in skipped[str(garbage)]["data"]["reason"]
+    assert skipped[str(garbage)]["data"]["step"] is None
+    assert all(e["data"]["tier"] == "memory" for e in skipped.values())
+    assert str(garbage) in skipped[str(garbage)]["message"]

@@ -29,6 +29,18 @@ def test_emit_and_read_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert second.seq > first.seq and second.kind == "CheckpointCommitted"
 
 
+def test_a_worker_cannot_report_a_controllers_event(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38: a worker writes its event file itself; a JobSucceeded of its making
+    would be printed as "[trainguard] ... JobSucceeded" and enter the timeline."""
+    monkeypatch.setenv(EVENT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    worker_events.emit("JobSucceeded", "all ranks completed (FAKE)")
+    worker_events.emit("CheckpointRestored", "restored step 7", step=7)
+    assert [e.kind for e in read_events(tmp_path)] == ["CheckpointRestored"]
+
+
 def test_emit_is_a_no_op_outside_trainguard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

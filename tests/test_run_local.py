@@ -13,6 +13,7 @@ from pathlib import Path
 
 from conftest import FAKE_WORKER, REPO, Trainguard, pid_alive, wait_for, worker_pids, write_job
 from trainguard.cli import main
+from trainguard.platform.local import MEMORY_ROOT
 from trainguard.platform.store import DB_NAME, Store
 
 TORCHRUN_KEYS = (
@@ -224,11 +225,17 @@ def test_killed_controller_without_grace_leaves_no_orphans(tg: Trainguard, tmp_p
     proc = tg.popen("run", "-f", str(spec))
     wait_for(lambda: len(list(out.glob("rank-*.json"))) == 2)
     pids = worker_pids(out)
+    job = tg.only_job()
+    memory = MEMORY_ROOT / job["id"]
+    assert memory.is_dir()
     proc.kill()
     proc.communicate(timeout=30)
     wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=30)
     job = tg.only_job()
     assert job["phase"] == "Lost"
+    # Issue 38: the nodes' memory tiers (RAM) were left behind; nobody resumes from them.
+    wait_for(lambda: not any(pid_alive(n["agent_pid"]) for n in job["nodes"]), timeout=30)
+    wait_for(lambda: not memory.exists(), timeout=30)  # the last agent out removes it
 
 
 def test_heartbeat_timeout_is_a_hang_of_that_rank(tg: Trainguard, tmp_path: Path) -> None:

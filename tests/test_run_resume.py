@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from conftest import SCRIPTS, Trainguard, pid_alive, wait_for, write_job
+from trainguard.platform.local import MEMORY_ROOT
 
 STEPS = 1500  # 10 ms each: ~15 s of training, killed a few seconds in
 
@@ -128,7 +129,7 @@ def test_agents_stop_their_workers_and_free_memory_when_no_controller_comes_back
     run, job = started(tg, "-f", str(spec))
     job_id = job["id"]
     wait_for(lambda: len(rank_steps(tg.describe(job_id), 1)) >= 10, timeout=120)
-    memory = Path("/dev/shm/trainguard") / job_id
+    memory = MEMORY_ROOT / job_id
     assert memory.is_dir()
     kill_controller(run, tg, job_id)
     lost = tg.describe(job_id)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 
@@ -17,6 +16,7 @@ from trainguard.kube.flags import (
     run_on_cluster,
     wants_cluster,
 )
+from trainguard.observe.terminal import silence
 from trainguard.platform import views
 from trainguard.platform.inject import INJECT_HELP
 from trainguard.platform.store import JobNotFound, StateDirError, open_store
@@ -414,9 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # Whoever read our output stopped (`trainguard list | head`): no traceback, and
         # nothing more to flush into the closed pipe at exit.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        silence(sys.stdout)
         return EXIT_BROKEN_PIPE
 
 

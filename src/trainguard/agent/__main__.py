@@ -364,12 +364,18 @@ def _serve(
     exit_code = 0
     deadline: float | None = None
     watch, orphaned = supervisor.controller, False
+    # The controller is gone for good (grace over, or, with no grace, it died): nobody
+    # resumes from this node's memory tier; it is freed once the workers are stopped
+    # (a worker still saving would otherwise make it again).
+    free_tier = False
     while not supervisor.done.wait(0.2):
         if received and deadline is None:
             name = signal.Signals(received[0]).name
             exit_code = 128 + received[0]
             supervisor.request_shutdown(f"agent received {name}")
             deadline = time.monotonic() + timings.shutdown_timeout
+            # No grace: a SIGTERM with our parent gone is its death (PR_SET_PDEATHSIG).
+            free_tier = args.parent_pid is not None and os.getppid() != args.parent_pid
         elif watch is not None and deadline is None:
             if watch.gone_for() is not None and not orphaned:
                 orphaned = True
@@ -380,16 +386,19 @@ def _serve(
             if (why := watch.expired()) is not None:
                 supervisor.request_shutdown(why)
                 deadline = time.monotonic() + timings.shutdown_timeout
-                if memory_dir:  # nobody will resume from this node's memory tier: free it
-                    _remove_memory(Path(memory_dir).parent)
+                free_tier = True
             elif orphaned and watch.gone_for() is None:
                 orphaned = False
                 logger.info("controller pid %d attached", watch.pid)
         elif deadline is not None and time.monotonic() > deadline:
             # Exiting is enough: the workers' parent-death signal kills them.
             logger.error("supervisor did not stop its workers in time; exiting anyway")
+            if free_tier and memory_dir:
+                _remove_memory(Path(memory_dir).parent)
             os._exit(EXIT_STUCK)
     server.stop()
+    if free_tier and memory_dir:
+        _remove_memory(Path(memory_dir).parent)
     logger.info("agent exits: %s", supervisor.snapshot().reason)
     return exit_code
 

@@ -35,6 +35,7 @@ from typing import IO, Any, NamedTuple, Protocol
 
 from trainguard.agent.client import AgentClient, AgentError
 from trainguard.checkpoint.files import checksum
+from trainguard.checkpoint.tier_dir import open_private, private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -169,11 +170,11 @@ class ReplicaStore:
         """Write ``length`` bytes of ``stream`` to ``source/relpath`` (atomically: nothing
         of it stays when the stream fails or ends early)."""
         target = self.root / _safe_name(source) / _safe_relpath(relpath)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(target.parent)
         tmp = target.parent / f".tmp-{target.name}-{threading.get_ident()}"
         remaining = length
         try:
-            with open(tmp, "wb") as out:
+            with open_private(tmp) as out:
                 while remaining > 0:
                     chunk = stream.read(min(CHUNK_BYTES, remaining))
                     if not chunk:
@@ -334,14 +335,13 @@ def restore_from_peers(
             continue
         if not files:
             continue
-        memory_dir.mkdir(parents=True, exist_ok=True)
         for entry in files:
             target = memory_dir / _safe_relpath(entry["path"])
-            target.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(target.parent)
             tmp = target.parent / f".tmp-{target.name}"
             with (
                 _request(replica_url(base, source, entry["path"]), token) as response,
-                open(tmp, "wb") as out,
+                open_private(tmp) as out,
             ):
                 shutil.copyfileobj(response, out, CHUNK_BYTES)
             os.replace(tmp, target)

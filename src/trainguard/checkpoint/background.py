@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.copying import CopyDone, on_device
 from trainguard.checkpoint.memory import MemoryTier
+from trainguard.checkpoint.room import no_room
 from trainguard.checkpoint.shard import checksum
 from trainguard.monitor import worker_events
 
@@ -198,18 +199,37 @@ class Background:
             # A thread's current CUDA device is 0 until set: page-lock for the rank's own.
             with on_device(task.device):
                 for slot in task.slots:
-                    self.memory.prepare_slot(slot, task.nbytes, task.pin)
+                    try:
+                        self.memory.prepare_slot(slot, task.nbytes, task.pin)
+                    except OSError as exc:
+                        if not no_room(exc):
+                            raise
+                        # Not an error: the save that needs the slot meets it (room.py).
+                        log.warning("memory slot %d not prepared: %s", slot, exc)
+                        return
             return
         if task.copy is not None:  # a non-blocking save: commit once its copies are done
             task.copy.wait()
-            self.memory.commit(task.slot, task.meta)
+            if not self._commit(task.slot, task.meta):
+                return
         self._persist(task)
+
+    def _commit(self, slot: int, meta: dict[str, Any]) -> bool:
+        """Write ``slot``'s meta; False when the memory tier has no room for it (not an
+        error: that snapshot is not offered, or stays copy-complete; see room.py)."""
+        try:
+            self.memory.commit(slot, meta)
+        except OSError as exc:
+            if not no_room(exc):
+                raise
+            log.warning("memory slot %d: meta of step %s not written: %s", slot, meta["step"], exc)
+            return False
+        return True
 
     def _persist(self, task: Snapshot) -> None:
         with self.memory.data(task.slot, task.meta["nbytes"]) as data:
             meta = {**task.meta, "checksum": checksum(data, self._pause)}
-            self.memory.commit(task.slot, meta)
-            if not task.durable:
+            if not self._commit(task.slot, meta) or not task.durable:
                 return
             started = time.monotonic()
             self._durable().write_shard(task.step, self.config.rank, data, meta)

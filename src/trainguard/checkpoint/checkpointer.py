@@ -27,6 +27,7 @@ from trainguard.checkpoint.copying import (
     synchronize_devices,
 )
 from trainguard.checkpoint.memory import MemoryShard, MemoryTier, default_memory_dir
+from trainguard.checkpoint.room import MemoryRoom, no_room
 from trainguard.checkpoint.save_times import SaveTimes
 from trainguard.checkpoint.shard import (
     ShardInvalid,
@@ -110,6 +111,7 @@ class Checkpointer:
             keep=cfg.memory_keep,
             hold=cfg.durable_writer == "agent",
         )
+        self._room = MemoryRoom(cfg.memory_dir, cfg.rank)  # a full tier is skipped a while
         self.last_restore: Restore | None = None
         self._save_times = SaveTimes(enabled=cfg.rank == 0)
         self._durable: DurableTier | None = None
@@ -139,6 +141,9 @@ class Checkpointer:
 
         The first save pre-faults its own slot; the other slots are then prepared in the
         background, so that every later save runs at copy speed.
+
+        A memory tier with no room (ENOSPC) is not an error: the save returns False, once
+        loudly, and the tier is tried again a while later (:mod:`.room`).
         """
         if self._closed:
             raise RuntimeError("Checkpointer.save() after close()")
@@ -147,13 +152,21 @@ class Checkpointer:
         self._background.raise_error()
         if not force and step % self.config.memory_every_steps:
             return False
+        if self._room.full:  # no room in the memory tier lately: not tried again yet
+            return False
         started = time.perf_counter()
         layout, tensors = flatten(capture(state))
         cuda = has_cuda(tensors)
         slot = self.memory.choose_slot(step)
         self._background.wait_for_slot(slot, step)
         with self._background.copying():
-            buffer, prepared = self.memory.begin(slot, layout.nbytes, pin=cuda)
+            try:
+                buffer, prepared = self.memory.begin(slot, layout.nbytes, pin=cuda)
+            except OSError as exc:
+                if not no_room(exc):
+                    raise
+                self._room.no_room(step, exc)  # training goes on (checkpoint/room.py)
+                return False
             copy = copy_to_host(buffer, layout.entries, tensors)
             if blocking:
                 copy.wait()
@@ -171,7 +184,13 @@ class Checkpointer:
             meta["persist"] = force or bool(every and step % every == 0)
             durable = False
         if blocking:
-            self.memory.commit(slot, meta)
+            try:
+                self.memory.commit(slot, meta)
+            except OSError as exc:
+                if not no_room(exc):
+                    raise
+                self._room.no_room(step, exc)
+                return False
         else:  # committed in the background; the next save must not choose this slot
             self.memory.reserve(slot, step)
         self._background.submit(Snapshot(step, slot, meta, durable, None if blocking else copy))
@@ -180,6 +199,7 @@ class Checkpointer:
             if others:
                 self._background.submit(Prepare(others, layout.nbytes, cuda, copy.device))
         self._save_times.add(step, time.perf_counter() - started)
+        self._room.fits(step)
         return True
 
     def _durable_due(self, step: int, force: bool) -> bool:
@@ -253,7 +273,10 @@ class Checkpointer:
         started = time.perf_counter()
         cfg = self.config
         attempt = writer_attempt(self._environ)
-        memory = self._trusted(self.memory.shards(), attempt)
+        memory = self._trusted(
+            self.memory.shards(lambda where, step, why: self._skipped("memory", step, where, why)),
+            attempt,
+        )
         durable: list[int] = []
         if cfg.durable:
             try:
@@ -276,7 +299,7 @@ class Checkpointer:
         cuda = has_cuda(tensors)
         if step is None or loaded is None:
             log.info("no checkpoint to restore (rank %d offered %s)", cfg.rank, sorted(offer))
-            self.memory.prepare(own.nbytes, pin=cuda)
+            self._prepare(own.nbytes, pin=cuda)
             return None
         tier, layout, buffer = loaded
         if cuda and tier == "memory":  # page-locked: the host-to-device copies run at DMA speed
@@ -288,7 +311,7 @@ class Checkpointer:
         self.last_restore = Restore(step, tier, seconds)
         del buffer, loaded
         self.memory.drop_newer_than(step)
-        self.memory.prepare(layout.nbytes, pin=cuda)
+        self._prepare(layout.nbytes, pin=cuda)
         log.info("rank %d restored step %d from %s in %.3f s", cfg.rank, step, tier, seconds)
         worker_events.emit(
             "CheckpointRestored",
@@ -300,6 +323,15 @@ class Checkpointer:
         if cfg.rank == 0:
             print(f"Restored step {step} from {tier} in {seconds:.3f} s", flush=True)
         return step
+
+    def _prepare(self, nbytes: int, pin: bool) -> None:
+        """Ready the memory slots for ``nbytes``; a tier with no room is not an error."""
+        try:
+            self.memory.prepare(nbytes, pin=pin)
+        except OSError as exc:
+            if not no_room(exc):
+                raise
+            self._room.no_room(None, exc)
 
     def _trusted(
         self, shards: dict[int, MemoryShard], attempt: int | None
@@ -317,16 +349,19 @@ class Checkpointer:
                 self._skipped("memory", step, self.memory.meta_path(shard.slot), refusal)
         return trusted
 
-    def _skipped(self, tier: str, step: int, where: str, why: object) -> None:
-        """Log, and put on the job's timeline, a shard of this rank that is not loaded."""
+    def _skipped(self, tier: str, step: int | None, where: str, why: object) -> None:
+        """Log, and put on the job's timeline, a shard of this rank that is not loaded
+        (``step``: None where its meta does not say)."""
         rank = self.config.rank
-        log.warning("%s tier: skipping %s (step %d, rank %d): %s", tier, where, step, rank, why)
+        which = "a shard" if step is None else f"step {step}"
+        log.warning("%s tier: skipping %s (%s, rank %d): %s", tier, where, which, rank, why)
         worker_events.emit(
             "CheckpointSkipped",
-            f"rank {rank} skipped step {step} in {tier}: {why}",
+            f"rank {rank} skipped {which} in {tier}: {why} ({where})",
             step=step,
             tier=tier,
             reason=str(why),
+            file=where,
         )
 
     def _fetch(

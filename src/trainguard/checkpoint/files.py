@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import xxhash
 
+from trainguard.checkpoint.tier_dir import open_private
+
 __all__ = ["CHECKSUM_ALGORITHM", "HOLD_FILE", "checksum", "hold_from", "write_hold"]
 
 CHECKSUM_ALGORITHM = "xxh3_128"
@@ -60,6 +62,6 @@ def write_hold(directory: str, from_step: int | None) -> None:
             os.unlink(path)
         return
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as file:
+    with open_private(tmp) as file:
         file.write(json.dumps({"from_step": from_step}).encode())
     os.replace(tmp, path)

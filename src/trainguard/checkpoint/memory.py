@@ -42,7 +42,7 @@ import logging
 import mmap
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,7 @@ from trainguard.checkpoint import host_memory
 from trainguard.checkpoint.files import hold_from
 from trainguard.checkpoint.shard import ShardInvalid, check_identity, layout_of
 from trainguard.checkpoint.state import Layout
+from trainguard.checkpoint.tier_dir import open_private, private_dir, user_root
 
 __all__ = ["MemoryShard", "MemoryTier", "default_memory_dir"]
 
@@ -66,7 +67,12 @@ def default_memory_dir(environ: Mapping[str, str] | None = None) -> str:
     """``/dev/shm/trainguard-<uid>/<TORCHELASTIC_RUN_ID or "local">`` (outside trainguard)."""
     env = os.environ if environ is None else environ
     run_id = env.get("TORCHELASTIC_RUN_ID") or "local"
-    return os.path.join("/dev/shm", f"trainguard-{os.getuid()}", run_id)
+    return str(user_root() / run_id)
+
+
+Skipped = Callable[[str, "int | None", str], None]
+"""Told of a shard :meth:`MemoryTier.shards` skips: its meta file, its step (None: not
+known), and why."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +178,7 @@ class MemoryTier:
         self.hold = hold
         self.slots = keep + 1 if hold else keep
         self._flagged: dict[int, bool] = {}  # slot -> its meta asks to be persisted
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        private_dir(directory)  # 0700, this user's own (tier_dir.py)
         self._slots: dict[int, _Slot] = {}
         self._steps: dict[int, int] | None = None  # slot -> committed step (writable slots)
 
@@ -205,25 +211,38 @@ class MemoryTier:
     def read_meta(self, slot: int) -> dict[str, Any] | None:
         """The meta of ``slot``; None if it has none (empty, being written, or torn)."""
         try:
+            return self._meta(slot)
+        except ShardInvalid as exc:
+            log.warning("memory tier: skipping %s: %s", self.meta_path(slot), exc)
+            return None
+
+    def _meta(self, slot: int) -> dict[str, Any] | None:
+        """The meta of ``slot``, None if there is none; ShardInvalid: it is not one."""
+        try:
             with open(self.meta_path(slot), "rb") as file:
                 meta = json.loads(file.read())
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
-            log.warning("memory tier: skipping %s: unreadable meta (%s)", self.meta_path(slot), exc)
-            return None
-        return meta if isinstance(meta, dict) else None
+            raise ShardInvalid(f"unreadable meta ({exc})") from None
+        if not isinstance(meta, dict):
+            raise ShardInvalid("the meta is not a JSON object")
+        return meta
 
-    def shards(self) -> dict[int, MemoryShard]:
+    def shards(self, skipped: Skipped | None = None) -> dict[int, MemoryShard]:
         """Step -> shard for every slot whose meta belongs to this job and rank.
 
-        Cheap (no checksum): foreign, malformed or short shards are logged and skipped;
-        the checksum (or, without one, the writer) is checked by the Checkpointer on the
-        step actually restored.
+        Cheap (no checksum): foreign, malformed or short shards are skipped, each told to
+        ``skipped`` (default: logged); the checksum (or, without one, the writer) is
+        checked by the Checkpointer on the step actually restored.
         """
         found: dict[int, MemoryShard] = {}
         for slot in self._slot_indexes():
-            meta = self.read_meta(slot)
+            try:
+                meta = self._meta(slot)
+            except ShardInvalid as exc:
+                self._skip(skipped, slot, None, exc)
+                continue
             if meta is None:
                 continue
             try:
@@ -235,15 +254,22 @@ class MemoryTier:
                 if size < layout.nbytes:
                     raise ShardInvalid(f"data has {size} bytes, meta says {layout.nbytes}")
             except (ShardInvalid, OSError) as exc:
-                log.warning(
-                    "memory tier: skipping %s (step %s, rank %d): %s",
-                    self.meta_path(slot), meta.get("step"), self.rank, exc,
-                )  # fmt: skip
+                step = meta.get("step")
+                self._skip(skipped, slot, step if isinstance(step, int) else None, exc)
                 continue
             step = int(meta["step"])
             if step not in found or slot < found[step].slot:
                 found[step] = MemoryShard(slot, step, meta)
         return found
+
+    def _skip(self, skipped: Skipped | None, slot: int, step: int | None, why: Exception) -> None:
+        where = self.meta_path(slot)
+        if skipped is not None:
+            skipped(where, step, str(why))
+        else:
+            log.warning(
+                "memory tier: skipping %s (step %s, rank %d): %s", where, step, self.rank, why
+            )
 
     def data(self, slot: int, nbytes: int) -> memoryview:
         """The first ``nbytes`` of ``slot``'s data (a view of the mapping)."""
@@ -341,7 +367,7 @@ class MemoryTier:
         """Make ``slot`` loadable with ``meta`` (tmp file + rename)."""
         path = self.meta_path(slot)
         tmp = f"{path}.tmp"
-        with open(tmp, "wb") as file:
+        with open_private(tmp) as file:
             file.write(json.dumps(meta, separators=(",", ":")).encode())
         os.replace(tmp, path)
         if self._steps is not None and isinstance(meta.get("step"), int):

@@ -8,7 +8,7 @@ in the checkpoint; a rollback to an older step finds the batches behind in the c
 (at least ``lookback`` steps, more as room allows).
 
 Where: ``<memory tier's node directory>/data/<name>-<fingerprint>`` under trainguard
-(``/dev/shm/trainguard/<job>/<node>/...`` locally), removed with the memory tier when the
+(``/dev/shm/trainguard-<uid>/<job>/<node>/...`` locally), removed with the memory tier when the
 job ends; else ``/dev/shm/trainguard-data-<uid>/<TORCHELASTIC_RUN_ID or "local">/...``,
 which nothing removes (`DataCache.directory`).
 """
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.config import MEMORY_DIR_ENV
+from trainguard.checkpoint.tier_dir import SHM, private_dir
 from trainguard.data.plan import Board, cover
 from trainguard.data.reader import Election, Settings, open_layout
 from trainguard.data.slots import Key, SlotFile
@@ -85,7 +86,7 @@ class DataCache:
         digest = hashlib.sha256(self._direct.fingerprint().encode()).hexdigest()[:12]
         root = Path(directory) if directory is not None else _default_root()
         self.directory = root / f"{name}-{digest}"
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(self.directory)
         self._board = Board(self.directory / "board")
         self._slots: SlotFile | None = None
         self.step = 0
@@ -226,11 +227,7 @@ def _default_root() -> Path:
     if memory:
         return Path(memory).parent / "data"
     run = os.environ.get("TORCHELASTIC_RUN_ID") or "local"
-    base = Path("/dev/shm") / f"trainguard-data-{os.getuid()}"
-    base.mkdir(mode=0o700, exist_ok=True)
-    if base.is_symlink() or base.stat().st_uid != os.getuid():
-        raise PermissionError(f"{base} is not this user's own directory: pass directory=")
-    return base / run
+    return private_dir(SHM / f"trainguard-data-{os.getuid()}") / run
 
 
 def _local_index() -> int:

@@ -39,6 +39,7 @@ from aiohttp import web
 
 from trainguard.health.suite import Peers
 from trainguard.hosts.addresses import Endpoint, LocalAddress
+from trainguard.observe.terminal import safe_bytes
 from trainguard.platform.inbox import RouteServer, bearer_ok
 from trainguard.platform.node import AgentLauncher, LocalNode
 from trainguard.wire.base import WireError, parse_json
@@ -327,14 +328,21 @@ class HostDaemon:
             self._shutdown_node(node_id)
 
     def _pump(self, stream: IO[bytes]) -> None:
+        """Copy an agent's console to ours, control characters shown as escapes
+        (observe/terminal.py). A console that went away (a closed pipe) is dropped, and
+        the agent's pipe still drained: the job goes on."""
         out = self._out
         try:
             for raw in iter(stream.readline, b""):
-                if out is not None:
-                    out.write(raw)
+                if out is None:
+                    continue
+                try:
+                    out.write(safe_bytes(raw).encode())
                     out.flush()
+                except (OSError, ValueError):
+                    out = None
         except (OSError, ValueError):
-            pass
+            pass  # the agent's pipe was closed under us at shutdown
 
     # -- HTTP to the controller ----------------------------------------------------------
 

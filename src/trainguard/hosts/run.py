@@ -38,6 +38,7 @@ from trainguard.hosts.security import (
     write_token_file,
 )
 from trainguard.netlimits import raise_nofile
+from trainguard.observe.terminal import safe_cell
 from trainguard.platform.config import control_config, fence_after
 from trainguard.platform.inbox import ListenError
 from trainguard.platform.inject import Injection
@@ -166,8 +167,8 @@ def _join(
 ) -> int:
     spec = redact_spec(plan.job.model_dump(mode="json", by_alias=True))
 
-    def say(line: str) -> None:
-        print(f"[trainguard] {line}", file=sys.stderr, flush=True)
+    def say(line: str) -> None:  # one line, however a worker's error it quotes reads
+        print(f"[trainguard] {safe_cell(line)}", file=sys.stderr, flush=True)
 
     def make_launcher(reply: JoinReply) -> AgentLauncher:
         job_dir = store.root / "jobs" / reply.job_id

@@ -25,6 +25,22 @@ EVENT_DIR_ENV: Final = "TRAINGUARD_EVENT_DIR"
 # A rank's events the agent reports: its latest ones (a restarted worker starts a new file).
 MAX_EVENTS_PER_RANK: Final = 100
 _FILE = re.compile(r"rank-(\d+)\.jsonl")
+# The kinds a worker reports. Any other is not the worker's to report: a worker writes
+# its event file itself, and a "JobSucceeded" of its making would read as the
+# controller's on the console and the timeline. Such lines are skipped.
+WORKER_KINDS: Final = frozenset(
+    {
+        "CheckpointRestored",
+        "CheckpointSkipped",
+        "CheckpointSaved",
+        "CheckpointCommitted",
+        "CheckpointMemoryFull",
+        "InProcessRestart",
+        "AttemptJoined",
+        "CudaUnhealthy",
+        "BarrierTimeout",
+    }
+)
 _lock = threading.Lock()
 _seq = 0
 
@@ -50,7 +66,8 @@ def emit(kind: str, message: str, **data: Any) -> None:
 
 
 def read_events(directory: str | Path) -> list[WorkerEvent]:
-    """Every rank's latest events (at most MAX_EVENTS_PER_RANK each); bad lines are skipped."""
+    """Every rank's latest events (at most MAX_EVENTS_PER_RANK each); bad lines, and
+    kinds not in WORKER_KINDS, are skipped."""
     events: list[WorkerEvent] = []
     try:
         entries = sorted(Path(directory).iterdir())
@@ -69,7 +86,7 @@ def read_events(directory: str | Path) -> list[WorkerEvent]:
                 raw = json.loads(line)
             except ValueError:
                 continue  # a line being written
-            if isinstance(raw, dict):
+            if isinstance(raw, dict) and raw.get("kind") in WORKER_KINDS:
                 raw["rank"] = int(name.group(1))
                 try:
                     events.append(WorkerEvent.model_validate(raw, strict=False))

@@ -13,8 +13,9 @@ prefixed, to its stdout, a pipe that the runner copies to ours
 go to stderr (``[trainguard] ...``). No other process writes to the terminal, so the
 runner draws the live line itself: every line, stdout's or stderr's, goes through
 :meth:`LiveLine.above`, which erases the live line, writes the line and draws the live
-line again under it (one write when both are on stdout). The lines themselves are
-written as they are.
+line again under it (one write when both are on stdout). The lines are shown with their
+control characters as escapes (:mod:`trainguard.observe.terminal`): a worker's ``\r`` or
+escape sequence can neither erase the live line nor its own rank prefix.
 
 Only on a terminal. :func:`live_wanted` says no when stdout is not one (piped output
 stays byte for byte as without it), for ``TERM=dumb``, and ``trainguard run --no-live``
@@ -33,6 +34,7 @@ The text is a pure function of its values (:func:`live_text`), and so is the rat
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TextIO
 
 from trainguard.control.events import Event
+from trainguard.observe.terminal import safe_text
 
 if TYPE_CHECKING:
     from trainguard.control.controller import JobController
@@ -252,7 +255,9 @@ class LiveLine:
                 self._closed = True
 
     def above(self, stream: TextIO, text: str) -> None:
-        """Write ``text`` (whole lines) to ``stream`` above the live line."""
+        """Write ``text`` (whole lines) to ``stream`` above the live line, its control
+        characters shown as escapes."""
+        text = safe_text(text)
         found = _TOTAL.search(text)
         with self._lock:
             if found is not None and (total := int(found.group(1))) > 0:
@@ -280,8 +285,9 @@ class LiveLine:
                 return
             self._closed = True
             if self._rendered:
-                self._stream.write(ERASE)
-                self._stream.flush()
+                with contextlib.suppress(OSError, ValueError):  # the terminal went away
+                    self._stream.write(ERASE)
+                    self._stream.flush()
 
     def _sample(self, sample: Sample) -> None:
         samples = self._samples

@@ -29,6 +29,7 @@ from trainguard.agent.logcap import RotatingFile
 from trainguard.agent.train_scripts import TrainScripts
 from trainguard.agent.warm import StartOptions
 from trainguard.agent.workers import HOST_WORKERS_ENV
+from trainguard.checkpoint.tier_dir import user_root
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.hosts.addresses import resolve
 from trainguard.hosts.controller_host import AGENT_CONTACT_TIMEOUT, ControllerHost, interface_env
@@ -37,6 +38,7 @@ from trainguard.hosts.security import write_token_file
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
 from trainguard.observe.summary import fault_summary
+from trainguard.observe.terminal import safe_bytes, safe_cell, silence
 from trainguard.platform.base import Cancel
 from trainguard.platform.book import ReportBook
 from trainguard.platform.config import control_config, fence_after
@@ -61,8 +63,9 @@ from trainguard.spec.plan import JobPlan, NodeGroupPlan
 from trainguard.spec.secrets import redact_spec, secret_storage_keys
 
 EXIT_INTERRUPTED = 130
-# Where the local platform keeps each node's memory checkpoint tier.
-MEMORY_ROOT = Path("/dev/shm/trainguard")
+# Where the local platform keeps each node's memory checkpoint tier: this user's own
+# (``/dev/shm/trainguard-<uid>``, 0700; checkpoint/tier_dir.py), a job's in ``<root>/<job>``.
+MEMORY_ROOT = user_root()
 
 SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
@@ -228,6 +231,7 @@ class LocalRunner:
         self.sigterm_reason = "terminated (SIGTERM)"
         self._out_lock = threading.Lock()
         self._console_log: RotatingFile | None = None  # capped like a rank's log
+        self._gone: list[TextIO] = []  # console streams whose reader went away
         self._terminal = LineThrottle()  # worker lines to the terminal: a share of them
         self.metrics = metrics  # serve Prometheus metrics (--metrics-port)
         self._live_wanted = live  # the live line on ``out`` (a terminal; observe/live.py)
@@ -548,12 +552,7 @@ class LocalRunner:
             for raw in iter(stream.readline, b""):
                 with self._out_lock:
                     if self._terminal.admit():  # the terminal gets its share; the file all
-                        line = raw.decode("utf-8", errors="replace")
-                        if self._live is not None:
-                            self._live.above(self.out, line)
-                        else:
-                            self.out.write(line)
-                            self.out.flush()
+                        self._show(self.out, safe_bytes(raw))  # shown, never obeyed
                     if self._console_log is not None:
                         self._console_log.write(raw)
                         self._console_log.flush()
@@ -562,13 +561,29 @@ class LocalRunner:
             pass  # the agent's pipe was closed under us at shutdown
 
     def _say(self, message: str, locked: bool = False) -> None:
-        """A line to the user (stderr); ``locked``: the caller holds the output lock."""
+        """A line to the user (stderr); ``locked``: the caller holds the output lock.
+        One line: control characters in it, a newline included (a worker's error quoted
+        in an event), are shown as escapes (observe/terminal.py)."""
+        message = safe_cell(message)
         with contextlib.nullcontext() if locked else self._out_lock:
+            self._show(self.err, f"[trainguard] {message}\n")
+
+    def _show(self, stream: TextIO, text: str) -> None:
+        """Write ``text`` to the console (above the live line, if there is one). The
+        caller holds the output lock. A console that is gone (``trainguard run | head``:
+        the reader stopped; a closed terminal) is no reason to stop the job: its writes
+        are dropped from then on, and the job and its record go on to the end."""
+        if stream in self._gone:
+            return
+        try:
             if self._live is not None:
-                self._live.above(self.err, f"[trainguard] {message}\n")
-                return
-            self.err.write(f"[trainguard] {message}\n")
-            self.err.flush()
+                self._live.above(stream, text)
+            else:
+                stream.write(text)
+                stream.flush()
+        except (OSError, ValueError):
+            self._gone.append(stream)
+            silence(stream)
 
     def _say_lines_not_shown(self, locked: bool = False, final: bool = False) -> None:
         """How many worker lines the terminal did not get lately (see throttle.py)."""

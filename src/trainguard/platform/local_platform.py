@@ -22,6 +22,7 @@ from pathlib import Path
 
 from trainguard.agent.client import AgentError
 from trainguard.agent.logs import orphaned_console
+from trainguard.checkpoint.tier_dir import private_dir
 from trainguard.control.actions import LaunchNodes
 from trainguard.control.assignment import Endpoint
 from trainguard.control.contact import Contact, contact
@@ -154,7 +155,7 @@ class LocalPlatform:
             self._launches += 1
             incarnation = f"{node_id}.{self._launches}"
             # <node>/memory: the node's own tier; <node>/replicas: its copies of its peers'.
-            (self.memory_root / node_id / "memory").mkdir(parents=True, exist_ok=True)
+            private_dir(self.memory_root / node_id / "memory")  # 0700 (tier_dir.py)
             self.book.reset(node_id, incarnation)
             self._awaiting.pop(node_id, None)
             self._launch_one(node_id, incarnation, Peers(rank, world, self.address, port))

@@ -11,11 +11,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from trainguard.observe.account import account
 from trainguard.observe.durable import DurableState, durable_state
 from trainguard.observe.history import load_history
+from trainguard.observe.terminal import safe_bytes, safe_cell
 from trainguard.platform.procs import alive, runs
 from trainguard.platform.store import JobRow, Store
 from trainguard.spec.secrets import redact_spec
@@ -123,7 +124,7 @@ def _print_stacks(faults: list[dict[str, Any]]) -> None:
             lines = str(text).splitlines()
             print(f"\nStacks of rank {rank} ({f['type']}, attempt {f['attempt']}):")
             for line in lines[:STACK_LINES]:
-                print(f"  {line}")
+                print(f"  {safe_cell(line)}")
             if len(lines) > STACK_LINES:
                 print(f"  ... {len(lines) - STACK_LINES} more lines: describe -o json")
 
@@ -153,7 +154,7 @@ def describe(store: Store, ref: str, output: str) -> int:
         ("Durable", DurableState.from_json(data["checkpoints"]).line()),
         ("Logs", data["logs_dir"]),
     ]:
-        print(f"{label + ':':<10} {value}")
+        print(f"{label + ':':<10} {safe_cell(str(value))}")
     if (data["source"] or "").startswith(JOINED):
         print(
             f"\nThis host {data['source']}: its record follows the job's phase and restarts,"
@@ -267,6 +268,9 @@ def _dash(value: object) -> str:
 
 
 def _table(rows: list[list[str]], indent: int = 0) -> None:
+    """Columns of text; what a worker may have written in a cell (a fault's message, a
+    worker event's) is shown with its control characters as escapes."""
+    rows = [[safe_cell(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = [c.ljust(w) for c, w in zip(row, widths, strict=True)]
@@ -329,13 +333,28 @@ def _rotation_index(path: Path) -> int:
 
 
 def _copy_out(path: Path, offset: int) -> int:
-    """Write ``path`` from ``offset`` to stdout; how many bytes (0 if it is gone)."""
+    """Write ``path`` from ``offset`` to stdout; how many bytes (0 if it is gone).
+
+    On a terminal, control characters are shown as escapes (observe/terminal.py); to a
+    pipe or a file, the bytes go out as the workers wrote them."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
             chunk = f.read()
     except FileNotFoundError:
         return 0
-    sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+    if _on_terminal(sys.stdout):
+        sys.stdout.write(safe_bytes(chunk))
+    else:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(chunk)
     sys.stdout.flush()
     return len(chunk)
+
+
+def _on_terminal(stream: TextIO) -> bool:
+    """A terminal, or a stream that takes only text (no bytes to pass on)."""
+    try:
+        return stream.isatty() or not hasattr(stream, "buffer")
+    except ValueError:  # closed
+        return False

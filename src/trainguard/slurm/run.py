@@ -35,6 +35,7 @@ from trainguard.control.events import Event, FaultType
 from trainguard.hosts.addresses import Endpoint, LocalAddress, resolve, route_to
 from trainguard.hosts.controller_host import ControllerHost
 from trainguard.hosts.security import TOKEN_ENV, TokenError, client_tls, server_tls
+from trainguard.observe.terminal import safe_cell
 from trainguard.platform.inject import Injection
 from trainguard.platform.local import (
     EXIT_INTERRUPTED,
@@ -102,8 +103,8 @@ def run_in_allocation(
     """The batch script's ``trainguard run`` (see the module doc); ``argv``: its own
     command line, which the other nodes run too."""
 
-    def say(line: str) -> None:
-        print(f"[trainguard] {line}", file=sys.stderr, flush=True)
+    def say(line: str) -> None:  # one line, however a worker's error it quotes reads
+        print(f"[trainguard] {safe_cell(line)}", file=sys.stderr, flush=True)
 
     try:
         alloc = Allocation.from_env()
