@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -98,4 +99,8 @@ for index, moments in sorted(optimizer.state_dict()["state"].items()):
         digest.update(f"{index}{key}".encode() + full(value).numpy().tobytes())
 if dist.get_rank() == 0:
     print(json.dumps({"start": start, "tier": tier, "digest": digest.hexdigest()}), flush=True)
+# Every rank done before any tears its group down (gloo in torch 2.13 may otherwise abort
+# a rank at exit, "terminate called without an active exception"; see ddp_script.py).
+dist.barrier()
+time.sleep(0.1)
 dist.destroy_process_group()
