@@ -131,12 +131,12 @@ def test_fsdp2_resumes_bit_identical_after_a_sigkill(fsdp_run: dict[str, Any]) -
 
 @pytest.mark.e2e
 @pytest.mark.long
-@pytest.mark.parametrize("where", ["memory", "replica", "durable"])
+@pytest.mark.parametrize("where", ["memory", "replica", "durable", "hsdp"])
 def test_an_elastic_shrink_from_4_to_2_ranks_reshards(fsdp_run: dict[str, Any], where: str) -> None:
-    """World 2 restores world 4's step 6: every parameter and moment equals the full
-    tensors of the uninterrupted run (the digest is over the full tensors)."""
+    """World 2 restores world 4's step 6 (and world 4 as HSDP): every parameter and moment
+    equals the full tensors of the uninterrupted run (the digest is over them)."""
     tmp: Path = fsdp_run["dir"]
-    tier = "durable" if where == "durable" else "memory"
+    tier = "durable" if where in ("durable", "hsdp") else "memory"
     if where == "memory":  # the node kept world 4's slots (a restart on this node)
         args = ["--memory-dir", str(tmp / "memory")]
     elif where == "replica":
@@ -153,7 +153,12 @@ def test_an_elastic_shrink_from_4_to_2_ranks_reshards(fsdp_run: dict[str, Any], 
         args = ["--memory-dir", str(node / "memory")]
     else:  # a new node: its memory is empty
         args = ["--memory-dir", str(tmp / "new-memory"), "--durable-url", str(tmp / "durable")]
-    restored = _result(_torchrun(2, *args))
+    world = 2
+    if where == "hsdp":  # the same 4 ranks as HSDP: a 2 x 2 mesh, (Replicate, Shard(0))
+        args = ["--layout", "hsdp", "--memory-dir", str(tmp / "hsdp-memory")]
+        args += ["--durable-url", str(tmp / "durable")]
+        world = 4
+    restored = _result(_torchrun(world, *args))
     assert (restored["start"], restored["tier"]) == (6, tier)
     assert restored["digest"] == fsdp_run["plain"]["digest"]
 

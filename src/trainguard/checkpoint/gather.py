@@ -122,8 +122,11 @@ def gather(
     (``read_shard(step, rank)``); :class:`ShardInvalid` naming the first one missing."""
     world, held = _from_memory(directory, job_id, step, world_size)
     if not world and durable is not None:
-        _, meta = durable(step, 0)
-        world = int(meta.get("world_size", 0))
+        try:
+            _, meta = durable(step, 0)
+            world = int(meta.get("world_size", 0))
+        except Exception as exc:  # unreadable: this rank reports the step unavailable
+            raise ShardInvalid(f"step {step}: rank 0's durable shard: {exc}") from exc
     if world < 1:
         raise ShardInvalid(f"step {step}: no shard of it here or in the durable tier")
     saved = []
