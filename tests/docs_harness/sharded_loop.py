@@ -10,7 +10,9 @@ cases (a SIGKILL, 4 -> 2 ranks, TP) are tests/test_checkpoint_sharded.py.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -37,6 +39,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None
 
 def namespace() -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="tg-docs-sharded-")
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     os.environ["TRAINGUARD_CHECKPOINT_MEMORY_DIR"] = os.path.join(work, "memory")
     for name in ("RANK", "WORLD_SIZE"):
         os.environ.pop(name, None)
