@@ -42,8 +42,10 @@ def train_step(step: int) -> None:
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
+    logged = loss.detach().clone()
+    dist.all_reduce(logged)  # the mean over the ranks, as torchtitan logs it
     if rank == 0:
-        print(f"step {step} loss {loss.item():.10f}", flush=True)
+        print(f"step {step} loss {logged.item() / world_size:.10f}", flush=True)
     time.sleep(args.step_sleep)
 
 
