@@ -52,9 +52,9 @@ def plain_run(tmp_path: Path, *args: str) -> tuple[list[tuple[int, str]], dict[s
     final = tmp_path / "plain.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    script = [str(PLAIN), "--steps", str(STEPS), *args, "--save-final", str(final)]
     done = subprocess.run(
-        [*torchrun, "--nproc-per-node", "4", str(PLAIN), "--steps", str(STEPS), *args]
-        + ["--save-final", str(final)],
+        [*torchrun, "--nproc-per-node", "4", *script],
         env=env,
         capture_output=True,
         text=True,
