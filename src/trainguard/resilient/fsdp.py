@@ -46,18 +46,18 @@ _modules: list[FSDPModule] = []
 def fully_shard(module: Any, **kwargs: Any) -> Any:
     """``torch.distributed.fsdp.fully_shard(module, **kwargs)``, its groups followed across
     in-process restarts under trainguard (see the module doc)."""
+    under_trainguard = bool(os.environ.get(CONTROL_DIR_ENV))
+    if under_trainguard:
+        given = kwargs.get("mesh")
+        if not isinstance(given, DeviceMesh) or meshes.mesh_index(given) is None:
+            raise ValueError(
+                "trainguard.resilient.fully_shard: pass mesh= a mesh made by "
+                "trainguard.resilient.init_device_mesh (its groups are made again after "
+                "an in-process restart)"
+            )
     sharded = torch_fully_shard(module, **kwargs)
-    if os.environ.get(CONTROL_DIR_ENV):
-        for made in sharded if isinstance(sharded, list) else [sharded]:
-            info = _infos(made)
-            unknown = [i.mesh for i in info if meshes.mesh_index(i.mesh) is None]
-            if unknown:
-                raise ValueError(
-                    "trainguard.resilient.fully_shard: the mesh must come from "
-                    "trainguard.resilient.init_device_mesh (its groups are made again "
-                    "after an in-process restart)"
-                )
-            _modules.append(made)
+    if under_trainguard:
+        _modules.extend(sharded if isinstance(sharded, list) else [sharded])
         meshes.on_rebind(_rebind)
     return sharded
 
