@@ -27,16 +27,18 @@ infos' ``__post_init__`` that reads the groups from ``mesh.get_group``, and
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo
 
 from trainguard.resilient import mesh as meshes
 from trainguard.resilient.protocol import CONTROL_DIR_ENV
+
+if TYPE_CHECKING:  # torch.distributed.fsdp (and its DTensor) are imported at first use:
+    # they add ~0.3 s to every resilient worker's start, a DDP one's too
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo
 
 __all__ = ["fully_shard", "shard_key"]
 
@@ -55,6 +57,8 @@ def fully_shard(module: Any, **kwargs: Any) -> Any:
                 "trainguard.resilient.init_device_mesh (its groups are made again after "
                 "an in-process restart)"
             )
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
     sharded = torch_fully_shard(module, **kwargs)
     if under_trainguard:
         _modules.extend(sharded if isinstance(sharded, list) else [sharded])
@@ -95,6 +99,8 @@ def _root_dim(mesh: DeviceMesh, root: DeviceMesh, dim: int) -> int:
 
 def _infos(module: nn.Module) -> list[DataParallelMeshInfo]:
     """The mesh infos of ``module``'s FSDP state (its parameter groups' and parameters')."""
+    from torch.distributed.fsdp import FSDPModule
+
     assert isinstance(module, FSDPModule)
     found: dict[int, DataParallelMeshInfo] = {}
     for group in module._get_fsdp_state()._fsdp_param_groups:
