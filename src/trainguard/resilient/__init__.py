@@ -12,6 +12,14 @@ A torchrun script changes three places (:mod:`trainguard.resilient.loop`)::
 
     resilient.loop(train_step, range(1, steps + 1), {"model": model, "optim": optimizer})
 
+A sharded model (FSDP2, HSDP) also takes trainguard's ``init_device_mesh`` and
+``fully_shard``, made again on each attempt's groups (:mod:`trainguard.resilient.mesh`,
+:mod:`trainguard.resilient.fsdp`); a replaced rank takes its shards from a rank holding
+the same ones, else every rank rolls back to the checkpoint tiers::
+
+    mesh = resilient.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    resilient.fully_shard(model, mesh=mesh)
+
 The lower-level form wraps a function of the attempt (:mod:`trainguard.resilient.restartable`)::
 
     state = resilient.TrainState(model=model, optimizer=optimizer)
@@ -30,8 +38,10 @@ exchange, and :mod:`trainguard.resilient.supervisor` for what happens on a fault
 
 from trainguard.resilient.config import ResilientConfig
 from trainguard.resilient.ddp import DistributedDataParallel
+from trainguard.resilient.fsdp import fully_shard
 from trainguard.resilient.group import AttemptInterrupted, is_collective_failure
 from trainguard.resilient.loop import StepFunction, loop
+from trainguard.resilient.mesh import init_device_mesh
 from trainguard.resilient.protocol import EXIT_BARRIER_TIMEOUT, StateSource
 from trainguard.resilient.restartable import Fallback, TrainFunction, restartable
 from trainguard.resilient.run import Run
@@ -51,6 +61,8 @@ __all__ = [
     "StepFunction",
     "TrainFunction",
     "TrainState",
+    "fully_shard",
+    "init_device_mesh",
     "init_process_group",
     "is_collective_failure",
     "loop",
