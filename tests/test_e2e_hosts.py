@@ -125,6 +125,7 @@ def test_hosts_that_cannot_take_part_get_a_clear_refusal(
     said = controller.output()  # the controller's side says whom it refused, and why
     assert f"refused host {hosts[2].name}" in said and "another job" in said, said
     assert "is late: the job's 2 nodes" in said, said
+    assert f"refused a join from {hosts[3].addr}: missing or wrong bearer token" in said, said
 
 
 def test_one_sigterm_ends_a_host_that_is_still_joining(

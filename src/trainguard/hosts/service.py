@@ -29,6 +29,7 @@ __all__ = ["HostsService"]
 
 MAX_JOIN_BYTES = 1 << 20
 STOP_CHECK_SECONDS = 0.2  # how soon a signal ends the wait for hosts
+REFUSAL_NOTE_SECONDS = 10.0  # a host refused for its token is said this often at most
 EVENTS_KEPT = 1000  # event lines kept for hosts that have not renewed their lease yet
 
 
@@ -65,6 +66,7 @@ class HostsService:
         self._published = 0
         self._handed: dict[str, int] = {}
         self._peers_file: Path | None = None
+        self._refusals_said: dict[str, float] = {}  # address -> when a 401 was said
 
     @property
     def peers_file(self) -> Path | None:
@@ -92,6 +94,23 @@ class HostsService:
         """The job's phase and restarts now: every host's record shows them."""
         with self._lock:
             self._phase, self._restarts = phase, restarts
+
+    def _say_refused(self, address: str) -> None:
+        """Say that a join without the job's token was refused: once per address every
+        :data:`REFUSAL_NOTE_SECONDS` (a flood of them is one line, not a line each)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._refusals_said.get(address, -REFUSAL_NOTE_SECONDS) < (
+                REFUSAL_NOTE_SECONDS
+            ):
+                return
+            if len(self._refusals_said) > 1024:
+                self._refusals_said.clear()
+            self._refusals_said[address] = now
+        self.say(
+            f"refused a join from {address}: missing or wrong bearer token (the token "
+            "file, or $TRAINGUARD_TOKEN, must be the same on every host)"
+        )
 
     def publish(self, line: str) -> None:
         """An event line every host prints with its next lease."""
@@ -169,6 +188,7 @@ class HostsService:
 
     async def _join(self, request: web.Request) -> web.Response:
         if not bearer_ok(request, self._token):
+            self._say_refused(request.remote or "?")
             return _error(401, "missing or wrong bearer token")
         if (request.content_length or 0) > MAX_JOIN_BYTES:
             return _error(413, f"a join is at most {MAX_JOIN_BYTES} bytes")
