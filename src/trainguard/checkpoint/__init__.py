@@ -68,7 +68,8 @@ checksum was written (a worker killed right after ``save()`` returned): its meta
 only written after the copy finished, and removed before its slot is overwritten, so
 it always names complete data; see :mod:`trainguard.checkpoint.memory`.
 
-Not implemented yet: peer replicas (``replicas`` is accepted and ignored).
+Peer replicas: a trainguard job's node agents copy each memory step (Checkpointer and DCP
+alike) to the next ``replicas`` nodes, and a restore reads them (:mod:`trainguard.agent.replicas`).
 """
 
 from __future__ import annotations

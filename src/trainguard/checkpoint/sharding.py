@@ -20,14 +20,15 @@ state; ``_StridedShard``, FSDP2 over TP, is not a box).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "Box",
@@ -86,18 +87,25 @@ the flat uint8 buffer its bytes are in."""
 
 
 def is_dtensor(value: object) -> bool:
-    return isinstance(value, DTensor)
+    """Whether ``value`` is a DTensor. torch.distributed.tensor is not imported for it
+    (a second or so of every worker's start): no DTensor exists until it is."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def local_tensor(value: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the tensor itself otherwise), sharing its storage."""
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         with torch.no_grad():  # to_local() then returns the local tensor itself
-            return value.to_local()
+            local: torch.Tensor = cast(Any, value).to_local()
+            return local
     return value
 
 
 def _placement_name(placement: object, where: str) -> str:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     if isinstance(placement, Replicate):
         return "replicate"
     if isinstance(placement, Shard) and not isinstance(placement, _StridedShard):
@@ -110,6 +118,8 @@ def _placement_name(placement: object, where: str) -> str:
 
 def sharding_of(value: DTensor, where: str) -> dict[str, Any]:
     """The JSON record of where ``value``'s local shard lies (see the module doc)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     mesh = value.device_mesh
     placements = [_placement_name(p, where) for p in value.placements]
     _, offsets = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
@@ -125,7 +135,10 @@ def sharding_of(value: DTensor, where: str) -> dict[str, Any]:
 def box_of_target(target: torch.Tensor) -> tuple[Box, tuple[int, ...]]:
     """The box a target's local tensor holds, and the global shape."""
     shape = tuple(int(n) for n in target.shape)
-    if isinstance(target, DTensor):
+    if is_dtensor(target):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        assert isinstance(target, sys.modules["torch.distributed.tensor"].DTensor)
         local, offsets = compute_local_shape_and_global_offset(
             target.shape, target.device_mesh, target.placements
         )
@@ -194,7 +207,7 @@ def init_optimizer_state(value: object) -> None:
     if not isinstance(value, torch.optim.Optimizer) or value.state:
         return
     params = [p for group in value.param_groups for p in group["params"]]
-    if any(isinstance(p, DTensor) for p in params):
+    if any(is_dtensor(p) for p in params):
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
         _init_optim_state(value)
