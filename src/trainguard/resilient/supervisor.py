@@ -70,6 +70,8 @@ class Supervisor:
         self.progress = Progress()
         self.rank = -1
         self.local_rank = 0
+        self.spare = False
+        """Whether this worker started as a hot spare (it takes its state from a peer)."""
         self.attempt: Attempt | None = None
         """The attempt whose process group is up (None before the first join)."""
         self._last = -1  # the newest attempt joined or given up on
@@ -89,6 +91,7 @@ class Supervisor:
         gc.freeze()
         identity = resolve_identity(self.control_dir, self.config.poll_interval)
         self.rank, self.local_rank = identity.rank, identity.local_rank
+        self.spare = identity.spare_id is not None
         if identity.spare_id is not None:
             _say(f"spare {identity.spare_id} takes over rank {identity.rank}")
         self.watcher = AttemptWatcher(self.control_dir, self.config.poll_interval, self.group.abort)
