@@ -220,9 +220,13 @@ class Supervisor:
         since_fault = (
             "" if failed_at is None else f", {time.monotonic() - failed_at:.3f} s after the fault"
         )
+        # The phases of ``seconds``: the group's join, the script's set-up between it and
+        # the loop (a spare builds its model there), the state sync.
+        setup = synchronising - self._joined_at - self._group_seconds
         _say(
             f"joined attempt {attempt.attempt} (world {attempt.world_size}) in {seconds:.3f} s"
-            f"{since_fault}; state from {detail}"
+            f" (group {self._group_seconds:.3f} s, set-up {setup:.3f} s, state "
+            f"{state_seconds:.3f} s){since_fault}; state from {detail}"
         )
         worker_events.emit(
             "AttemptJoined",

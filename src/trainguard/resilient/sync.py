@@ -304,8 +304,11 @@ def synchronise(
         received = receive_state(state, plan.source, sources, plan.receivers)
         progress.steps = received.steps
         source = "peer"
-        ranks = ",".join(map(str, sources))
-        detail = f"peer ranks {ranks} at step {progress.steps} ({received.describe()})"
+        others = ",".join(str(r) for r in sources if r != plan.source)
+        detail = (
+            f"peer rank {plan.source}{f' with ranks {others}' if others else ''} "
+            f"at step {progress.steps} ({received.describe()})"
+        )
     else:
         if rank in sources and plan.receivers:
             send_state(state, progress.steps, plan.receivers, sources)

@@ -41,7 +41,7 @@ from trainguard.collectives import device_backends
 
 __all__ = ["BUCKET_BYTES", "CHUNK_BYTES", "Piece", "Route", "pieces", "shares", "transfer"]
 
-BUCKET_BYTES = 16 << 20
+BUCKET_BYTES = 1 << 20
 """Tensors smaller than this are packed together, up to this many bytes a bucket."""
 CHUNK_BYTES = 64 << 20
 """A larger tensor goes in slices of at most this many bytes."""
