@@ -81,6 +81,7 @@ def test_two_holders_send_to_two_receivers_in_place_and_the_run_stays_bit_identi
     assert all(r["steps"] == 4 for r in results)
     assert "peer rank 0 with ranks 1 at step 4" in results[2]["detail"], results[2]["detail"]
     assert results[2]["in_place"] and results[3]["in_place"], "received into the state's tensors"
+    assert all(r["extra_ok"] for r in results), "a non-contiguous tensor arrives whole"
     # Every rank, the replacement and the one that was behind included, ends where the
     # run without the fault ends, bit for bit.
     assert {r["final"] for r in results} == {results[0]["reference"]}

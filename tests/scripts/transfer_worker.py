@@ -118,13 +118,20 @@ if rank == 3:
 if rank == 2:
     model, optim = build(skip_init=True)
     progress = Progress()
-state = {"model": model, "optim": optim}
+# A non-contiguous tensor (sent from a contiguous copy, in slices), the holders' only.
+extra = torch.arange(300 * 700, dtype=torch.float64).reshape(300, 700)
+if rank in (2, 3):
+    extra.zero_()
+state = {"model": model, "optim": optim, "extra": extra.t()}
 before = [p.data_ptr() for p in model.parameters()]
 moments_before = [
     optim.state[p]["exp_avg"].data_ptr() for p in model.parameters() if optim.state[p]
 ]
 source, detail = synchronise(state, progress, None)
 in_place = [p.data_ptr() for p in model.parameters()] == before
+extra_ok = torch.equal(
+    state["extra"], torch.arange(300 * 700, dtype=torch.float64).reshape(300, 700).t()
+)
 if moments_before:  # rank 3 had moments: received into them
     in_place &= [optim.state[p]["exp_avg"].data_ptr() for p in model.parameters()] == moments_before
 
@@ -152,6 +159,7 @@ broadcast = float(probe.weight[0, 0].detach())
             "detail": detail,
             "steps": progress.steps,
             "in_place": in_place,
+            "extra_ok": extra_ok,
             "reference": reference,
             "final": final,
             "kept": kept,

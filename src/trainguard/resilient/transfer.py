@@ -158,8 +158,9 @@ class _Posted:
         Each only once: a gloo work waited for twice waits for a message that never comes.
         """
         if work is not None:
-            self.works.remove(work)
-            work.wait()
+            if any(posted is work for posted in self.works):  # else waited for already
+                self.works = [posted for posted in self.works if posted is not work]
+                work.wait()
             return
         self.flush()
         for posted in self.works:
@@ -195,6 +196,7 @@ def transfer(
     device = _Posted(None, batched=True)
     unpack: list[tuple[dist.Work | None, torch.Tensor, Piece]] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (received on host, destination)
+    moved_out: dict[int, torch.Tensor] = {}  # tensors copied to where they travel
     moved = 0
     tag = 0
     for route in routes:
@@ -213,7 +215,7 @@ def transfer(
                 for piece in share:
                     tag += 1
                     if rank == source:
-                        buffer = _outgoing(piece, tensors, wire)
+                        buffer = _outgoing(piece, tensors, wire, moved_out)
                         for receiver in route.receivers:
                             if receiver != rank:
                                 posted.send(buffer, receiver, tag)
@@ -267,15 +269,21 @@ def _slice(tensors: Sequence[torch.Tensor | None], part: tuple[int, int, int]) -
 
 
 def _outgoing(
-    piece: Piece, tensors: Sequence[torch.Tensor | None], wire: torch.device
+    piece: Piece,
+    tensors: Sequence[torch.Tensor | None],
+    wire: torch.device,
+    moved_out: dict[int, torch.Tensor],
 ) -> torch.Tensor:
-    """The buffer a source sends for ``piece``: the tensor's own slice where it can."""
+    """The buffer a source sends for ``piece``: the tensor's own slice where it can, else
+    a slice of its copy where it travels (``moved_out``: one copy for all its slices)."""
     if not piece.packed:
         index, start, end = piece.parts[0]
         tensor = _tensor(tensors, index).detach()
         if tensor.device == wire and tensor.is_contiguous():
             return _flat(tensor)[start:end]
-        return _flat(tensor.to(wire).contiguous())[start:end]
+        if index not in moved_out:
+            moved_out[index] = tensor.to(wire).contiguous()
+        return _flat(moved_out[index])[start:end]
     buffer = torch.empty(piece.nbytes, dtype=torch.uint8, device=wire)
     offset = 0
     with torch.no_grad():
