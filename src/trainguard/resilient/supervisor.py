@@ -38,12 +38,14 @@ from trainguard.resilient.protocol import (
     ATTEMPT_ENV,
     CONTROL_DIR_ENV,
     EXIT_BARRIER_TIMEOUT,
+    SPARE_ID_ENV,
     Ack,
     Attempt,
     read_attempt,
     write_ack,
 )
 from trainguard.resilient.run import Fallback, Progress, Run, TrainFunction
+from trainguard.resilient.spare_init import warm_up
 from trainguard.resilient.state import State
 from trainguard.resilient.sync import synchronise
 from trainguard.resilient.watcher import AttemptWatcher
@@ -87,6 +89,8 @@ class Supervisor:
         # 0.1-1 s (more in a worker forked from a template: it copies the pages it
         # touches), which was most of a spare's part of the stall. run() freezes again
         # what the script builds after this (a collection of little).
+        if os.environ.get(SPARE_ID_ENV) is not None:
+            warm_up()  # a spare: what the script imports after the takeover, before it
         gc.collect()
         gc.freeze()
         identity = resolve_identity(self.control_dir, self.config.poll_interval)
