@@ -320,6 +320,17 @@ def data_cache(ctx: Context) -> dict[str, Any]:
     return measure(repeats, ctx.workdir / "data_cache", ctx.log)
 
 
+def state_scale(ctx: Context) -> dict[str, Any]:
+    """Checkpointless recovery at 0.04-4 GB of state a rank against the link's speed and a
+    relaunch from /dev/shm snapshots (:mod:`bench.state_scale`)."""
+    from bench.state_scale import measure
+
+    load_before = load_average()
+    result = measure(ctx.settings.repeats <= 1, ctx.workdir / "state_scale", ctx.log)
+    result.update(load_before=load_before, load_after=load_average())
+    return result
+
+
 def _clean_runs(ctx: Context) -> dict[str, list[CleanRecord]]:
     if not ctx.clean:
         s = ctx.settings
@@ -559,6 +570,7 @@ SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "peers": peers,
     "group_start": group_start,
     "data_cache": data_cache,
+    "state_scale": state_scale,
 }
 
 

@@ -46,6 +46,7 @@ from trainguard.resilient.protocol import EXIT_BARRIER_TIMEOUT, StateSource
 from trainguard.resilient.restartable import Fallback, TrainFunction, restartable
 from trainguard.resilient.run import Run
 from trainguard.resilient.session import init_process_group
+from trainguard.resilient.spare_init import UninitialisedState, no_init_on_spare
 from trainguard.resilient.state import State, Stateful, TrainState
 
 __all__ = [
@@ -61,10 +62,12 @@ __all__ = [
     "StepFunction",
     "TrainFunction",
     "TrainState",
+    "UninitialisedState",
     "fully_shard",
     "init_device_mesh",
     "init_process_group",
     "is_collective_failure",
     "loop",
+    "no_init_on_spare",
     "restartable",
 ]

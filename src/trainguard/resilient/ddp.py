@@ -8,6 +8,13 @@ training loop, never at construction: a hot spare runs the line that constructs 
 the other ranks are in the loop, and making a DDP is a collective (it broadcasts the
 module's state from rank 0). ``module``, ``parameters()``, ``train()`` and ``eval()`` are
 the module's and make nothing.
+
+After a fault the ranks' state was just synchronised from the holders of the newest step
+(:mod:`trainguard.resilient.sync` calls :func:`mark_in_sync`): every rank holds the same
+parameters and buffers, so the DDP made for that attempt skips its initial broadcast
+(torch's ``init_sync=False``; at 1.5 GB of state that broadcast cost seconds), unless the
+script passed ``init_sync`` itself. The first attempt's DDP, and one after a restore from
+a checkpoint, broadcasts as torch's does.
 """
 
 from __future__ import annotations
@@ -19,7 +26,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "mark_in_sync"]
+
+_in_sync: list[int] = []  # id() of the default group whose ranks hold one state
+
+
+def mark_in_sync(in_sync: bool) -> None:
+    """Whether every rank of the current default group now holds the same state (set at
+    each attempt's state sync; a DDP made on that group then skips its broadcast)."""
+    _in_sync[:] = [id(dist.group.WORLD)] if in_sync else []
 
 
 class DistributedDataParallel:
@@ -40,7 +55,10 @@ class DistributedDataParallel:
         group = dist.group.WORLD
         if self._ddp is None or self._group is not group:
             self._ddp = None  # the old one (and its group) goes before the new one is made
-            made = TorchDDP(self.module, *self._args, **self._kwargs)
+            kwargs = dict(self._kwargs)
+            if _in_sync == [id(group)]:
+                kwargs.setdefault("init_sync", False)
+            made = TorchDDP(self.module, *self._args, **kwargs)
             for state, hook in self._hooks:
                 made.register_comm_hook(state, hook)
             self._ddp, self._group = made, group

@@ -39,12 +39,14 @@ from trainguard.resilient.protocol import (
     ATTEMPT_ENV,
     CONTROL_DIR_ENV,
     EXIT_BARRIER_TIMEOUT,
+    SPARE_ID_ENV,
     Ack,
     Attempt,
     read_attempt,
     write_ack,
 )
 from trainguard.resilient.run import Fallback, Progress, Run, TrainFunction
+from trainguard.resilient.spare_init import warm_up
 from trainguard.resilient.state import State
 from trainguard.resilient.sync import synchronise
 from trainguard.resilient.watcher import AttemptWatcher
@@ -71,6 +73,8 @@ class Supervisor:
         self.progress = Progress()
         self.rank = -1
         self.local_rank = 0
+        self.spare = False
+        """Whether this worker started as a hot spare (it takes its state from a peer)."""
         self.attempt: Attempt | None = None
         """The attempt whose process group is up (None before the first join)."""
         self._last = -1  # the newest attempt joined or given up on
@@ -86,10 +90,13 @@ class Supervisor:
         # 0.1-1 s (more in a worker forked from a template: it copies the pages it
         # touches), which was most of a spare's part of the stall. run() freezes again
         # what the script builds after this (a collection of little).
+        if os.environ.get(SPARE_ID_ENV) is not None:
+            warm_up()  # a spare: what the script imports after the takeover, before it
         gc.collect()
         gc.freeze()
         identity = resolve_identity(self.control_dir, self.config.poll_interval)
         self.rank, self.local_rank = identity.rank, identity.local_rank
+        self.spare = identity.spare_id is not None
         if identity.spare_id is not None:
             _say(f"spare {identity.spare_id} takes over rank {identity.rank}")
         self.watcher = AttemptWatcher(self.control_dir, self.config.poll_interval, self.group.abort)
@@ -219,9 +226,13 @@ class Supervisor:
         since_fault = (
             "" if failed_at is None else f", {time.monotonic() - failed_at:.3f} s after the fault"
         )
+        # The phases of ``seconds``: the group's join, the script's set-up between it and
+        # the loop (a spare builds its model there), the state sync.
+        setup = synchronising - self._joined_at - self._group_seconds
         _say(
             f"joined attempt {attempt.attempt} (world {attempt.world_size}) in {seconds:.3f} s"
-            f"{since_fault}; state from {detail}"
+            f" (group {self._group_seconds:.3f} s, set-up {setup:.3f} s, state "
+            f"{state_seconds:.3f} s){since_fault}; state from {detail}"
         )
         worker_events.emit(
             "AttemptJoined",
