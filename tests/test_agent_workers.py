@@ -277,7 +277,7 @@ def test_workers_of_nodes_sharing_a_host_count_together_for_omp() -> None:
 
 
 def test_last_exception_reads_the_last_traceback_through_rank_prefixes(tmp_path: Path) -> None:
-    from trainguard.agent.workers import last_exception, tail_lines
+    from trainguard.agent.workers import last_exception, last_traceback, tail_lines
 
     chained = [
         "warming up",
@@ -302,5 +302,15 @@ def test_last_exception_reads_the_last_traceback_through_rank_prefixes(tmp_path:
     spool = tmp_path / "stderr.log"
     spool.write_bytes(b"\0" * 5000 + b"\n".join(line.encode() for line in chained) + b"\n")
     assert last_exception(tail_lines(spool)) == "ValueError: bad lr"
+    assert last_traceback(chained) == "\n".join(
+        [
+            "Traceback (most recent call last):",
+            '  File "t.py", line 5, in <module>',
+            "    raise ValueError('bad lr')",
+            "    ^^^^^^^^^^^^^^^^^^^^^^^^^^",
+            "ValueError: bad lr",
+        ]
+    )
+    assert last_traceback(["exit 3 without a traceback"]) is None
     assert tail_lines(spool, size=30) == ["some atexit output"]  # a cut first line dropped
     assert tail_lines(tmp_path / "absent.log") == []

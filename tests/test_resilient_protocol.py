@@ -29,7 +29,14 @@ from trainguard.resilient.protocol import (
     write_spare,
 )
 from trainguard.resilient.run import Progress
-from trainguard.resilient.sync import Offer, SyncPlan, decode_state, encode_state, plan_sync
+from trainguard.resilient.sync import (
+    Offer,
+    SyncPlan,
+    Transfer,
+    decode_state,
+    encode_state,
+    plan_sync,
+)
 
 
 def test_control_files_round_trip(tmp_path: Path) -> None:
@@ -89,16 +96,53 @@ def test_bad_ack_state_source_is_rejected(tmp_path: Path) -> None:
         read_ack(tmp_path, 0)
 
 
+NO_STATE = "no rank holds state"
+
+
 @pytest.mark.parametrize(
     ("offers", "plan"),
     [
-        ([Offer(False, 0), Offer(False, 0)], SyncPlan(None, (), 0)),
-        ([Offer(True, 5), Offer(True, 5), Offer(True, 5)], SyncPlan(0, (), 5)),
-        ([Offer(False, 0), Offer(True, 5), Offer(True, 5)], SyncPlan(1, (0,), 5)),
-        ([Offer(True, 4), Offer(True, 5), Offer(False, 0), Offer(True, 5)], SyncPlan(1, (0, 2), 5)),
+        ([Offer(False, 0), Offer(False, 0)], SyncPlan((), 0, True, NO_STATE)),
+        ([Offer(True, 5), Offer(True, 5), Offer(True, 5)], SyncPlan((), 5)),
+        ([Offer(False, 0), Offer(True, 5), Offer(True, 5)], SyncPlan((Transfer(1, (0,)),), 5)),
+        (
+            [Offer(True, 4), Offer(True, 5), Offer(False, 0), Offer(True, 5)],
+            SyncPlan((Transfer(1, (0, 2)),), 5),
+        ),
     ],
 )
 def test_sync_source_is_the_lowest_rank_with_the_most_steps(
+    offers: list[Offer], plan: SyncPlan
+) -> None:
+    assert plan_sync(offers) == plan
+
+
+@pytest.mark.parametrize(
+    ("offers", "plan"),
+    [
+        # HSDP, 2 replicas x 2 shards: rank 1 (shard 1) is replaced, rank 3 holds shard 1.
+        (
+            [Offer(True, 8, 0), Offer(False, 0, 1), Offer(True, 8, 0), Offer(True, 8, 1)],
+            SyncPlan((Transfer(3, (1,)),), 8),
+        ),
+        # One rank of each shard replaced: each takes its own shard's holder's state.
+        (
+            [Offer(False, 0, 0), Offer(True, 8, 1), Offer(True, 8, 0), Offer(False, 0, 1)],
+            SyncPlan((Transfer(2, (0,)), Transfer(1, (3,))), 8),
+        ),
+        # Plain FSDP: the replaced rank's shard has no other holder: all roll back.
+        (
+            [Offer(True, 8, 0), Offer(False, 0, 1)],
+            SyncPlan((), 8, True, "no rank holds shard 1 at step 8"),
+        ),
+        # Shard 1's holders completed one step less than shard 0's: no common step in memory.
+        (
+            [Offer(True, 8, 0), Offer(True, 7, 1), Offer(True, 8, 0), Offer(True, 7, 1)],
+            SyncPlan((), 8, True, "no rank holds shard 1 at step 8"),
+        ),
+    ],
+)
+def test_each_shard_comes_from_a_holder_of_the_same_shard(
     offers: list[Offer], plan: SyncPlan
 ) -> None:
     assert plan_sync(offers) == plan

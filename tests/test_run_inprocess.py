@@ -167,3 +167,23 @@ def test_a_survivor_deadlocked_in_the_failed_attempt_is_replaced_in_place(
     assert replaced[0]["node"] == "node-1"
     agent_log = (Path(info["job_dir"]) / "agents" / "node-1.log").read_text()
     assert "ranks [2] are stuck in the failed attempt" in agent_log
+
+
+def test_the_same_error_on_every_rank_before_a_step_is_retried_once_then_fails(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    """A script bug: not retried in place until the budget (5) is gone, but once; the job
+    fails with the error and describe shows its traceback (control/script_bug.py)."""
+    spec = job(tmp_path, "--raise-before-step")
+    spec.write_text(spec.read_text().replace("jobMaxRetryCount: 3", "jobMaxRetryCount: 5"))
+    done = tg.run("run", "-f", str(spec), timeout=300)
+    assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]
+    info = tg.only_job()
+    error = "ValueError: mesh shape (2, 3) does not fit 4 ranks"
+    assert (info["phase"], info["restarts"]) == ("Failed", 1), info["reason"]
+    assert info["reason"].startswith("script error before the first step")
+    assert info["reason"].endswith(error)
+    described = tg.run("describe", info["id"]).stdout
+    assert "Script error (the job was not retried again):" in described
+    assert "Traceback (most recent call last):" in described
+    assert 'raise ValueError("mesh shape (2, 3) does not fit 4 ranks")' in described

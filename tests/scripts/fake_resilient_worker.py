@@ -35,6 +35,11 @@ parser.add_argument(
     default=-1,
     help="this rank exits 75 (gave up the restart barrier) instead of joining attempt 1",
 )
+parser.add_argument(
+    "--raise-before-step",
+    action="store_true",
+    help="every rank (and spare) raises the same ValueError once it joined, before any step",
+)
 args = parser.parse_args()
 
 control = Path(os.environ["TRAINGUARD_CONTROL_DIR"])
@@ -70,6 +75,8 @@ while step < args.steps:
         record(role, joined)
         ack = protocol.Ack(attempt=joined, pid=os.getpid(), step=step, state_source="self")
         protocol.write_ack(control, rank, ack)
+        if args.raise_before_step:
+            raise ValueError("mesh shape (2, 3) does not fit 4 ranks")
     if rank == 0:
         print(f"Batch {step} attempt {joined}", flush=True)
     step += 1

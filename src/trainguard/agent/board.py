@@ -173,10 +173,15 @@ class Board:
             raise Refused(f"ranks {foreign} are not on this node")
 
     def exited(
-        self, exits: Mapping[int, int], errors: Mapping[int, str | None], stopped: bool
+        self,
+        exits: Mapping[int, int],
+        errors: Mapping[int, str | None],
+        stopped: bool,
+        tracebacks: Mapping[int, str | None] | None = None,
     ) -> None:
         """Workers (by local rank) exited with these codes; ``stopped``: the agent ended
-        them (a stop), else they ended on their own."""
+        them (a stop), else they ended on their own. ``errors`` and ``tracebacks``: what
+        the failed ones left."""
         workers = dict(self.workers)
         for local, code in exits.items():
             if stopped:
@@ -189,6 +194,7 @@ class Board:
                     "exitcode": code,
                     "signal": signal_name(code),
                     "error": errors.get(local),
+                    "traceback": (tracebacks or {}).get(local),
                 }
             )
         self.set(self.state, workers=workers)

@@ -586,13 +586,14 @@ class Supervisor:
         for local in exits:
             if self._tailer is not None:
                 self._tailer.finish_rank(local)
-        errors = {
-            local: group.error_message(local)
-            for local, code in exits.items()
-            if group is not None and code != 0 and not stopped
-        }
+        errors: dict[int, str | None] = {}
+        tracebacks: dict[int, str | None] = {}
+        if group is not None and not stopped:
+            for local in (local for local, code in exits.items() if code != 0):
+                errors[local] = group.error_message(local)
+                tracebacks[local] = group.error_traceback(local)
         with self.board.lock:
-            self.board.exited(exits, errors, stopped)
+            self.board.exited(exits, errors, stopped, tracebacks)
 
 
 def _both(first: LineHook, second: LineHook | None) -> LineHook:

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 MAX_ERROR_CHARS = 2000
+MAX_TRACEBACK_CHARS = 8000
 TRACEBACK_TAIL_BYTES = 64 * 1024
 """How much of the end of a failed worker's stderr (and rank log) is searched for its
 traceback."""
@@ -136,14 +137,29 @@ def read_error_message(path: str | Path) -> str | None:
 def last_exception(lines: Sequence[str]) -> str | None:
     """The exception line (``ValueError: bad lr``) of the last Python traceback in
     ``lines`` (a ``[rankN]: `` prefix, torch's, is read through), or None."""
+    block = _last_traceback_lines(lines)
+    return block[-1].rstrip()[:MAX_ERROR_CHARS] if block else None
+
+
+def last_traceback(lines: Sequence[str]) -> str | None:
+    """The last Python traceback in ``lines`` (prefixes read through), up to and with its
+    exception line; where it is longer than ``MAX_TRACEBACK_CHARS``, its end."""
+    block = _last_traceback_lines(lines)
+    if not block:
+        return None
+    return "\n".join(line.rstrip() for line in block)[-MAX_TRACEBACK_CHARS:]
+
+
+def _last_traceback_lines(lines: Sequence[str]) -> list[str]:
     text = [_RANK_PREFIX.sub("", line, count=1) for line in lines]
     starts = [i for i, line in enumerate(text) if line.startswith(_TRACEBACK)]
     if not starts:
-        return None
-    for line in text[starts[-1] + 1 :]:
+        return []
+    for end in range(starts[-1] + 1, len(text)):
+        line = text[end]
         if line.strip() and not line[0].isspace():
-            return line.rstrip()[:MAX_ERROR_CHARS]
-    return None
+            return text[starts[-1] : end + 1]
+    return []
 
 
 def tail_lines(path: Path, size: int = TRACEBACK_TAIL_BYTES) -> list[str]:
@@ -289,14 +305,26 @@ class WorkerGroup:
         if worker is None:
             return None
         message = read_error_message(worker.error_file)
-        if message is None:
-            message = last_exception(tail_lines(worker.paths["stderr"]))
-        if message is None:
+        return message if message is not None else self._from_output(local, last_exception)
+
+    def error_traceback(self, local: int) -> str | None:
+        """The last Python traceback the worker wrote (its stderr, else the rank's log
+        since this attempt's marker), its end kept where it is long."""
+        return self._from_output(local, last_traceback)
+
+    def _from_output(
+        self, local: int, extract: Callable[[Sequence[str]], str | None]
+    ) -> str | None:
+        worker = self._workers.get(local)
+        if worker is None:
+            return None
+        found = extract(tail_lines(worker.paths["stderr"]))
+        if found is None:
             rank_log = tail_lines(self._layout.combined(self.ranks[local]))
             marker = ATTEMPT_MARKER.format(attempt=self.assignment.attempt)
             since = max((i for i, line in enumerate(rank_log) if line == marker), default=-1)
-            message = last_exception(rank_log[since + 1 :])
-        return message
+            found = extract(rank_log[since + 1 :])
+        return found
 
     def close(self, first_signal: signal.Signals, grace: float) -> dict[int, int]:
         """Signal every live process's group, SIGKILL after ``grace``; returns the exits

@@ -19,7 +19,7 @@ import torch
 
 from trainguard.collectives import control_group
 
-__all__ = ["agree_on_step", "all_ranks_succeeded", "newest_common_step"]
+__all__ = ["agree_on_step", "all_ranks_succeeded", "newest_common_step", "worst_outcome"]
 
 
 def newest_common_step(offers: Sequence[Iterable[int]]) -> int | None:
@@ -65,12 +65,17 @@ def agree_on_step(offer: Sequence[int], world_size: int, limit: int) -> int | No
     return newest_common_step([t.tolist() for t in gathered])
 
 
-def all_ranks_succeeded(ok: bool, world_size: int) -> bool:
-    """Whether ``ok`` holds on every rank (an all_reduce MIN)."""
+def worst_outcome(outcome: int, world_size: int) -> int:
+    """The smallest ``outcome`` of every rank (an all_reduce MIN)."""
     if _group_size(world_size) == 1:
-        return ok
+        return outcome
     import torch.distributed as dist
 
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    flag = torch.tensor([outcome], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control_group())
-    return bool(flag.item())
+    return int(flag.item())
+
+
+def all_ranks_succeeded(ok: bool, world_size: int) -> bool:
+    """Whether ``ok`` holds on every rank."""
+    return worst_outcome(1 if ok else 0, world_size) == 1

@@ -11,14 +11,13 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainguard.checkpoint.agreement import agree_on_step, all_ranks_succeeded
+from trainguard.checkpoint.agreement import agree_on_step, worst_outcome
 from trainguard.checkpoint.background import Background, CheckpointError, Prepare, Snapshot
 from trainguard.checkpoint.config import CheckpointConfig, writer_attempt
 from trainguard.checkpoint.copying import (
@@ -26,6 +25,7 @@ from trainguard.checkpoint.copying import (
     has_cuda,
     synchronize_devices,
 )
+from trainguard.checkpoint.gather import as_tensor, gather, node_steps, shard_sources
 from trainguard.checkpoint.memory import MemoryShard, MemoryTier, default_memory_dir
 from trainguard.checkpoint.save_times import SaveTimes
 from trainguard.checkpoint.shard import (
@@ -34,7 +34,8 @@ from trainguard.checkpoint.shard import (
     unchecked_refusal,
     verify,
 )
-from trainguard.checkpoint.state import Layout, flatten, restore
+from trainguard.checkpoint.sharding import NotCovered, init_optimizer_state
+from trainguard.checkpoint.state import Layout, StateMismatch, flatten, plan_restore
 from trainguard.checkpoint.stateful import apply, capture
 from trainguard.monitor import worker_events
 
@@ -47,6 +48,20 @@ log = logging.getLogger(__name__)
 
 MAX_CANDIDATES = 32
 """Newest steps each rank offers when the ranks agree on the step to restore."""
+
+# A rank's outcome of readying a step's restore; the ranks act on the worst of them.
+_MISMATCH, _UNAVAILABLE, _READY = 0, 1, 2
+
+
+@dataclass
+class _Ready:
+    """A restore planned on this rank: run it once every rank is ready."""
+
+    tier: str
+    nbytes: int  # of the shard in this rank's memory slot (0: none there)
+    slot: int | None
+    cuda: bool
+    run: Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -260,35 +275,50 @@ class Checkpointer:
                 durable = self._durable_tier().committed_steps()
             except Exception as exc:  # unreachable storage: fall back to memory alone
                 log.warning("durable tier %s unusable for restore: %s", cfg.durable_url, exc)
-        offer = set(memory) | set(durable)
-        loaded: tuple[str, Layout, torch.Tensor] | None = None
+        # Steps saved by another world size that this node holds whole (a restart with
+        # fewer or more ranks here) can be resharded from memory too.
+        resharded = node_steps(cfg.memory_dir, cfg.job_id, cfg.world_size)
+        offer = set(memory) | set(durable) | resharded
+        ready: _Ready | None = None
+        captured: list[Any] = []  # the target, captured once a step is at hand
+        mismatch: StateMismatch | None = None
         while True:
             step = agree_on_step(sorted(offer), cfg.world_size, MAX_CANDIDATES)
             if step is None:
                 break
-            loaded = self._fetch(step, memory.get(step), step in durable, attempt)
-            if all_ranks_succeeded(loaded is not None, cfg.world_size):
+            try:
+                here = memory.get(step)
+                ready = self._ready(step, here, step in durable, attempt, state, captured)
+                outcome = _READY if ready is not None else _UNAVAILABLE
+            except StateMismatch as exc:  # the state does not fit: every rank stops
+                mismatch, outcome, ready = exc, _MISMATCH, None
+            worst = worst_outcome(outcome, cfg.world_size)
+            if worst == _READY:
                 break
+            if worst == _MISMATCH:
+                raise mismatch or StateMismatch(
+                    f"step {step}: another rank's state does not fit the checkpoint (see its log)"
+                )
             offer.discard(step)
-            loaded = None
-        target = capture(state)
-        own, tensors = flatten(target)
-        cuda = has_cuda(tensors)
-        if step is None or loaded is None:
+            ready = None
+        if step is None or ready is None:
             log.info("no checkpoint to restore (rank %d offered %s)", cfg.rank, sorted(offer))
-            self.memory.prepare(own.nbytes, pin=cuda)
+            own, tensors = flatten(captured[0] if captured else capture(state))
+            self.memory.prepare(own.nbytes, pin=has_cuda(tensors))
             return None
-        tier, layout, buffer = loaded
-        if cuda and tier == "memory":  # page-locked: the host-to-device copies run at DMA speed
-            self.memory.prepare_slot(memory[step].slot, layout.nbytes, pin=True)
-        restore(target, layout, buffer, non_blocking=cuda)
+        tier, target = ready.tier, captured[0]
+        if ready.cuda and ready.slot is not None:  # page-locked: host-to-device at DMA speed
+            self.memory.prepare_slot(ready.slot, ready.nbytes, pin=True)
+        ready.run()
+        own, tensors = flatten(target)  # with what the restore added (a fresh optimizer's)
+        cuda = has_cuda(tensors)
         synchronize_devices(tensors)
         apply(state, target)
+        del ready
         seconds = time.perf_counter() - started
         self.last_restore = Restore(step, tier, seconds)
-        del buffer, loaded
         self.memory.drop_newer_than(step)
-        self.memory.prepare(layout.nbytes, pin=cuda)
+        self.memory.prepare(own.nbytes, pin=cuda)
         log.info("rank %d restored step %d from %s in %.3f s", cfg.rank, step, tier, seconds)
         worker_events.emit(
             "CheckpointRestored",
@@ -329,10 +359,61 @@ class Checkpointer:
             reason=str(why),
         )
 
+    def _ready(
+        self,
+        step: int,
+        memory: MemoryShard | None,
+        durable: bool,
+        attempt: int | None,
+        state: Any,
+        captured: list[Any],
+    ) -> _Ready | None:
+        """Plan this rank's restore of ``step``; None if its shards are not at hand.
+
+        This rank's own shard, if it fits (same world size, and every DTensor's local part
+        is the part it saved); else every saved rank's shard, resharded
+        (:mod:`trainguard.checkpoint.gather`). Raises :class:`StateMismatch` when the state
+        does not fit the checkpoint. The first call captures the state (readying the
+        moments of an optimizer of DTensors, :func:`init_optimizer_state`) into
+        ``captured``.
+        """
+        cfg = self.config
+        fetched = self._fetch(step, memory, durable, attempt)
+        if not captured:
+            captured.append(capture(state, prepare=init_optimizer_state))
+        target = captured[0]
+        cuda = has_cuda(flatten(target)[1])
+        if fetched is not None:
+            tier, layout, buffer = fetched
+            try:
+                run = plan_restore(target, layout, buffer, non_blocking=cuda)
+                slot = memory.slot if tier == "memory" and memory is not None else None
+                return _Ready(tier, layout.nbytes, slot, cuda, run)
+            except NotCovered as exc:
+                log.info("rank %d: step %d needs resharding (%s)", cfg.rank, step, exc)
+        read = self._durable_tier().read_shard if cfg.durable and durable else None
+        try:
+            saved = gather(step, directory=cfg.memory_dir, job_id=cfg.job_id, durable=read)
+        except ShardInvalid as exc:
+            self._skipped("memory" if read is None else "durable", step, cfg.memory_dir, exc)
+            return None
+        base = saved[cfg.rank % len(saved)]  # the plain values: this rank's, or a peer's
+        try:
+            run = plan_restore(
+                target, base.layout, base.buffer, non_blocking=cuda, shards=shard_sources(saved)
+            )
+        except NotCovered as exc:
+            self._skipped("memory", step, cfg.memory_dir, exc)
+            return None
+        tier = "durable" if any(s.tier == "durable" for s in saved) else "memory"
+        log.info("rank %d: resharding step %d from %d ranks' shards", cfg.rank, step, len(saved))
+        return _Ready(tier, 0, None, cuda, run)
+
     def _fetch(
         self, step: int, memory: MemoryShard | None, durable: bool, attempt: int | None
     ) -> tuple[str, Layout, torch.Tensor] | None:
-        """This rank's verified shard of ``step`` from the fastest tier; None if none."""
+        """This rank's verified shard of ``step`` from the fastest tier; None if none
+        (quietly for a step saved with another world size: it is resharded)."""
         cfg = self.config
         check = functools.partial(
             verify, job_id=cfg.job_id, world_size=cfg.world_size, rank=cfg.rank, step=step
@@ -349,8 +430,10 @@ class Checkpointer:
         if durable:
             try:
                 data_bytes, meta = self._durable_tier().read_shard(step, cfg.rank)
+                if meta.get("world_size") != cfg.world_size:
+                    return None
                 layout = check(data_bytes, meta)
-                return "durable", layout, _as_tensor(data_bytes)
+                return "durable", layout, as_tensor(data_bytes)
             except Exception as exc:
                 self._skipped("durable", step, str(cfg.durable_url), exc)
         return None
@@ -364,12 +447,3 @@ class Checkpointer:
                 self.config.durable_url, self.config.job_id, self.config.storage_options
             )
         return self._durable
-
-
-def _as_tensor(data: bytes) -> torch.Tensor:
-    """Read-only bytes as a flat uint8 tensor, without a copy (only ever read from)."""
-    if not data:
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
-        return torch.frombuffer(data, dtype=torch.uint8)

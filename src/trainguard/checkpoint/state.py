@@ -4,7 +4,9 @@
 tensors and plain values (``int``, ``float``, ``str``, ``bool``, ``None``). It becomes
 
 - a :class:`Layout`: one :class:`TensorEntry` per tensor (key path, dtype, shape, byte
-  offset, 64-byte aligned) and the total size of the data buffer;
+  offset, 64-byte aligned) and the total size of the data buffer; a DTensor's entry holds
+  its local shard, and where that shard lies in the whole tensor
+  (:mod:`trainguard.checkpoint.sharding`);
 - a *tree*: the structure as JSON, with ``{"t": i}`` for the i-th tensor, ``{"v": x}``
   for a plain value, ``{"d": [[key, node], ...]}`` for a dict (keeping int keys),
   ``{"l": [...]}`` for a list and ``{"u": [...]}`` for a tuple.
@@ -14,19 +16,31 @@ Nothing is pickled, so loading a shard never runs code from it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from trainguard.checkpoint.sharding import (
+    NotCovered,
+    Source,
+    is_dtensor,
+    local_tensor,
+    plan_copy,
+    sharding_of,
+)
+
 __all__ = [
     "ALIGNMENT",
     "Layout",
+    "NotCovered",
     "StateMismatch",
     "TensorEntry",
+    "dtype_name",
     "flatten",
     "format_path",
+    "plan_restore",
     "restore",
 ]
 
@@ -56,24 +70,41 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    sharding: dict[str, Any] | None = None
+    """A DTensor's shard: where it lies (:func:`~trainguard.checkpoint.sharding.sharding_of`);
+    ``shape`` is then the local shape. None for a plain tensor."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "path": list(self.path),
             "dtype": self.dtype,
             "shape": list(self.shape),
             "offset": self.offset,
             "nbytes": self.nbytes,
         }
+        if self.sharding is not None:
+            data["dtensor"] = self.sharding
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TensorEntry:
+        shape = tuple(int(n) for n in data["shape"])
+        sharding = data.get("dtensor")
+        if sharding is not None:
+            offsets = [int(n) for n in sharding["offsets"]]
+            whole = [int(n) for n in sharding["global_shape"]]
+            if not len(offsets) == len(whole) == len(shape) or any(
+                o < 0 or o + n > w for o, n, w in zip(offsets, shape, whole, strict=True)
+            ):
+                raise ValueError(f"shard of {data['path']} lies outside its global shape")
+            sharding = {**sharding, "offsets": offsets, "global_shape": whole}
         return cls(
             path=tuple(data["path"]),
             dtype=str(data["dtype"]),
-            shape=tuple(int(n) for n in data["shape"]),
+            shape=shape,
             offset=int(data["offset"]),
             nbytes=int(data["nbytes"]),
+            sharding=sharding,
         )
 
     def torch_dtype(self) -> torch.dtype:
@@ -97,7 +128,7 @@ class Layout:
     tree: Any
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -106,10 +137,11 @@ def _align(n: int) -> int:
 
 
 def flatten(state: Any) -> tuple[Layout, list[torch.Tensor]]:
-    """The layout of ``state`` and its tensors, in layout order.
+    """The layout of ``state`` and its tensors (a DTensor's local tensor), in layout order.
 
     Raises ``TypeError`` naming the key path for a leaf that is neither a dense tensor nor
-    a plain value, or a dict key that is not ``str``/``int``.
+    a plain value, a DTensor placed other than Shard/Replicate, or a dict key that is not
+    ``str``/``int``.
     """
     tensors: list[torch.Tensor] = []
     entries: list[TensorEntry] = []
@@ -118,11 +150,14 @@ def flatten(state: Any) -> tuple[Layout, list[torch.Tensor]]:
     def walk(node: Any, path: Path) -> Any:
         nonlocal offset
         if isinstance(node, torch.Tensor):
+            sharding = sharding_of(node, format_path(path)) if is_dtensor(node) else None
+            node = local_tensor(node)
             if node.layout != torch.strided or node.is_quantized:
                 raise TypeError(f"{format_path(path)}: only dense tensors can be checkpointed")
             nbytes = node.numel() * node.element_size()
+            shape = tuple(node.shape)
             entries.append(
-                TensorEntry(path, _dtype_name(node.dtype), tuple(node.shape), offset, nbytes)
+                TensorEntry(path, dtype_name(node.dtype), shape, offset, nbytes, sharding)
             )
             tensors.append(node)
             offset = _align(offset + nbytes)
@@ -159,8 +194,21 @@ def restore(
     buffer: torch.Tensor,
     devices: list[torch.device] | None = None,
     non_blocking: bool = False,
+    shards: Mapping[Path, Sequence[Source]] | None = None,
 ) -> None:
-    """Restore ``state`` in place from ``buffer`` (flat uint8) laid out by ``layout``.
+    """Restore ``state`` in place: :func:`plan_restore`, then run the plan."""
+    plan_restore(state, layout, buffer, devices, non_blocking, shards)()
+
+
+def plan_restore(
+    state: Any,
+    layout: Layout,
+    buffer: torch.Tensor,
+    devices: list[torch.device] | None = None,
+    non_blocking: bool = False,
+    shards: Mapping[Path, Sequence[Source]] | None = None,
+) -> Callable[[], None]:
+    """The in-place restore of ``state`` from ``buffer`` (flat uint8) laid out by ``layout``.
 
     Tensors are ``copy_``-ed into the existing tensors (references stay valid); plain
     values, tuples and anything the state lacks are put into their containers (a new
@@ -170,6 +218,11 @@ def restore(
     mismatch (shape, dtype, container type, list length, a tensor of ``state`` the
     checkpoint lacks) is found before anything is changed and raised as
     :class:`StateMismatch` naming the key.
+
+    A DTensor of ``state``, or a target of a saved DTensor shard, gets the regions of its
+    local shard from the saved shards that overlap it: ``shards[path]`` (every saved
+    rank's entries of that path, for resharding) or else this layout's own entry;
+    :class:`NotCovered` if they leave part of it unfilled.
     """
     if buffer.numel() < layout.nbytes:
         raise StateMismatch(f"data holds {buffer.numel()} bytes, the layout needs {layout.nbytes}")
@@ -196,14 +249,24 @@ def restore(
         kind, value = _node(node, path)
         if kind == "t":
             entry = entries[value]
+            if isinstance(target, torch.Tensor) and (entry.sharding or is_dtensor(target)):
+                sources = shards.get(path) if shards else None
+                where = format_path(path)
+                actions.append(plan_copy(target, sources or [(entry, buffer)], where, non_blocking))
+                return target
+            if entry.sharding is not None and target is None:
+                raise StateMismatch(
+                    f"{format_path(path)}: checkpoint has a DTensor shard here, and the state "
+                    "has no DTensor to restore it into"
+                )
             if not isinstance(target, torch.Tensor):
                 if _holds_tensor(target):
                     raise StateMismatch(f"{format_path(path)}: checkpoint has a tensor here")
                 return build(node, path)
-            if tuple(target.shape) != entry.shape or _dtype_name(target.dtype) != entry.dtype:
+            if tuple(target.shape) != entry.shape or dtype_name(target.dtype) != entry.dtype:
                 raise StateMismatch(
                     f"{format_path(path)}: checkpoint has {entry.dtype}{list(entry.shape)}, "
-                    f"state has {_dtype_name(target.dtype)}{list(target.shape)}"
+                    f"state has {dtype_name(target.dtype)}{list(target.shape)}"
                 )
             actions.append(lambda: target.copy_(entry.view(buffer), non_blocking=non_blocking))
             return target
@@ -242,9 +305,13 @@ def restore(
         return news if kind == "l" else tuple(news)
 
     plan(layout.tree, state, ())
-    with torch.no_grad():
-        for action in actions:
-            action()
+
+    def run() -> None:
+        with torch.no_grad():
+            for action in actions:
+                action()
+
+    return run
 
 
 def _node(node: Any, path: Path) -> tuple[str, Any]:

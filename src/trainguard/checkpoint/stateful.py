@@ -18,6 +18,7 @@ as before); one with one is copied, and :func:`apply` puts the restored values b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -41,21 +42,24 @@ def is_stateful(value: object) -> bool:
     return isinstance(value, Stateful)
 
 
-def capture(state: Any) -> Any:
-    """``state`` with each object replaced by its ``state_dict()``, read now.
+def capture(state: Any, prepare: Callable[[Any], None] | None = None) -> Any:
+    """``state`` with each object replaced by its ``state_dict()``, read now (after
+    ``prepare(object)``, when given: a restore readies an optimizer's state first).
 
     Containers that hold no object are returned as they are (the same object); the others
     are shallow copies.
     """
     if isinstance(state, dict):
-        items = {key: capture(value) for key, value in state.items()}
+        items = {key: capture(value, prepare) for key, value in state.items()}
         return state if all(items[key] is value for key, value in state.items()) else items
     if isinstance(state, (list, tuple)):
-        values = [capture(value) for value in state]
+        values = [capture(value, prepare) for value in state]
         if all(new is old for new, old in zip(values, state, strict=True)):
             return state
         return values if isinstance(state, list) else tuple(values)
     if is_stateful(state):
+        if prepare is not None:
+            prepare(state)
         return state.state_dict()
     return state
 

@@ -251,6 +251,7 @@ class AttemptWatch:
                     exitcode=worker.exitcode,
                     signal=worker.signal,
                     error=worker.error,
+                    traceback=worker.traceback,
                 )
             )
         return faults

@@ -21,6 +21,7 @@ from trainguard.control.hosts import hosts_to_avoid
 from trainguard.control.inprocess import Rejoin
 from trainguard.control.policy import GiveUp, RestartRecord, RestartScope, decide_restart
 from trainguard.control.reports import NodeReport
+from trainguard.control.script_bug import ScriptBug, script_bug
 from trainguard.wire.status import WorkerState
 
 if TYPE_CHECKING:
@@ -101,6 +102,15 @@ def after_failure(
     taken = _preempted_away(c, attempt)
     if taken is not None:
         return rescale(c, now, attempt, taken, reports)
+    bug = _script_bug(c)
+    if bug is not None:
+        c._event(
+            now,
+            "ScriptError",
+            bug.reason,
+            data={"error": bug.error, "ranks": list(bug.ranks), "traceback": bug.traceback},
+        )
+        return c._finish(now, JobPhase.FAILED, bug.reason)
     decision = decide_restart(
         now,
         attempt.faults,
@@ -238,6 +248,8 @@ def can_restart_in_place(
 ) -> bool:
     if not c.config.in_process or c.restarts >= c.config.max_restarts:
         return False
+    if _script_bug(c) is not None:  # stopped, then failed by after_failure
+        return False
     return inprocess.eligible(
         attempt.faults,
         attempt.number,
@@ -326,3 +338,11 @@ def _spares_left(spares: Sequence[str]) -> str:
     if not spares:
         return "no spare node is left to replace it"
     return f"only {len(spares)} spare node{'s' if len(spares) > 1 else ''} left to replace them"
+
+
+def _script_bug(c: JobController) -> ScriptBug | None:
+    """The job's attempts so far end in a script bug (control/script_bug.py)."""
+    ended = [a.faults for a in c.attempts if a.faults]
+    stepped = any(a.watch.progress is not None for a in c.attempts)
+    world = sum(len(a.global_ranks) for a in c.attempts[-1].assignments)
+    return script_bug(ended, stepped, world)

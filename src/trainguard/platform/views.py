@@ -240,7 +240,18 @@ def describe(store: Store, ref: str, output: str) -> int:
         ],
         indent=2,
     )
+    _print_script_error(data["events"])
     return 0
+
+
+def _print_script_error(events: list[dict[str, Any]]) -> None:
+    """The traceback of the script error the job failed on (control/script_bug.py)."""
+    for e in events:
+        traceback = (e.get("data") or {}).get("traceback") if e["kind"] == "ScriptError" else None
+        if traceback:
+            print("\nScript error (the job was not retried again):")
+            for line in str(traceback).splitlines():
+                print(f"  {line}")
 
 
 def _goodput(accounting: dict[str, Any]) -> str:

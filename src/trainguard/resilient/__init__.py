@@ -30,8 +30,10 @@ exchange, and :mod:`trainguard.resilient.supervisor` for what happens on a fault
 
 from trainguard.resilient.config import ResilientConfig
 from trainguard.resilient.ddp import DistributedDataParallel
+from trainguard.resilient.fsdp import fully_shard
 from trainguard.resilient.group import AttemptInterrupted, is_collective_failure
 from trainguard.resilient.loop import StepFunction, loop
+from trainguard.resilient.mesh import init_device_mesh
 from trainguard.resilient.protocol import EXIT_BARRIER_TIMEOUT, StateSource
 from trainguard.resilient.restartable import Fallback, TrainFunction, restartable
 from trainguard.resilient.run import Run
@@ -51,6 +53,8 @@ __all__ = [
     "StepFunction",
     "TrainFunction",
     "TrainState",
+    "fully_shard",
+    "init_device_mesh",
     "init_process_group",
     "is_collective_failure",
     "loop",

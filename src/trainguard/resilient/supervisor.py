@@ -24,6 +24,7 @@ from typing import NoReturn
 
 from trainguard.collectives import backend_string, resolve_choice
 from trainguard.monitor import worker_events
+from trainguard.resilient import mesh
 from trainguard.resilient.config import ResilientConfig
 from trainguard.resilient.cuda_check import EXIT_CUDA_UNHEALTHY, check_cuda
 from trainguard.resilient.group import (
@@ -200,6 +201,7 @@ class Supervisor:
         self, attempt: Attempt, train: TrainFunction, state: State, fallback: Fallback | None
     ) -> None:
         synchronising = time.monotonic()
+        mesh.rebind()  # the meshes (and fully_shard states) made in an earlier attempt
         source, detail = synchronise(state, self.progress, fallback)
         seconds = time.monotonic() - self._joined_at
         state_seconds = time.monotonic() - synchronising

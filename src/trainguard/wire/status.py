@@ -80,6 +80,7 @@ class WorkerStatus(Wire):
     exitcode: int | None = None
     signal: str | None = None
     error: str | None = None
+    traceback: str | None = None  # the failed worker's last Python traceback
     # In-process restarts (resilient workers): the newest attempt this rank joined (its
     # acknowledgement) and the newest attempt it left after a fault.
     joined: int | None = None
