@@ -44,7 +44,16 @@ def test_an_fsdp_script_is_checkpointless_with_the_changes_of_a_ddp_one() -> Non
 
 
 def losses(output: str) -> list[tuple[int, str]]:
-    return [(int(step), loss) for step, loss in LOSS.findall(output)]
+    """Each step's loss as rank 0 logs it; a step redone after a rollback is logged again,
+    and must log the same loss."""
+    found: dict[int, str] = {}
+    for step, loss in LOSS.findall(output):
+        assert found.setdefault(int(step), loss) == loss, f"step {step} redone differently"
+    return sorted(found.items())
+
+
+def logged_steps(output: str) -> list[int]:
+    return [int(step) for step, _ in LOSS.findall(output)]
 
 
 def plain_run(tmp_path: Path, *args: str) -> tuple[list[tuple[int, str]], dict[str, Any]]:
@@ -100,9 +109,38 @@ def test_hsdp_a_replaced_rank_takes_its_shards_from_its_replica_peer(
     # Rank 0 survived: each step's loss once, as the uninterrupted run's. It logs the
     # loss all-reduced after the update: once it has, every rank completed the step, and
     # the kill lands between steps (see docs/sharded.md for a kill inside the update).
+    assert logged_steps(output) == list(range(1, STEPS + 1)), output[-4000:]
     assert losses(output) == expected, output[-4000:]
     assert_identical(final, weights)
     [fault] = [f for f in job["faults"] if f["evidence"].get("injected")]
     assert (fault["type"], fault["scope"], fault["lost_steps"]) == ("WorkerCrash", "in-process", 0)
     # Rank 1 (shard 1 of replica 0) from rank 3 (shard 1 of replica 1).
     assert re.search(r"rank 1: joined attempt 1 .*state from peer rank 3 at step", output)
+
+
+@pytest.mark.e2e
+@pytest.mark.exclusive
+def test_fsdp_the_ranks_roll_back_to_the_memory_tier_and_redo_the_steps_since(
+    tg: Trainguard, tmp_path: Path
+) -> None:
+    """Plain FSDP: no rank holds the replaced rank's shards, so every rank restores the
+    newest step all saved (the loop saves each step to the memory tier), and the steps
+    since are redone."""
+    expected, weights = plain_run(tmp_path)
+    checkpointing = {"memoryKeep": 2, "replicas": 1}
+    output, job, final = trainguard_run(
+        tg, tmp_path, "kill:rank=1@step=5", checkpointing=checkpointing
+    )
+    assert losses(output) == expected, output[-4000:]
+    assert_identical(final, weights)
+    [fault] = [f for f in job["faults"] if f["evidence"].get("injected")]
+    assert (fault["type"], fault["scope"]) == ("WorkerCrash", "in-process")
+    assert fault["lost_steps"] <= 1  # the step after the newest save every rank made
+    assert re.search(
+        r"rank 0: joined attempt 1 .*state from checkpoint at step \d+ "
+        r"\(no rank holds shard 1 at step",
+        output,
+    ), output[-4000:]
+    restored = [e for e in job["events"] if e["kind"] == "CheckpointRestored"]
+    assert sorted(e["rank"] for e in restored) == [0, 1, 2, 3], restored
+    assert {e["data"]["tier"] for e in restored} == {"memory"}, restored

@@ -49,9 +49,7 @@ def train_step(step: int) -> None:
     time.sleep(args.step_sleep)
 
 
-resilient.loop(
-    train_step, range(1, args.steps + 1), {"model": model, "optim": optimizer}, checkpoints=False
-)
+resilient.loop(train_step, range(1, args.steps + 1), {"model": model, "optim": optimizer})
 final = {name: param.full_tensor() for name, param in model.named_parameters()}
 if rank == 0 and args.save_final:
     torch.save(final, args.save_final)

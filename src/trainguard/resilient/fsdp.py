@@ -14,8 +14,9 @@ their groups from the mesh again (their ``__post_init__``). The mesh must come f
 ``fully_shard`` and nothing more.
 
 Which ranks hold the same shards (:func:`shard_key`): an HSDP mesh info's replicate
-dimension holds copies; every other dimension splits the state. Two ranks whose
-coordinates agree on every dimension but the replicate ones hold the same local state.
+dimension holds copies; every other dimension of every mesh splits the state. Two ranks
+whose coordinates agree on every dimension but the replicate ones hold the same local
+state.
 
 What this relies on (torch 2.13, checked in its source): ``FSDPState._fsdp_param_groups``,
 each group's ``mesh_info``/``post_forward_mesh_info`` and each ``FSDPParam``'s, the mesh
@@ -62,27 +63,34 @@ def fully_shard(module: Any, **kwargs: Any) -> Any:
 
 
 def shard_key() -> int:
-    """This rank's shard coordinates in the modules sharded here, as one number: equal
-    on two ranks exactly when they hold the same shards (0 without any)."""
-    key = 0
-    seen: set[tuple[int, int | None]] = set()
+    """This rank's shard coordinates, as one number: equal on two ranks only when they
+    hold the same state (0 without a mesh). Every dimension of every mesh made by
+    :func:`trainguard.resilient.init_device_mesh` splits the state (a tensor-parallel
+    one, an FSDP one), except the replicate dimensions of the HSDP modules sharded here.
+    A mesh no DTensor uses makes the ranks look different: they then restore from the
+    checkpoint tiers rather than from a peer, never from a peer with other shards."""
+    replicated: dict[int, set[int]] = {}  # mesh index -> its root's dims that hold copies
     for info in (i for module in _modules for i in _infos(module)):
+        dim = getattr(info, "replicate_mesh_dim", None)
         index = meshes.mesh_index(info.mesh)
-        assert index is not None
-        replicate = getattr(info, "replicate_mesh_dim", None)
-        if (index, replicate) in seen:
+        if dim is None or index is None:
             continue
-        seen.add((index, replicate))
-        key = _mixed_radix(key, info.mesh, replicate)
+        replicated.setdefault(index, set()).add(_root_dim(info.mesh, meshes.meshes()[index], dim))
+    key = 0
+    for index, mesh in enumerate(meshes.meshes()):
+        coordinates = mesh.get_coordinate() or []
+        for dim, coordinate in enumerate(coordinates):
+            if dim not in replicated.get(index, set()):
+                key = key * mesh.size(dim) + coordinate
     return key
 
 
-def _mixed_radix(key: int, mesh: DeviceMesh, replicate: int | None) -> int:
-    coordinates = mesh.get_coordinate() or []
-    for dim, coordinate in enumerate(coordinates):
-        if dim != replicate:
-            key = key * mesh.size(dim) + coordinate
-    return key
+def _root_dim(mesh: DeviceMesh, root: DeviceMesh, dim: int) -> int:
+    """Dimension ``dim`` of ``mesh`` (the root or a submesh of it) as one of the root's."""
+    if mesh is root:
+        return dim
+    name = (mesh.mesh_dim_names or ())[dim]
+    return (root.mesh_dim_names or ()).index(name)
 
 
 def _infos(module: nn.Module) -> list[DataParallelMeshInfo]:

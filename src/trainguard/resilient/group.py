@@ -42,12 +42,13 @@ works after it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Final
 
@@ -64,6 +65,7 @@ __all__ = [
     "AttemptInterrupted",
     "BarrierTimeout",
     "StoreUnavailable",
+    "attempt_sockets",
     "end_default_group",
     "is_collective_failure",
 ]
@@ -96,6 +98,22 @@ def end_default_group() -> None:
     time.sleep(_TEARDOWN_GRACE_SECONDS)
     forget_control_group()
     dist.destroy_process_group()
+
+
+_joined: list[AttemptGroup] = []  # the AttemptGroup whose attempt this process is in
+
+
+@contextlib.contextmanager
+def attempt_sockets() -> Iterator[None]:
+    """The connections opened inside (the groups of a device mesh) are the current
+    attempt's: an abort shuts them down with the default group's, so a peer blocked on
+    this rank in one of those groups fails too. Outside an attempt it does nothing."""
+    before = open_sockets() if _joined else {}
+    try:
+        yield
+    finally:
+        for group in list(_joined):
+            group.add_connections(before)
 
 
 class AttemptInterrupted(RuntimeError):
@@ -181,6 +199,17 @@ class AttemptGroup:
             distributed_c10d._set_pg_timeout(self._collective_timeout)
             self._joined = attempt.attempt
             self._retired.clear()  # their worker threads are idle by now
+            _joined[:] = [self]
+
+    def add_connections(self, before: Mapping[int, str]) -> None:
+        """The sockets opened since ``before`` belong to the joined group (shut down by
+        :meth:`abort` with its own)."""
+        with self._lock:
+            if self._connections is None:
+                return
+            added = Connections.opened_since(before, self._connections.store_port)
+            fds = {**self._connections.fds, **added.fds}
+            self._connections = Connections(fds, self._connections.store_port)
 
     def abort(self, attempt: int | None = None) -> None:
         """Drop the current process group (only if it is ``attempt``'s, when given).
@@ -193,6 +222,8 @@ class AttemptGroup:
             if attempt is not None and attempt != self._joined:
                 return
             self._joined = None
+            if self in _joined:
+                _joined.remove(self)
             if self._connections is not None:
                 self._connections.shutdown()
                 self._connections = None
@@ -210,6 +241,8 @@ class AttemptGroup:
             self._joined = None
             self._connections = None
             self._retired.clear()
+            if self in _joined:
+                _joined.remove(self)
         self._client = None
         self._hosted = None
 

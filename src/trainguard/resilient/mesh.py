@@ -25,6 +25,11 @@ What this relies on (torch 2.13, checked in its source):
   attempt's start and its state sync (trainguard's control group is the default group
   wherever the CPU backend is gloo).
 - The world size and every rank's place in each mesh stay the same across attempts.
+- gloo connects a new group's ranks when the group is made: the sockets opened then are
+  added to the attempt's (:func:`trainguard.resilient.group.attempt_sockets`), so a
+  rank that fails shuts them down too, and a peer blocked on it in a mesh group's
+  collective (HSDP's replicate all-reduce) fails at once instead of waiting out the
+  collective timeout (seen: such a survivor was replaced as stuck after 3 s).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
 
+from trainguard.resilient.group import attempt_sockets
 from trainguard.resilient.protocol import CONTROL_DIR_ENV
 
 __all__ = ["init_device_mesh", "mesh_index", "meshes", "on_rebind", "rebind"]
@@ -70,7 +76,8 @@ def init_device_mesh(
             "trainguard.resilient.init_device_mesh: backend_override is not rebound across "
             "in-process restarts; leave it out (the attempt's backend is the job's)"
         )
-    mesh = torch_init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names)
+    with attempt_sockets():
+        mesh = torch_init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names)
     if os.environ.get(CONTROL_DIR_ENV):
         _meshes.append(_Bound(mesh, dist.group.WORLD))
     return mesh
@@ -100,9 +107,10 @@ def rebind() -> bool:
     world = dist.group.WORLD
     changed = [bound for bound in _meshes if bound.world is not world]
     for bound in changed:
-        _make_groups(bound.mesh, bound.mesh)
-        for flat in bound.mesh._flatten_mapping.values():
-            _make_groups(flat, bound.mesh)
+        with attempt_sockets():
+            _make_groups(bound.mesh, bound.mesh)
+            for flat in bound.mesh._flatten_mapping.values():
+                _make_groups(flat, bound.mesh)
         bound.world = world
     if changed:
         for listener in _listeners:
