@@ -164,7 +164,12 @@ def scenario(ctx: Context, fault_scenario: FaultScenario) -> dict[str, Any]:
         step_s = add_lost_seconds(recovery, ctx.workdir / name)
         ckpt = checkpoint(ctx.workdir, layout, plan)
         ctx.log(f"sharded {layout}: step {step_s}, {brief(recovery, ckpt)}")
-        result[layout] = {"recovery": recovery, "step_s": step_s, "checkpoint": ckpt}
+        result[layout] = {
+            "recovery": recovery,
+            "step_s": step_s,
+            "state_bytes_per_rank": state_bytes(ctx.workdir / name),
+            "checkpoint": ckpt,
+        }
     result["setup"]["load_after"] = load_average()
     return result
 
@@ -188,6 +193,16 @@ def add_lost_seconds(recovery: dict[str, Any], directory: Path) -> float | None:
         recovery[variant]["lost_s"] = summary([r["lost_s"] for r in recovery[variant]["runs"]])
     recovery["ratio"] |= paired_ratios(recovery, ("lost_s",))
     return step_s
+
+
+def state_bytes(directory: Path) -> int | None:
+    """Rank 0's state bytes, as the training script wrote them after its first step."""
+    for path in sorted(directory.glob("*/out/state.json")):
+        try:
+            return int(json.loads(path.read_text())["state_bytes_per_rank"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 def checkpoint(workdir: Path, layout: str, plan: ShardedPlan) -> dict[str, Any]:

@@ -14,8 +14,9 @@ save started idle (the previous one waited for, untimed):
 - ``baseline_dcp_async_save_s``: ``torch.distributed.checkpoint.async_save`` of the same
   state to local disk, to its return, the state given as DCP's tutorial does (a
   ``Stateful`` whose ``state_dict()`` is ``get_state_dict(model, optimizer)``, which DCP
-  calls inside ``async_save``, as torchtitan's checkpointer does); the staging copy, the
-  plan and the write's start are inside, the write itself goes on in the background.
+  calls inside ``async_save``, as torchtitan's checkpointer does), on a gloo group of its
+  own (its background thread runs collectives); the staging copy, the plan and the
+  write's start are inside, the write itself goes on in the background.
 
 Each repetition's time is the slowest rank's (every rank waits for it to return). Rank 0
 writes ``--out``: the per-rank state bytes and each side's times.
@@ -91,6 +92,9 @@ def measure(layout: str, hidden: int, repeats: int, workdir: Path, shm: Path) ->
     ours: list[float] = []
     theirs: list[float] = []
     app = {"app": AppState(model, optim)}
+    # DCP's own group, as its docs advise for async_save: its background thread's
+    # collectives (the metadata's gather) must not interleave with this thread's.
+    dcp_group = dist.new_group(backend="gloo")
     for rep in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
@@ -99,7 +103,9 @@ def measure(layout: str, hidden: int, repeats: int, workdir: Path, shm: Path) ->
         ckpt.wait()
         dist.barrier()
         t0 = time.perf_counter()
-        future = dcp.async_save(app, checkpoint_id=workdir / "dcp" / f"step-{rep + 1}")
+        future = dcp.async_save(
+            app, checkpoint_id=workdir / "dcp" / f"step-{rep + 1}", process_group=dcp_group
+        )
         theirs.append(slowest(time.perf_counter() - t0))
         future.result()
     ckpt.close()

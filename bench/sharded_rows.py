@@ -35,8 +35,10 @@ def judged(r: float | None, target: float | None) -> str:
 
 
 def state_bytes(part: dict[str, Any]) -> float | None:
-    ckpt = part.get("checkpoint") or {}
-    value = ckpt.get("state_bytes_per_rank")
+    """The training runs' state per rank, else the save measurement's (the same model)."""
+    value = part.get("state_bytes_per_rank")
+    if value is None:
+        value = (part.get("checkpoint") or {}).get("state_bytes_per_rank")
     return float(value) if value is not None else None
 
 

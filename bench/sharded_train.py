@@ -121,7 +121,7 @@ def state_bytes(state: dict[str, Any]) -> int:
     return total
 
 
-class SeqRecorder(train.Recorder):
+class SeqRecorderBase(train.Recorder):
     """bench/train.py's recorder; each step's loss is the transformer's on its sequences."""
 
     def loss(self, step: int, model: nn.Module) -> torch.Tensor:
@@ -130,6 +130,23 @@ class SeqRecorder(train.Recorder):
         x = torch.randn(BATCH, SEQ, dim, generator=gen)
         out: torch.Tensor = model(x).pow(2).mean()
         return out
+
+
+class SeqRecorder(SeqRecorderBase):
+    """Also writes ``<out>/state.json`` (rank 0's state bytes) after its first step."""
+
+    def __init__(self, out: Path, *args: Any, **kwargs: Any) -> None:
+        super().__init__(out, *args, **kwargs)
+        self.out = out
+        self.state: dict[str, Any] | None = None
+
+    def step(
+        self, step: int, model: nn.Module, optim: torch.optim.Optimizer, step_sleep: float
+    ) -> None:
+        super().step(step, model, optim, step_sleep)
+        if self.rank == 0 and self.state is None:
+            self.state = {"state_bytes_per_rank": state_bytes({"model": model, "optim": optim})}
+            train.publish(self.out / "state.json", self.state)
 
 
 def recorder(args: argparse.Namespace, rank: int, world: int, incarnation: str) -> SeqRecorder:
