@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent_harness import AgentProcess, make_assignment, spawn_agent, start
-from conftest import wait_for
+from conftest import SCRIPTS, wait_for
 from trainguard.agent.replicas import ReplicaStore, replica_peers
 from trainguard.checkpoint.memory import MemoryTier
 
@@ -20,13 +20,15 @@ WRITER = (
 )
 
 
-def agent_for(tmp_path: Path, node_id: str, worker: str = WRITER) -> AgentProcess:
+def agent_for(
+    tmp_path: Path, node_id: str, worker: str = WRITER, argv: list[str] | None = None
+) -> AgentProcess:
     memory = tmp_path / "shm" / node_id / "memory"
     memory.mkdir(parents=True, exist_ok=True)
     config = json.dumps({"replicas": 1})
     return spawn_agent(
         tmp_path / node_id,
-        [sys.executable, "-c", worker],
+        argv or [sys.executable, "-c", worker],
         node_id=node_id,
         extra_args=[
             "--env",
@@ -176,3 +178,51 @@ def test_a_push_takes_the_newest_step_every_rank_has() -> None:
     assert newest_whole_step(shards) == [shard(0, 20), shard(1, 20)]
     assert newest_whole_step([shard(0, 30), shard(1, 20)]) == []  # nothing whole yet
     assert newest_whole_step([]) == []
+
+
+DCP_WORKER = [sys.executable, str(SCRIPTS / "dcp_replica.py")]
+
+
+@pytest.mark.e2e
+def test_a_lost_node_restores_its_dcp_step_from_its_peer(tmp_path: Path) -> None:
+    """A DCP step of a DTensor, one rank per node; node-1 is lost with its memory tier.
+    Its replacement pulls its rank file back from node-0's replica, and reads the
+    coordinator's metadata from rank 0 (no durable tier: nothing else has them)."""
+
+    def attempt(agent: AgentProcess, node_rank: int, number: int, mode: str) -> None:
+        assignment = make_assignment(
+            agent.node_id, attempt=number, nproc_per_node=1, nnodes=2, node_rank=node_rank
+        )
+        other = "node-1" if node_rank == 0 else "node-0"
+        env = {"DCP_MODE": mode, "DCP_STORE": str(tmp_path / f"store-{number}")}
+        update = {"replica_peers": (other,), "extra_env": env}
+        agent.client.start(start(assignment.model_copy(update=update), {other: urls[other]}))
+
+    a = agent_for(tmp_path, "node-0", argv=DCP_WORKER)
+    b = agent_for(tmp_path, "node-1", argv=DCP_WORKER)
+    urls = {"node-0": a.url, "node-1": b.url}
+    try:
+        for rank, agent in enumerate((a, b)):
+            attempt(agent, rank, 0, "save")
+        for agent in (a, b):
+            agent.wait_state("completed", attempt=0)
+        lost = tmp_path / "shm" / "node-1" / "memory"
+        step = lost / "dcp" / "step-4"
+        assert sorted(p.name for p in step.iterdir()) == ["rank-1.data", "rank-1.json"]
+        held = tmp_path / "shm" / "node-0" / "replicas" / "node-1" / "dcp" / "step-4"
+        wait_for(lambda: (held / "rank-1.json").exists(), timeout=30.0)
+        b.close()
+        shutil.rmtree(lost)
+        lost.mkdir()
+        b = agent_for(tmp_path, "node-1", argv=DCP_WORKER)
+        urls["node-1"] = b.url
+        attempt(b, 1, 1, "load")
+        attempt(a, 0, 1, "load")
+        for agent in (a, b):
+            agent.wait_state("completed", attempt=1)
+        out = {r: json.loads((tmp_path / "out" / f"rank-{r}.json").read_text()) for r in (0, 1)}
+        assert out[0] == {"equal": True, "sources": {"metadata": "memory", "rank-0": "memory"}}
+        assert out[1] == {"equal": True, "sources": {"metadata": "peer", "rank-1": "memory"}}
+    finally:
+        a.close()
+        b.close()

@@ -131,16 +131,34 @@ def test_fsdp2_resumes_bit_identical_after_a_sigkill(fsdp_run: dict[str, Any]) -
 
 @pytest.mark.e2e
 @pytest.mark.long
-@pytest.mark.parametrize("tier", ["memory", "durable"])
-def test_an_elastic_shrink_from_4_to_2_ranks_reshards(fsdp_run: dict[str, Any], tier: str) -> None:
-    """World 2 restores world 4's step 6: every parameter and moment equals the full
-    tensors of the uninterrupted run (the digest is over the full tensors)."""
+@pytest.mark.parametrize("where", ["memory", "replica", "durable", "hsdp"])
+def test_an_elastic_shrink_from_4_to_2_ranks_reshards(fsdp_run: dict[str, Any], where: str) -> None:
+    """World 2 restores world 4's step 6 (and world 4 as HSDP): every parameter and moment
+    equals the full tensors of the uninterrupted run (the digest is over them)."""
     tmp: Path = fsdp_run["dir"]
-    if tier == "memory":  # the node kept world 4's slots (a restart on this node)
+    tier = "durable" if where in ("durable", "hsdp") else "memory"
+    if where == "memory":  # the node kept world 4's slots (a restart on this node)
         args = ["--memory-dir", str(tmp / "memory")]
+    elif where == "replica":
+        # 2 nodes x 2 ranks restart on node 0 alone: it holds ranks 0-1 in its memory tier
+        # and ranks 2-3 in the replica of node 1 its agent keeps beside it.
+        node = tmp / "node-0"
+        held = node / "replicas" / "node-1"
+        held.mkdir(parents=True)
+        shutil.copytree(
+            tmp / "memory", node / "memory", ignore=shutil.ignore_patterns("rank-[23]-*")
+        )
+        for path in (tmp / "memory").glob("rank-[23]-*"):
+            shutil.copy(path, held / path.name)
+        args = ["--memory-dir", str(node / "memory")]
     else:  # a new node: its memory is empty
         args = ["--memory-dir", str(tmp / "new-memory"), "--durable-url", str(tmp / "durable")]
-    restored = _result(_torchrun(2, *args))
+    world = 2
+    if where == "hsdp":  # the same 4 ranks as HSDP: a 2 x 2 mesh, (Replicate, Shard(0))
+        args = ["--layout", "hsdp", "--memory-dir", str(tmp / "hsdp-memory")]
+        args += ["--durable-url", str(tmp / "durable")]
+        world = 4
+    restored = _result(_torchrun(world, *args))
     assert (restored["start"], restored["tier"]) == (6, tier)
     assert restored["digest"] == fsdp_run["plain"]["digest"]
 

@@ -51,6 +51,22 @@ def test_anything_else_is_retried_as_usual(last: list[Fault], stepped: bool) -> 
     assert script_bug([[crash(0, 0)], last], stepped=stepped, world_size=1) is None
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        "torch.distributed.DistNetworkError: failed to connect to the store",
+        "ConnectionRefusedError: [Errno 111] Connection refused",
+        "TimeoutError: timed out",
+        "RuntimeError: NCCL error in: init.cc:1, unhandled system error",
+        "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+    ],
+)
+def test_the_machines_errors_are_never_a_script_bug(error: str) -> None:
+    """A peer or store gone: the same line on every rank, attempt after attempt."""
+    attempts = [[crash(0, 0, error=error), crash(1, 0, error=error)], [crash(2, 1, error=error)]]
+    assert script_bug(attempts, stepped=False, world_size=4) is None
+
+
 def test_only_the_last_two_attempts_count() -> None:
     other = [crash(0, 0, error="OSError: disk full")]
     assert script_bug([other, [crash(0, 1)]], stepped=False, world_size=4) is None

@@ -10,7 +10,8 @@ row-wise). ``--plain``: no Checkpointer (the uninterrupted baseline). ``--kill-a
 rank 0 SIGKILLs itself right after every rank's ``save(S)`` and its checksum (torchrun
 ``--max-restarts`` then restarts the ranks, which resume). Rank 0 prints one JSON line:
 the step it resumed from, the tier, and a digest of the full (unsharded) parameters and
-Adam's moments, the same whatever the layout and world size.
+Adam's moments, the same whatever the layout and world size. ``--device cuda``: each rank
+on its GPU (``LOCAL_RANK``), NCCL for the model's collectives (tests/test_gpu_sharded.py).
 """
 
 import argparse
@@ -40,19 +41,26 @@ parser.add_argument("--kill-at", type=int, default=0)
 parser.add_argument("--memory-dir", default=None)
 parser.add_argument("--durable-url", default=None)
 parser.add_argument("--plain", action="store_true")
+parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 args = parser.parse_args()
 
-dist.init_process_group("gloo")
+device = torch.device(args.device)
+if args.device == "cuda":
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+dist.init_process_group("cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo")
 world = dist.get_world_size()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+model.to(device)
+kind = args.device
 if args.layout == "fsdp":
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
+    fully_shard(model, mesh=init_device_mesh(kind, (world,), mesh_dim_names=("shard",)))
 elif args.layout == "hsdp":
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(kind, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     fully_shard(model, mesh=mesh)
 else:
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh(kind, (world,), mesh_dim_names=("tp",))
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 state = {"model": model, "optim": optimizer}
@@ -71,7 +79,7 @@ if not args.plain:
 
 for step in range(start + 1, args.steps + 1):
     data = torch.Generator().manual_seed(step)  # the same batch on every rank and layout
-    x = torch.randn(16, 8, generator=data)
+    x = torch.randn(16, 8, generator=data).to(device)
     loss = torch.nn.functional.mse_loss(model(x), x[:, :4].sin())
     optimizer.zero_grad()
     loss.backward()
@@ -88,7 +96,7 @@ if ckpt is not None:
 
 
 def full(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    return (value.full_tensor() if isinstance(value, DTensor) else value).cpu()
 
 
 digest = hashlib.sha256()

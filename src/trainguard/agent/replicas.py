@@ -10,6 +10,12 @@ node's place under another id (a spare) pulls the lost node's files: its assignm
 ``replica_source`` names it (the shards are named by global rank, and the spare runs
 the lost node's ranks).
 
+DCP steps (``trainguard.checkpoint.dcp``: ``dcp/step-<N>/rank-<R>.data``, its
+``rank-<R>.json`` and the coordinator's ``metadata.json``) are pushed the same way: the
+newest step's rank files here (data, then the meta, which carries the checksum and
+is written last), then its ``metadata.json`` where this node has it. A peer keeps the
+newest :data:`DCP_KEEP` steps of each source.
+
 Consistency: only shards whose meta carries a checksum are pushed (data, then
 meta), and files are read while the worker may be rewriting them, so a copy
 can be torn. That is safe because a replica is never trusted blindly: when a
@@ -24,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import urllib.error
@@ -42,6 +49,19 @@ REPLICA_PATH = "/replica/"
 PUSH_INTERVAL_SECONDS = 0.5
 TRANSFER_TIMEOUT_SECONDS = 60.0
 CHUNK_BYTES = 4 * 1024 * 1024
+DCP_KEEP = 2
+"""DCP steps of each source a peer keeps (a newer one arriving removes the older ones)."""
+_DCP_STEP = re.compile(r"^dcp/step-(\d+)/")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _dcp_steps(dcp: Path) -> dict[int, Path]:
+    """Step -> directory of the DCP steps under ``dcp``."""
+    found = {}
+    for path in dcp.iterdir() if dcp.is_dir() else []:
+        if match := _STEP_DIR.match(path.name):
+            found[int(match[1])] = path
+    return found
 
 
 class Readable(Protocol):
@@ -107,6 +127,26 @@ def newest_whole_step(shards: Sequence[Shard]) -> list[Shard]:
     return [shard for shard in shards if shard.step == step]
 
 
+def dcp_step_files(root: Path) -> list[tuple[str, str | None, tuple[int, int]]]:
+    """The newest DCP step's files here to push, in order: (file, the file written just
+    before it that must go first or None, the version of the file): each rank's
+    ``rank-<R>.json`` after its data, then ``metadata.json``. Empty if there is none."""
+    steps = _dcp_steps(root / "dcp")
+    if not steps:
+        return []
+    step_dir = steps[max(steps)]
+    files: list[tuple[str, str | None, tuple[int, int]]] = []
+    for meta in [*sorted(step_dir.glob("rank-*.json")), step_dir / "metadata.json"]:
+        try:
+            st = meta.stat()
+        except OSError:
+            continue
+        data = meta.with_suffix(".data")
+        first = str(data.relative_to(root)) if meta.name != "metadata.json" else None
+        files.append((str(meta.relative_to(root)), first, (st.st_mtime_ns, st.st_size)))
+    return files
+
+
 def drop_unverified(root: Path) -> list[str]:
     """Delete every shard under ``root`` whose data does not match its meta's checksum."""
     dropped = []
@@ -169,6 +209,7 @@ class ReplicaStore:
         """Write ``length`` bytes of ``stream`` to ``source/relpath`` (atomically: nothing
         of it stays when the stream fails or ends early)."""
         target = self.root / _safe_name(source) / _safe_relpath(relpath)
+        self._prune_dcp(self.root / source, relpath)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f".tmp-{target.name}-{threading.get_ident()}"
         remaining = length
@@ -184,6 +225,16 @@ class ReplicaStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+    @staticmethod
+    def _prune_dcp(held: Path, relpath: str) -> None:
+        """A file of DCP step N arriving: remove the steps before the newest DCP_KEEP."""
+        match = _DCP_STEP.match(relpath)
+        if match is None:
+            return
+        steps = {*_dcp_steps(held / "dcp"), int(match[1])}
+        for old in sorted(steps)[:-DCP_KEEP]:
+            shutil.rmtree(held / "dcp" / f"step-{old}", ignore_errors=True)
 
     def listing(self, source: str) -> list[dict[str, Any]]:
         return list_files(self.root / _safe_name(source))
@@ -278,15 +329,20 @@ class ReplicaPusher:
         be replaced (half the agents' CPU went to those pushes and their receipt).
         """
         pushed = 0
-        for meta_rel, data_rel, version, _, _ in newest_whole_step(
-            checksummed_shards(self.memory_dir)
-        ):
+        units: list[tuple[str, str | None, tuple[int, int]]] = [
+            (shard.meta, shard.data, shard.version)
+            for shard in newest_whole_step(checksummed_shards(self.memory_dir))
+        ]
+        units += dcp_step_files(self.memory_dir)
+        for meta_rel, data_rel, version in units:
             for peer in self.peer_urls:
                 key = (peer, meta_rel)
                 if self._pushed.get(key) == version or self._stop.is_set():
                     continue
                 try:
                     for rel in (data_rel, meta_rel):
+                        if rel is None:
+                            continue
                         path = self.memory_dir / rel
                         with open(path, "rb") as f:
                             size = os.fstat(f.fileno()).st_size

@@ -41,7 +41,10 @@ values (``int``, ``float``, ``str``, ``bool``, ``None``) and objects with ``stat
 read through ``state_dict()`` at every ``save()``, so pass the objects, not their state
 dicts: a state dict captured once goes stale (an Adam's has no moments before its first
 step), and nothing can tell it from a right one. Tuples stay tuples. Tensors are stored as
-raw bytes with dtype and shape, plain values as JSON: nothing is ever unpickled.
+raw bytes with dtype and shape, plain values as JSON: nothing is ever unpickled. A
+DTensor (FSDP2, HSDP, tensor parallel) is saved as its rank's local shard, with where it
+lies in the whole tensor; it is restored into the same layout or resharded into another
+mesh or world size (:mod:`trainguard.checkpoint.sharding`, :mod:`.gather`).
 
 **Restore** is in place: each tensor is ``copy_``-ed into the state's tensor (an object's
 into what its ``state_dict()`` returns at the restore: a model's parameters directly), plain

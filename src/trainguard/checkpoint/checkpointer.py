@@ -393,7 +393,10 @@ class Checkpointer:
                 log.info("rank %d: step %d needs resharding (%s)", cfg.rank, step, exc)
         read = self._durable_tier().read_shard if cfg.durable and durable else None
         try:
-            saved = gather(step, directory=cfg.memory_dir, job_id=cfg.job_id, durable=read)
+            world = cfg.world_size if fetched is not None else None  # else: as saved
+            saved = gather(
+                step, directory=cfg.memory_dir, job_id=cfg.job_id, durable=read, world_size=world
+            )
         except ShardInvalid as exc:
             self._skipped("memory" if read is None else "durable", step, cfg.memory_dir, exc)
             return None

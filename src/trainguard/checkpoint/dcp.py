@@ -79,6 +79,39 @@ METADATA_FILE = "metadata.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
+def metadata_from_peers(step: int, mine: bytes | None) -> bytes | None:
+    """``metadata.json`` of ``step``: this rank's, or else a rank's that has it.
+
+    Only the coordinator's node writes it, so a node that lost its memory tier (and got
+    its ranks' files back from a peer's replica) or any other node reads it over the
+    process group (gloo, :func:`~trainguard.collectives.control_group`) from the lowest
+    rank that has it. Every rank of the load calls this (DCP's ``read_metadata`` runs on
+    each); without a process group, or when no rank of the same step has it, it is
+    ``mine``.
+    """
+    import torch.distributed as dist
+
+    from trainguard.collectives import control_group
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return mine
+    group = control_group()
+    offer = torch.tensor([step, len(mine) if mine is not None else -1], dtype=torch.int64)
+    offers = [torch.empty_like(offer) for _ in range(dist.get_world_size())]
+    dist.all_gather(offers, offer, group=group)
+    if any(int(o[0]) != step for o in offers) or all(int(o[1]) >= 0 for o in offers):
+        return mine  # every rank has it (or the ranks load different steps: not shared)
+    holders = [rank for rank, o in enumerate(offers) if int(o[1]) >= 0]
+    if not holders:
+        return None
+    source = holders[0]
+    data = torch.empty(int(offers[source][1]), dtype=torch.uint8)
+    if mine is not None and dist.get_rank() == source:
+        data = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    dist.broadcast(data, src=source, group=group)
+    return mine if mine is not None else data.numpy().tobytes()
+
+
 class DcpCheckpointError(RuntimeError):
     """A DCP checkpoint that cannot be written or read; names the step, rank and file."""
 
@@ -351,12 +384,16 @@ class TieredStorageReader(StorageReader):  # type: ignore[misc]
         step = self._resolve_step()
         path = os.path.join(self._tiers.step_dir(step), METADATA_FILE)
         problems: list[str] = []
+        mine: bytes | None = None
         try:
             with open(path, "rb") as file:
-                blob = file.read()
-            self.sources["metadata"] = "memory"
+                mine = file.read()
         except OSError as exc:
             problems.append(f"{path}: {exc.strerror or exc}")
+        blob = metadata_from_peers(step, mine)
+        if blob is not None:
+            self.sources["metadata"] = "memory" if mine is not None else "peer"
+        else:
             blob = self._durable_blob(step, 0, problems)
             self.sources["metadata"] = "durable"
         try:
@@ -371,6 +408,7 @@ class TieredStorageReader(StorageReader):  # type: ignore[misc]
         return metadata
 
     def _parse_metadata(self, blob: bytes | bytearray, step: int) -> tuple[Metadata, int]:
+        # Parsed as JSON and verified (identity, checksum): a peer's copy is no more trusted.
         doc = json.loads(blob)
         if not isinstance(doc, dict) or doc.get("kind") != "dcp-metadata":
             raise ShardInvalid("not a trainguard DCP metadata file")

@@ -5,8 +5,11 @@ A rank of a new layout needs the parts of the saved ranks that overlap its own. 
 shards are found, for each saved rank, in
 
 1. this node's memory directory (the tier's ``rank-<R>-slot-<i>`` files of the node's
-   ranks, and of a lost node's ranks once the agent pulled its replica back), then
-2. the durable tier (every rank's files of a committed step).
+   ranks, and of a lost node's ranks once the agent pulled its replica back),
+2. the peer replicas this node's agent holds beside it (``<memory dir>/../replicas/
+   <node>/``, :mod:`trainguard.agent.replicas`: the shards of the node before it in the
+   ring), so that a restart on fewer nodes reshards from RAM, then
+3. the durable tier (every rank's files of a committed step).
 
 Only checksummed shards are read (any reader other than the writer within its attempt
 needs the checksum, :func:`~trainguard.checkpoint.shard.unchecked_refusal`); each is
@@ -46,21 +49,29 @@ class Saved:
     """One saved rank's verified shard of a step."""
 
     rank: int
-    tier: str  # "memory" or "durable"
+    tier: str  # "memory" (this node's RAM: its tier or a peer's replica) or "durable"
     layout: Layout
     buffer: torch.Tensor
 
 
-def _metas(directory: str, job_id: str) -> list[tuple[str, dict[str, Any]]]:
-    """(data path, meta) of every checksummed shard of ``job_id`` in a memory directory."""
-    found = []
-    names: list[str] = []
+def _listing(directory: str) -> list[str]:
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        names = sorted(os.listdir(directory))
-    for name in names:
-        if not _META.match(name):
+        return sorted(os.listdir(directory))
+    return []
+
+
+def _metas(directory: str, job_id: str) -> list[tuple[str, dict[str, Any]]]:
+    """(data path, meta) of every checksummed shard of ``job_id`` in a memory directory,
+    then in the peer replicas held beside it."""
+    replicas = os.path.join(os.path.dirname(directory.rstrip("/")), "replicas")
+    paths = [os.path.join(directory, name) for name in _listing(directory)]
+    for node in _listing(replicas):
+        held = os.path.join(replicas, node)
+        paths += [os.path.join(held, name) for name in _listing(held)]
+    found = []
+    for path in paths:
+        if not _META.match(os.path.basename(path)):
             continue
-        path = os.path.join(directory, name)
         try:
             with open(path, "rb") as file:
                 meta = json.loads(file.read())
@@ -111,8 +122,11 @@ def gather(
     (``read_shard(step, rank)``); :class:`ShardInvalid` naming the first one missing."""
     world, held = _from_memory(directory, job_id, step, world_size)
     if not world and durable is not None:
-        _, meta = durable(step, 0)
-        world = int(meta.get("world_size", 0))
+        try:
+            _, meta = durable(step, 0)
+            world = int(meta.get("world_size", 0))
+        except Exception as exc:  # unreadable: this rank reports the step unavailable
+            raise ShardInvalid(f"step {step}: rank 0's durable shard: {exc}") from exc
     if world < 1:
         raise ShardInvalid(f"step {step}: no shard of it here or in the durable tier")
     saved = []

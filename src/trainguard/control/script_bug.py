@@ -15,11 +15,15 @@ them (no fault carries a step, and no attempt reported progress). "Every rank" c
 waited for: an in-process restart is decided on the first crash, and the other ranks'
 crashes arrive one by one in the next attempts; the same error from two ranks is what
 tells the script's error from one rank's (its data, its node), which is retried as usual,
-as is a job with a fault of another kind, a kill, or a step in between.
+as is a job with a fault of another kind, a kill, or a step in between. An error of the
+machines rather than the script (torch.distributed's ``Dist*Error``, a connection or
+timeout error, one that names NCCL or gloo: a peer or a store that went away) is never
+a script bug.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +32,11 @@ from trainguard.wire.control_files import EXIT_BARRIER_TIMEOUT
 
 __all__ = ["EXIT_RESERVED", "ScriptBug", "script_bug"]
 
+_NOT_THE_SCRIPT = re.compile(
+    r"^(?:[\w.]*\.)?(?:Dist\w*Error|Connection\w*Error|BrokenPipeError|\w*Timeout\w*)\b"
+    r"|NCCL|[Gg]loo"
+)
+"""Error lines that are the machines' (a peer or store gone), not the script's."""
 EXIT_CUDA_UNHEALTHY = 70  # trainguard.resilient.cuda_check's (that module imports torch)
 EXIT_RESERVED = frozenset({EXIT_BARRIER_TIMEOUT, EXIT_CUDA_UNHEALTHY})
 """Exit codes that are trainguard's, not the script's: a resilient worker that gave up a
@@ -97,6 +106,7 @@ def _script_error(fault: Fault) -> str | None:
         or code in EXIT_RESERVED
         or not isinstance(error, str)
         or not error
+        or _NOT_THE_SCRIPT.search(error)
     ):
         return None
     return error

@@ -12,6 +12,14 @@ A torchrun script changes three places (:mod:`trainguard.resilient.loop`)::
 
     resilient.loop(train_step, range(1, steps + 1), {"model": model, "optim": optimizer})
 
+A sharded model (FSDP2, HSDP) also takes trainguard's ``init_device_mesh`` and
+``fully_shard``, made again on each attempt's groups (:mod:`trainguard.resilient.mesh`,
+:mod:`trainguard.resilient.fsdp`); a replaced rank takes its shards from a rank holding
+the same ones, else every rank rolls back to the checkpoint tiers::
+
+    mesh = resilient.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    resilient.fully_shard(model, mesh=mesh)
+
 The lower-level form wraps a function of the attempt (:mod:`trainguard.resilient.restartable`)::
 
     state = resilient.TrainState(model=model, optimizer=optimizer)

@@ -12,14 +12,19 @@ shard coordinates (the sync only pairs such ranks), so the local tensors fit.
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from trainguard.checkpoint.state import Path, format_path
 from trainguard.resilient import mesh as meshes
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor, Placement
+
+_DTENSOR_MODULE = "torch.distributed.tensor"
+"""Imported at first use: a state without DTensors never needs it (nor its ~0.3 s)."""
 
 __all__ = ["globalise", "localise"]
 
@@ -27,6 +32,9 @@ __all__ = ["globalise", "localise"]
 def localise(tree: Any) -> tuple[Any, list[dict[str, Any]]]:
     """``tree`` with every DTensor replaced by its local tensor, and their descriptions."""
     described: list[dict[str, Any]] = []
+    if _DTENSOR_MODULE not in sys.modules:  # no DTensor was ever made in this process
+        return tree, described
+    from torch.distributed.tensor import DTensor
 
     def walk(node: Any, path: Path) -> Any:
         if isinstance(node, DTensor):
@@ -45,6 +53,8 @@ def localise(tree: Any) -> tuple[Any, list[dict[str, Any]]]:
 
 def globalise(tree: Any, described: list[dict[str, Any]]) -> None:
     """Make the DTensors :func:`localise` described again, in place, in ``tree``."""
+    from torch.distributed.tensor import DTensor
+
     for item in described:
         path = list(item["path"])
         parent = tree
@@ -87,6 +97,9 @@ def _describe(tensor: DTensor, path: Path) -> dict[str, Any]:
 
 
 def _encode(placement: Placement) -> list[Any]:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     if isinstance(placement, _StridedShard):
         return ["strided", placement.dim, placement.split_factor]
     if isinstance(placement, Shard):
@@ -99,6 +112,9 @@ def _encode(placement: Placement) -> list[Any]:
 
 
 def _placement(encoded: list[Any]) -> Placement:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     kind = encoded[0]
     if kind == "strided":
         return _StridedShard(int(encoded[1]), split_factor=int(encoded[2]))

@@ -27,16 +27,18 @@ infos' ``__post_init__`` that reads the groups from ``mesh.get_group``, and
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo
 
 from trainguard.resilient import mesh as meshes
 from trainguard.resilient.protocol import CONTROL_DIR_ENV
+
+if TYPE_CHECKING:  # torch.distributed.fsdp (and its DTensor) are imported at first use:
+    # they add ~0.3 s to every resilient worker's start, a DDP one's too
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo
 
 __all__ = ["fully_shard", "shard_key"]
 
@@ -46,18 +48,20 @@ _modules: list[FSDPModule] = []
 def fully_shard(module: Any, **kwargs: Any) -> Any:
     """``torch.distributed.fsdp.fully_shard(module, **kwargs)``, its groups followed across
     in-process restarts under trainguard (see the module doc)."""
+    under_trainguard = bool(os.environ.get(CONTROL_DIR_ENV))
+    if under_trainguard:
+        given = kwargs.get("mesh")
+        if not isinstance(given, DeviceMesh) or meshes.mesh_index(given) is None:
+            raise ValueError(
+                "trainguard.resilient.fully_shard: pass mesh= a mesh made by "
+                "trainguard.resilient.init_device_mesh (its groups are made again after "
+                "an in-process restart)"
+            )
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
     sharded = torch_fully_shard(module, **kwargs)
-    if os.environ.get(CONTROL_DIR_ENV):
-        for made in sharded if isinstance(sharded, list) else [sharded]:
-            info = _infos(made)
-            unknown = [i.mesh for i in info if meshes.mesh_index(i.mesh) is None]
-            if unknown:
-                raise ValueError(
-                    "trainguard.resilient.fully_shard: the mesh must come from "
-                    "trainguard.resilient.init_device_mesh (its groups are made again "
-                    "after an in-process restart)"
-                )
-            _modules.append(made)
+    if under_trainguard:
+        _modules.extend(sharded if isinstance(sharded, list) else [sharded])
         meshes.on_rebind(_rebind)
     return sharded
 
@@ -95,6 +99,8 @@ def _root_dim(mesh: DeviceMesh, root: DeviceMesh, dim: int) -> int:
 
 def _infos(module: nn.Module) -> list[DataParallelMeshInfo]:
     """The mesh infos of ``module``'s FSDP state (its parameter groups' and parameters')."""
+    from torch.distributed.fsdp import FSDPModule
+
     assert isinstance(module, FSDPModule)
     found: dict[int, DataParallelMeshInfo] = {}
     for group in module._get_fsdp_state()._fsdp_param_groups:

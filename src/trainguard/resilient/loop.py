@@ -22,7 +22,8 @@ A step is complete once every optimizer of ``state`` has stepped in it (a post-s
 or when ``train_step`` returns: a collective after the update (a loss all_reduce for the
 log) that fails does not undo it, and the step is not run again. ``state`` is what a rank
 hands a peer and what is checkpointed: a ``Stateful`` or a dict of them (model, optimizer,
-scheduler, a data position), the same on every rank after each step.
+scheduler, a data position), the same on every rank after each step, or for a sharded
+model (:func:`trainguard.resilient.fully_shard`) on every rank holding the same shards.
 """
 
 from __future__ import annotations

@@ -106,6 +106,13 @@ def rebind() -> bool:
     else makes a group); returns whether any mesh changed."""
     world = dist.group.WORLD
     changed = [bound for bound in _meshes if bound.world is not world]
+    resized = [b.mesh for b in changed if b.mesh.size() != dist.get_world_size()]
+    if resized:  # an elastic scaling in place: the script must make its meshes anew
+        raise RuntimeError(
+            f"the world size changed to {dist.get_world_size()}, and a device mesh of "
+            f"{resized[0].size()} ranks cannot follow it in process; the job restarts the "
+            "processes instead"
+        )
     for bound in changed:
         with attempt_sockets():
             _make_groups(bound.mesh, bound.mesh)
