@@ -127,6 +127,12 @@ def trainguard_kill(setup: FaultSetup) -> FaultRecord:
     return trainguard_fault(run, f"kill:rank={FAULTY_RANK}@step={setup.step}", setup.timeout)
 
 
+def kill_under(job: TrainguardJob, setup: FaultSetup) -> FaultRecord:
+    """``job`` run with ``--inject kill:rank=3@step=S`` (a scenario's own job)."""
+    run = TrainguardRun(setup.workdir, setup.args, job)
+    return trainguard_fault(run, f"kill:rank={FAULTY_RANK}@step={setup.step}", setup.timeout)
+
+
 def checkpointless_job(name: str, retries: int) -> TrainguardJob:
     """A job whose script runs in ``@restartable`` (``--ckpt resilient``), with
     ``inProcessRestart`` and a hot spare on every node: a killed rank is taken over by

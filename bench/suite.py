@@ -39,6 +39,9 @@ from bench.recovery import (
 )
 from bench.report import load_average, ratio, summary
 from bench.runs import NNODES, NPROC_PER_NODE, REPO, TrainArgs
+from bench.sharded import QUICK_PLAN as SHARDED_QUICK_PLAN
+from bench.sharded import ShardedPlan
+from bench.sharded import scenario as sharded_scenario
 from bench.slurm import SLURM_DEFAULTS, SLURM_LOST_VARIANTS, SLURM_NODES, SLURM_SETTINGS
 from bench.slurm import unavailable as slurm_unavailable
 from bench.workloads import QUICK_PLAN, WorkloadPlan
@@ -85,6 +88,8 @@ class Settings:
     hosts_cap: float = 120.0
     # The GPT example and a wide MLP (bench/workloads.py): their runs and repetitions.
     workloads: WorkloadPlan = field(default_factory=WorkloadPlan)
+    # FSDP2 and HSDP (bench/sharded.py): their runs and repetitions.
+    sharded: ShardedPlan = field(default_factory=ShardedPlan)
     run_timeout: float = 300.0
 
     def to_json(self) -> dict[str, Any]:
@@ -108,6 +113,7 @@ QUICK = replace(
     scale_nodes=(16, 64),
     agent_repeats=3,
     workloads=QUICK_PLAN,
+    sharded=SHARDED_QUICK_PLAN,
 )
 
 
@@ -297,6 +303,11 @@ def slurm(ctx: Context) -> dict[str, Any]:
 def workloads(ctx: Context) -> dict[str, Any]:
     """Recovery and checkpoints on the GPT example and a wide MLP (:mod:`bench.workloads`)."""
     return workloads_scenario(ctx, _fault_scenario)
+
+
+def sharded(ctx: Context) -> dict[str, Any]:
+    """Recovery and save blocking of FSDP2 and HSDP state (:mod:`bench.sharded`)."""
+    return sharded_scenario(ctx, _fault_scenario)
 
 
 def group_start(ctx: Context) -> dict[str, Any]:
@@ -567,6 +578,7 @@ SCENARIOS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "hosts": hosts,
     "slurm": slurm,
     "workloads": workloads,
+    "sharded": sharded,
     "peers": peers,
     "group_start": group_start,
     "data_cache": data_cache,

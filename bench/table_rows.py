@@ -539,6 +539,7 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
         "hosts",
         "slurm",
         "workloads",
+        "sharded",
         "group_start",
         "data_cache",
     ):
@@ -561,6 +562,10 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
             from bench.workloads_rows import workloads_rows
 
             rows += workloads_rows(res)
+        elif scenario == "sharded":  # and these in bench/sharded_rows.py
+            from bench.sharded_rows import sharded_rows
+
+            rows += sharded_rows(res)
         elif scenario == "group_start":  # and these in bench/group_start.py
             from bench.group_start import rows as group_start_rows
 
