@@ -376,6 +376,24 @@ def test_snapshot_has_progress_per_rank_and_is_json() -> None:
     assert snap["detections"] == []
 
 
+def test_an_in_process_restarts_progress_starts_at_each_ranks_join() -> None:
+    # Rank 0 printed step 15 just before the fault; its agent read the line after the
+    # rejoin. It is the attempt before's: the new attempt's first step is the 11 it
+    # redoes after the rollback (the fault's record: 5 steps lost, not 1).
+    joined: set[int] = set()
+    monitor = NodeLogMonitor([], ProgressMatcher(), joined=joined.__contains__)
+    monitor.on_line(0, "stdout", batch(15), 100.0)
+    assert monitor.snapshot().progress is None
+    joined.add(0)
+    monitor.on_line(0, "stdout", batch(11), 101.0)
+    monitor.on_line(0, "stdout", batch(12), 101.5)
+    joined.clear()  # asked until a rank has joined, not after
+    monitor.on_line(0, "stdout", batch(13), 102.0)
+    progress = monitor.snapshot().progress
+    assert progress is not None
+    assert (progress.first_step, progress.first_time, progress.step) == (11, 101.0, 13)
+
+
 def test_detections_are_bounded() -> None:
     rule = LogRuleSpec("err", ".*Error.*", fault_on_match=True)
     monitor = NodeLogMonitor([rule])

@@ -16,7 +16,9 @@ from trainguard.wire.requests import MonitorConfig
 
 
 def build_monitor(
-    monitor: MonitorConfig, on_detection: Callable[[], None] | None = None
+    monitor: MonitorConfig,
+    on_detection: Callable[[], None] | None = None,
+    joined: Callable[[int], bool] | None = None,
 ) -> NodeLogMonitor:
     """The line monitor an assignment asks for; ``ValueError`` names what is wrong.
 
@@ -32,4 +34,4 @@ def build_monitor(
         progress = ProgressMatcher(monitor.progress_pattern or DEFAULT_PROGRESS_PATTERN)
     except ValueError as exc:
         raise ValueError(f"progress_pattern: {exc}") from None
-    return NodeLogMonitor(rules, progress, on_detection=on_detection)
+    return NodeLogMonitor(rules, progress, on_detection=on_detection, joined=joined)

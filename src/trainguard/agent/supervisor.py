@@ -43,6 +43,7 @@ from trainguard.elastic.request import AGREED_SUFFIX, ARMED_SUFFIX, ELASTIC_FILE
 from trainguard.monitor.heartbeat import HEARTBEAT_DIR_ENV
 from trainguard.monitor.stacks import capture_stacks
 from trainguard.monitor.worker_events import EVENT_DIR_ENV
+from trainguard.wire.control_files import ProtocolError, read_ack
 
 if TYPE_CHECKING:
     from trainguard.agent.health import HealthKeeper
@@ -409,7 +410,20 @@ class Supervisor:
             with self.board.lock:
                 self.board.set(NodeState.FAULTED, reason="in-process restart: no workers")
             return
-        monitor = build_monitor(assignment.monitor, on_detection=self._reporter.nudge)
+        # A survivor's step lines of the attempt before, read after this point, are not
+        # this attempt's progress: a rank's count once it acknowledged this attempt.
+        control_dir, number = group.control_dir, assignment.attempt
+
+        def joined(rank: int) -> bool:
+            try:
+                ack = read_ack(control_dir, rank)
+            except ProtocolError:  # being replaced as it is read: not yet
+                return False
+            return ack is not None and ack.attempt >= number
+
+        monitor = build_monitor(
+            assignment.monitor, on_detection=self._reporter.nudge, joined=joined
+        )
         with self.board.lock:
             self.board.monitor = monitor
         before = dict(group.ranks)

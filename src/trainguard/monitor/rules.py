@@ -244,8 +244,12 @@ class NodeLogMonitor:
         rules: Sequence[LogRuleSpec],
         progress: ProgressMatcher | None = None,
         on_detection: Callable[[], None] | None = None,
+        joined: Callable[[int], bool] | None = None,
     ) -> None:
-        """``on_detection``: called (with no lock held) after a line was found a fault."""
+        """``on_detection``: called (with no lock held) after a line was found a fault;
+        ``joined``: whether a rank has joined this attempt (an in-process restart's:
+        the lines its process printed in the attempt before, read late, are no progress
+        of this one; None: every line counts)."""
         names = [rule.name for rule in rules]
         if len(set(names)) != len(names):
             raise ValueError(f"log rules: duplicate rule names in {names}")
@@ -256,12 +260,16 @@ class NodeLogMonitor:
         self._first_steps: dict[int, tuple[int, float]] = {}
         self._detections: list[Detection] = []
         self._on_detection = on_detection
+        self._joined = joined
+        self._members: set[int] = set()  # the ranks seen to have joined (joined() said so)
         self._lock = threading.Lock()
 
     def on_line(self, rank: int, stream: str, line: str, t: float) -> None:
         """One output line of ``rank`` (without its newline), read at unix time ``t``."""
         del stream  # both streams are read alike
         step = self._progress.match(line) if self._progress is not None else None
+        if step is not None and not self._member(rank):
+            step = None  # a step of the attempt before: not this one's progress
         with self._lock:
             if step is not None:
                 self._steps[rank] = (step, t)
@@ -274,6 +282,15 @@ class NodeLogMonitor:
             found = len(self._detections) > seen
         if found and self._on_detection is not None:
             self._on_detection()
+
+    def _member(self, rank: int) -> bool:
+        """Whether ``rank``'s lines are this attempt's (asked until it is: then kept)."""
+        if self._joined is None or rank in self._members:
+            return True
+        if self._joined(rank):
+            self._members.add(rank)
+            return True
+        return False
 
     def _apply(self, rule: LogRuleSpec, state: _RuleState, rank: int, line: str, t: float) -> None:
         stop = rule.stop
