@@ -129,6 +129,27 @@ def run(case: Case, out: Path, start: Start) -> Outcome:
     )
 
 
+TEARDOWN_ABORT = "terminate called without an active exception"
+"""What torch's own teardown prints when it aborts a process at exit now and then (a
+joinable C++ thread destroyed: seen once in CI, in a fresh interpreter's FSDP2 run, after
+the script had finished and written its result). Not how a script ends."""
+
+
+def settled(case: Case, out: Path, start: Start, tries: int = 3) -> Outcome:
+    """:func:`run`, again (into ``out-again-N``) while a rank died of torch's teardown
+    abort (SIGABRT with :data:`TEARDOWN_ABORT`), cold or warm alike."""
+    outcome = run(case, out, start)
+    for n in range(1, tries):
+        aborted = any(
+            code == -signal.SIGABRT and TEARDOWN_ABORT in err
+            for code, err in zip(outcome.codes, outcome.stderr, strict=True)
+        )
+        if not aborted:
+            break
+        outcome = run(case, out.with_name(f"{out.name}-again-{n}"), start)
+    return outcome
+
+
 def wait_all(procs: Sequence[Process], out: Path) -> tuple[int, ...]:
     deadline = time.monotonic() + RUN_TIMEOUT
     codes: list[int | None] = [None] * len(procs)
@@ -179,8 +200,8 @@ def test_a_warm_worker_ends_as_a_fresh_interpreter_does(
         assert proc is not None, (tmp_path / "template.log").read_text()
         return proc
 
-    cold = [run(case, tmp_path / f"cold-{n}", cold_start) for n in range(case.cold_runs)]
-    warm = [run(case, tmp_path / f"warm-{n}", warm_start) for n in range(case.warm_runs)]
+    cold = [settled(case, tmp_path / f"cold-{n}", cold_start) for n in range(case.cold_runs)]
+    warm = [settled(case, tmp_path / f"warm-{n}", warm_start) for n in range(case.warm_runs)]
     expected = cold[0]
     for n, outcome in enumerate([*cold[1:], *warm]):
         label = f"run {n + 1} of {len(cold) + len(warm)}"
