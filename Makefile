@@ -5,6 +5,11 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+# torch 2.13's gloo sometimes aborts a process at exit, after the script has finished
+# ("terminate called without an active exception", SIGABRT: seen in a plain torch FSDP2
+# script with no trainguard code in it). A failing test that quotes that line runs once
+# more; any other failure fails at once (docs/development.md).
+TORCH_ABORT = --reruns 1 --only-rerun "terminate called without an active exception"
 
 .PHONY: install demo test test-long unit e2e lint format docs bench gpu-check clean
 
@@ -30,11 +35,11 @@ demo: install
 # selection that falls in one pass only). The "long" tests (minutes each: namespace
 # hosts, a real Slurm, the Kubernetes emulator's jobs) are test-long's; CI runs both.
 test: install
-	$(VENV)/bin/pytest -q -m "not exclusive and not long" -n 2 $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(VENV)/bin/pytest -q -m "exclusive and not long" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(VENV)/bin/pytest -q -m "not exclusive and not long" -n 2 $(TORCH_ABORT) $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(VENV)/bin/pytest -q -m "exclusive and not long" $(TORCH_ABORT) $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-long: install
-	$(VENV)/bin/pytest -q -m long -n 2 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(VENV)/bin/pytest -q -m long -n 2 $(TORCH_ABORT) $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 unit: install
 	$(VENV)/bin/pytest -q -m "not e2e" -n 2 $(PYTEST_ARGS)
