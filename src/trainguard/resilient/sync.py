@@ -155,6 +155,14 @@ def encode_state(
     with torch.no_grad():
         for entry, tensor in zip(layout.entries, tensors, strict=True):
             entry.view(data).copy_(tensor.detach())
+    return _metadata(steps, layout, tensors, dtensors), data
+
+
+def _metadata(
+    steps: int, layout: Layout, tensors: Sequence[torch.Tensor], dtensors: list[dict[str, Any]]
+) -> bytes:
+    """The JSON a receiver builds the state from: the step, the tensors' layout and
+    devices, the state's tree with its plain values, each DTensor's placement."""
     meta = {
         "steps": steps,
         "entries": [e.to_json() for e in layout.entries],
@@ -163,7 +171,7 @@ def encode_state(
         "tree": layout.tree,
         "dtensors": dtensors,
     }
-    return json.dumps(meta).encode(), data
+    return json.dumps(meta).encode()
 
 
 def decode_state(state: State, meta: bytes, data: torch.Tensor) -> int:
@@ -230,16 +238,7 @@ def send_state(
     layout, tensors = flatten({"state": local})
     meta = b""
     if rank == senders[0]:
-        meta = json.dumps(
-            {
-                "steps": steps,
-                "entries": [e.to_json() for e in layout.entries],
-                "devices": [t.device.type for t in tensors],
-                "nbytes": layout.nbytes,
-                "tree": layout.tree,
-                "dtensors": dtensors,
-            }
-        ).encode()
+        meta = _metadata(steps, layout, tensors, dtensors)
     header = torch.tensor([len(meta), _digest(layout.entries)], dtype=torch.int64)
     control = control_group()
     for receiver in receivers:
