@@ -16,6 +16,7 @@ import contextlib
 import http
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -193,9 +194,19 @@ class Connection:
 
     def send_file(self, file: IO[bytes], size: int, close: bool) -> None:
         """A 200 whose body is ``size`` bytes of ``file`` (sent with ``sendfile``)."""
+        self.send_parts([(b"", file, size)], size, close)
+
+    def send_parts(
+        self, parts: Sequence[tuple[bytes, IO[bytes], int]], size: int, close: bool
+    ) -> None:
+        """A 200 whose body (``size`` bytes) is each part's bytes, then the first bytes
+        of its file (sent with ``sendfile``); the files must hold them (not shrink)."""
         self.sock.sendall(reply_head(200, size, {}, close, "application/octet-stream"))
-        if size:
-            self.sock.sendfile(file, 0, size)
+        for prefix, file, count in parts:
+            if prefix:
+                self.sock.sendall(prefix)
+            if count:
+                self.sock.sendfile(file, 0, count)
 
     def close(self) -> None:
         """Close at once; a client still sending gets a reset, not a reply it cannot read."""
@@ -230,3 +241,39 @@ class BodyStream:
             have += got
         self._left -= have
         return bytes(view[:have]) if have < want else bytes(chunk)
+
+    def readinto(self, target: memoryview, /) -> int:
+        """Fill ``target`` with the next bytes of body (the buffered ones first): how
+        many came; fewer than asked only at the body's end or when the client hangs up."""
+        want = min(len(target), self._left)
+        buffer = self._conn.buffer
+        have = min(len(buffer), want)
+        target[:have] = buffer[:have]
+        del buffer[:have]
+        while have < want:
+            got = self._conn.sock.recv_into(target[have:want])
+            if not got:
+                break
+            have += got
+        self._left -= have
+        return have
+
+    def readline(self, size: int = -1, /) -> bytes:
+        """The body's next line, with its ``\\n``: at most ``size`` bytes (fewer at the
+        body's end, or when the client hangs up); never reads past the body."""
+        buffer = self._conn.buffer
+        limit = self._left if size < 0 else min(size, self._left)
+        while True:
+            end = buffer.find(b"\n", 0, limit)
+            if end >= 0 or len(buffer) >= limit:
+                take = end + 1 if end >= 0 else limit
+                break
+            got = self._conn.sock.recv(min(_CHUNK, self._left - len(buffer)))
+            if not got:
+                take = min(len(buffer), limit)
+                break
+            buffer += got
+        line = bytes(buffer[:take])
+        del buffer[:take]
+        self._left -= take
+        return line
