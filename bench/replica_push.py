@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.agent.replicas import ReplicaPusher
+from trainguard.agent.replica_push import ReplicaPusher
 
 TOKEN = "bench-replica-push-token"
 SERVE_TIMEOUT = 60.0

@@ -33,7 +33,6 @@ import logging
 import os
 import re
 import shutil
-import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -41,8 +40,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
-from trainguard.agent.client import AgentClient, AgentError
-from trainguard.agent.filewatch import COMMITS, DirWatch
 from trainguard.agent.replica_batch import (
     BATCH_QUERY,
     BatchStream,
@@ -58,7 +55,6 @@ from trainguard.checkpoint.files import checksum
 __all__ = [
     "REPLICA_PATH",
     "ReplicaError",
-    "ReplicaPusher",
     "ReplicaRoomError",
     "ReplicaStore",
     "replica_peers",
@@ -68,11 +64,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 REPLICA_PATH = "/replica/"
-PUSH_INTERVAL_SECONDS = 0.5
-"""Where inotify is missing: how often the pusher looks for changed files."""
-SAFETY_PASS_SECONDS = 5.0
-"""Where the pusher is woken by changes: its pass when none came (a missed one, a push
-that failed and is due again)."""
 TRANSFER_TIMEOUT_SECONDS = 60.0
 DCP_KEEP = 2
 """DCP steps of each source a peer keeps (a newer one arriving removes the older ones)."""
@@ -80,7 +71,7 @@ _DCP_STEP = re.compile(r"^dcp/step-(\d+)/")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def _dcp_steps(dcp: Path) -> dict[int, Path]:
+def dcp_steps(dcp: Path) -> dict[int, Path]:
     """Step -> directory of the DCP steps under ``dcp``."""
     found = {}
     for path in dcp.iterdir() if dcp.is_dir() else []:
@@ -141,7 +132,7 @@ def dcp_step_files(root: Path) -> list[tuple[str, str | None, tuple[int, int]]]:
     """The newest DCP step's files here to push, in order: (file, the file written just
     before it that must go first or None, the version of the file): each rank's
     ``rank-<R>.json`` after its data, then ``metadata.json``. Empty if there is none."""
-    steps = _dcp_steps(root / "dcp")
+    steps = dcp_steps(root / "dcp")
     if not steps:
         return []
     step_dir = steps[max(steps)]
@@ -258,7 +249,7 @@ class ReplicaStore:
         match = _DCP_STEP.match(relpath)
         if match is None:
             return
-        steps = {*_dcp_steps(held / "dcp"), int(match[1])}
+        steps = {*dcp_steps(held / "dcp"), int(match[1])}
         for old in sorted(steps)[:-DCP_KEEP]:
             shutil.rmtree(held / "dcp" / f"step-{old}", ignore_errors=True)
 
@@ -304,139 +295,6 @@ def _request(url: str, token: str) -> Any:
 def replica_url(base: str, source: str, relpath: str = "") -> str:
     tail = urllib.parse.quote(f"{source}/{relpath}" if relpath else source)
     return f"{base}{REPLICA_PATH}{tail}"
-
-
-Unit = tuple[str, str | None, tuple[int, int]]
-"""What a pass pushes as one: (a meta, the data that goes before it or None, the meta's
-version)."""
-
-
-class ReplicaPusher:
-    """Pushes changed files of this node's memory tier to its replica peers, in the
-    background: one batch per peer per pass, a pass as soon as a file is committed there
-    (``inotify``; every :data:`SAFETY_PASS_SECONDS` besides), or every ``interval``
-    where the memory tier cannot be watched."""
-
-    def __init__(
-        self,
-        node_id: str,
-        memory_dir: Path,
-        peer_urls: list[str],
-        token: str,
-        interval: float = PUSH_INTERVAL_SECONDS,
-        safety_interval: float = SAFETY_PASS_SECONDS,
-    ) -> None:
-        self.node_id = node_id
-        self.memory_dir = memory_dir
-        self.peer_urls = peer_urls
-        self.token = token
-        self.interval = interval
-        self.safety_interval = safety_interval
-        self._pushed: dict[tuple[str, str], tuple[int, int]] = {}  # (peer, meta) -> version
-        # Kept-alive connections: one per file pushed cost both agents more CPU (and the
-        # receiver a thread) than the copying.
-        self._peers = {
-            url: AgentClient(url, token, timeout=TRANSFER_TIMEOUT_SECONDS) for url in peer_urls
-        }
-        self._batch_path = urllib.parse.urlsplit(replica_url("", node_id)).path
-        self._stop = threading.Event()
-        self._watch: DirWatch | None = None
-        self._watched: set[tuple[Path, int]] = set()  # (directory, inode) watched
-        self._thread = threading.Thread(target=self._run, name="trainguard-replicas", daemon=True)
-
-    @property
-    def watching(self) -> bool:
-        """Whether changes wake the pusher (else it polls every ``interval``)."""
-        return self._watch is not None
-
-    def start(self) -> None:
-        if self.peer_urls:
-            self._watch = DirWatch.open([self.memory_dir], COMMITS)
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.poke()
-        if self._thread.is_alive():
-            self._thread.join(TRANSFER_TIMEOUT_SECONDS)
-
-    def push_once(self) -> int:
-        """Push the shards of the newest step every rank of this node has checksummed, if
-        they changed since their last push, to each peer in one batch; returns shards
-        pushed (counted once per peer).
-
-        Only shards whose meta carries a checksum leave the node (a copy-complete meta
-        without one is trusted on its own node only); data goes first, then the meta.
-        One step per pass: at 8 saves a second the older slots would be pushed only to
-        be replaced (half the agents' CPU went to those pushes and their receipt).
-        """
-        units: list[Unit] = [
-            (shard.meta, shard.data, shard.version)
-            for shard in newest_whole_step(checksummed_shards(self.memory_dir))
-        ]
-        units += dcp_step_files(self.memory_dir)
-        pushed = 0
-        for peer in self.peer_urls:
-            due = [unit for unit in units if self._pushed.get((peer, unit[0])) != unit[2]]
-            if due and not self._stop.is_set():
-                pushed += self._push(peer, due)
-        return pushed
-
-    def _push(self, peer: str, due: list[Unit]) -> int:
-        """One batch of ``due``'s files to ``peer``; the units it carried."""
-        with contextlib.ExitStack() as files:
-            parts: list[tuple[bytes, IO[bytes], int]] = []
-            sent = []
-            for unit in due:
-                try:
-                    for rel in (unit[1], unit[0]):
-                        if rel is not None:
-                            f = files.enter_context(open(self.memory_dir / rel, "rb"))
-                            parts.append(file_part(f, rel))
-                except OSError as exc:  # a slot dropped since the scan: the next pass
-                    logger.debug("replica push of %s skipped: %s", unit[0], exc)
-                    continue
-                sent.append(unit)
-            if not parts:
-                return 0
-            try:
-                self._peers[peer].upload(self._batch_path, parts)
-            except (OSError, AgentError) as exc:
-                logger.warning("replica push of %d shards to %s failed: %s", len(sent), peer, exc)
-                return 0
-        for meta_rel, _, version in sent:
-            self._pushed[(peer, meta_rel)] = version
-        return len(sent)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._watch_dcp()
-                self.push_once()
-                if self._watch is None:
-                    self._stop.wait(self.interval)
-                else:
-                    self._watch.wait(self.safety_interval)
-        finally:
-            for peer in self._peers.values():
-                peer.close()
-            if self._watch is not None:
-                self._watch.close()
-
-    def _watch_dcp(self) -> None:
-        """Watch the DCP directory and its step directories too (inotify watches one
-        directory, not what is under it); before the pass that reads them."""
-        if self._watch is None:
-            return
-        dcp = self.memory_dir / "dcp"
-        present = set()
-        for directory in [dcp, *_dcp_steps(dcp).values()]:
-            with contextlib.suppress(OSError):
-                present.add((directory, directory.stat().st_ino))
-        for key in present - self._watched:
-            self._watch.add(key[0])
-        self._watched = present
 
 
 def restore_from_peers(
