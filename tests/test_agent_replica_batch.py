@@ -3,6 +3,8 @@ at all; and a pusher that a commit in the memory tier wakes."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -20,7 +22,7 @@ from test_agent_api_limits import (  # replica_agent: the fixture, one per modul
     replica_agent,  # noqa: F401
 )
 from trainguard.agent.client import AgentClient
-from trainguard.agent.replica_batch import frame_header, read_frame
+from trainguard.agent.replica_batch import file_part, frame_header, read_frame
 from trainguard.agent.replica_push import ReplicaPusher
 
 ROOM = 1 << 20  # replica_agent's --max-replica-bytes
@@ -69,18 +71,10 @@ def test_a_batch_lands_every_file_and_comes_back_in_one_request(
         (memory / rel).parent.mkdir(parents=True, exist_ok=True)
         (memory / rel).write_bytes(data)
     client = AgentClient(peer.url, TOKEN)
-    parts = []
-    try:
-        opened = [open(memory / rel, "rb") for rel in files]  # noqa: SIM115 - closed below
-        parts = [
-            (frame_header(rel, len(data)), f, len(data))
-            for (rel, data), f in zip(files.items(), opened, strict=True)
-        ]
+    with contextlib.ExitStack() as stack:
+        parts = [file_part(stack.enter_context(open(memory / rel, "rb")), rel) for rel in files]
         client.upload("/replica/node-0", parts)
-    finally:
-        for _, f, _ in parts:
-            f.close()
-        client.close()
+    client.close()
     replica = held(peer, "node-0")
     assert {rel: (replica / rel).read_bytes() for rel in files} == files
     assert tmp_files(replica) == []
@@ -89,8 +83,6 @@ def test_a_batch_lands_every_file_and_comes_back_in_one_request(
         sock.sendall(head("GET", "/replica/node-0?batch=1"))
         status, _, body = read_reply(sock)
     assert status == 200
-    import io
-
     stream = io.BytesIO(body)
     pulled = {}
     while (frame := read_frame(stream)) is not None:
