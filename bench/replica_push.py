@@ -11,7 +11,8 @@ each pass pushes it all again). Per size and repetition:
 
 - ``gb_s``: bytes pushed / the pass's wall time (until the peer has stored the meta);
 - ``sender_cpu_s_per_gb``: this process's CPU time of the pass, per GB;
-- ``receiver_cpu_s_per_gb``: the peer agent's CPU time (``/proc/<pid>/stat``), per GB.
+- ``receiver_cpu_s_per_gb``: the peer agent's CPU time (``/proc/<pid>/stat``), per GB,
+  less what it spends idle in as long (measured for :data:`IDLE_SECONDS` first).
 
 The machine's other work shares its cores: compare figures of one run (run it against
 another tree with ``PYTHONPATH=that/src``; the agent is spawned with the same path).
@@ -29,11 +30,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.agent.replica_push import ReplicaPusher
+try:
+    from trainguard.agent.replica_push import ReplicaPusher
+except ImportError:  # a tree from before the batches: the A of an A/B run
+    from trainguard.agent.replicas import ReplicaPusher  # type: ignore[attr-defined,no-redef]
 
 TOKEN = "bench-replica-push-token"
 SERVE_TIMEOUT = 60.0
 GB = 1e9
+IDLE_SECONDS = 3.0
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -92,6 +97,9 @@ def measure(work: Path, size_mib: int, repeats: int) -> list[dict[str, Any]]:
     proc, url = _spawn_peer(work)
     rows = []
     try:
+        idle0 = _cpu_seconds(proc.pid)
+        time.sleep(IDLE_SECONDS)
+        idle_rate = (_cpu_seconds(proc.pid) - idle0) / IDLE_SECONDS
         pusher = ReplicaPusher("node-0", memory, [url], TOKEN)
         held = work / "peer" / "replicas" / "node-0" / "rank-0-slot-0.meta"
         for _ in range(repeats):
@@ -101,7 +109,8 @@ def measure(work: Path, size_mib: int, repeats: int) -> list[dict[str, Any]]:
             cpu0, peer0, t0 = time.process_time(), _cpu_seconds(proc.pid), time.perf_counter()
             pushed = pusher.push_once()
             wall = time.perf_counter() - t0
-            cpu, peer = time.process_time() - cpu0, _cpu_seconds(proc.pid) - peer0
+            cpu = time.process_time() - cpu0
+            peer = _cpu_seconds(proc.pid) - peer0 - idle_rate * wall
             if pushed != 1 or not held.exists():
                 raise SystemExit(f"push failed: {(work / 'peer.stderr').read_text()[-2000:]}")
             gb = nbytes / GB

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, NamedTuple, Protocol
 
@@ -114,15 +115,21 @@ def write_file(target: Path, stream: BatchStream, size: int, what: str) -> None:
     file renamed once whole: nothing of it stays when the stream fails or ends early)."""
     private_dir(target.parent)
     tmp = target.parent / f".tmp-{target.name}-{threading.get_ident()}"
-    view = memoryview(bytearray(min(CHUNK_BYTES, max(size, 1))))
+    # A request's body (the agent's server) is spliced from its socket to the file;
+    # other streams (a reply, in a restore) are read into a buffer and written.
+    splice: Callable[[int, int], int] | None = getattr(stream, "splice_into", None)
+    view = memoryview(bytearray(0 if splice else min(CHUNK_BYTES, max(size, 1))))
     remaining = size
     try:
         with open_private(tmp) as out:
             while remaining > 0:
-                got = stream.readinto(view[: min(len(view), remaining)])
+                if splice is not None:
+                    got = splice(out.fileno(), remaining)
+                else:
+                    got = stream.readinto(view[: min(len(view), remaining)])
+                    out.write(view[:got])
                 if not got:
                     raise ReplicaError(f"replica {what}: body ended {remaining} bytes early")
-                out.write(view[:got])
                 remaining -= got
         os.replace(tmp, target)
     except BaseException:
