@@ -266,7 +266,7 @@ class BodyStream:
         """Write the next ``count`` bytes of body to the file ``fd``: the buffered ones,
         then straight from the socket through a pipe (``splice``: the bytes never pass
         through Python, and the kernel copies them once, not twice). How many were
-        written: fewer only when the client hangs up. :class:`TimeoutError` when none
+        written: none only when the client hung up. :class:`TimeoutError` when none
         come within the socket's timeout."""
         count = min(count, self._left)
         buffer = self._conn.buffer
@@ -275,8 +275,14 @@ class BodyStream:
         del buffer[:done]
         while head:
             head = head[os.write(fd, head) :]
-        if done < count:
-            done += _splice(self._conn.sock, fd, count - done)
+        sock = self._conn.sock
+        if done < count and type(sock) is socket.socket:  # the kernel's bytes are the body
+            done += _splice(sock, fd, count - done)
+        elif done < count:  # a wrapped socket (TLS): its bytes through Python
+            chunk = sock.recv(min(_CHUNK, count - done))
+            done += len(chunk)
+            while chunk:
+                chunk = chunk[os.write(fd, chunk) :]
         self._left -= done
         return done
 
