@@ -3,10 +3,11 @@
 A pass sends each peer, in one request (a batch, :mod:`trainguard.agent.replica_batch`),
 every file of the newest whole step that changed since that peer last took it. Passes
 follow the memory tier's commits: an ``inotify`` watch on it (and on its DCP step
-directories) wakes the pusher when a meta is renamed in, with a pass every
-:data:`SAFETY_PASS_SECONDS` besides; where it cannot be watched, it looks every
-:data:`PUSH_INTERVAL_SECONDS`. Nothing runs while nothing changes. Saves that come
-faster than a push coalesce: the next pass takes the newest step only.
+directories) wakes the pusher when a meta is renamed in (passes at least
+:data:`MIN_GAP_SECONDS` apart), with a pass every :data:`SAFETY_PASS_SECONDS` besides;
+where it cannot be watched, it looks every :data:`PUSH_INTERVAL_SECONDS`. Nothing runs
+while nothing changes. Saves that come faster than a push coalesce: the next pass takes
+the newest step only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import urllib.parse
 from pathlib import Path
 from typing import IO
@@ -31,7 +33,7 @@ from trainguard.agent.replicas import (
 )
 from trainguard.checkpoint.tier_dir import TierDirError, private_dir
 
-__all__ = ["PUSH_INTERVAL_SECONDS", "SAFETY_PASS_SECONDS", "ReplicaPusher"]
+__all__ = ["MIN_GAP_SECONDS", "PUSH_INTERVAL_SECONDS", "SAFETY_PASS_SECONDS", "ReplicaPusher"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,11 @@ PUSH_INTERVAL_SECONDS = 0.5
 SAFETY_PASS_SECONDS = 5.0
 """Where the pusher is woken by changes: its pass when none came (a missed one, a push
 that failed and is due again)."""
+MIN_GAP_SECONDS = 0.5
+"""Where the pusher is woken by changes: the least time from one pass to the next. The
+commits of a burst (a save commits a few files per rank) make one pass, and at 8 saves a
+second a pass takes the newest of 4 steps (as the 0.5 s poll did: pushing each step would
+cost the agents 4 times the CPU); the first commit after a quiet spell goes at once."""
 
 
 Unit = tuple[str, str | None, tuple[int, int]]
@@ -151,12 +158,14 @@ class ReplicaPusher:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                began = time.monotonic()
                 self._watch_dcp()
                 self.push_once()
                 if self._watch is None:
                     self._stop.wait(self.interval)
-                else:
-                    self._watch.wait(self.safety_interval)
+                elif self._watch.wait(self.safety_interval)[0]:
+                    self._stop.wait(max(0.0, MIN_GAP_SECONDS - (time.monotonic() - began)))
+                    self._watch.wait(0)
         finally:
             for peer in self._peers.values():
                 peer.close()
