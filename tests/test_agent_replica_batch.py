@@ -4,10 +4,12 @@ at all; and a pusher that a commit in the memory tier wakes."""
 from __future__ import annotations
 
 import contextlib
+import http.server
 import io
 import json
 import os
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,8 @@ from test_agent_api_limits import (  # replica_agent: the fixture, one per modul
 from trainguard.agent.client import AgentClient
 from trainguard.agent.replica_batch import file_part, frame_header, read_frame
 from trainguard.agent.replica_push import ReplicaPusher
+from trainguard.agent.replicas import restore_from_peers
+from trainguard.checkpoint.files import checksum
 
 ROOM = 1 << 20  # replica_agent's --max-replica-bytes
 
@@ -168,3 +172,42 @@ def test_a_commit_wakes_the_pusher_without_its_poll(peer: AgentProcess, tmp_path
             wait_for(pushed, timeout=30.0)
     finally:
         pusher.stop()
+
+
+class _BadPeer(http.server.BaseHTTPRequestHandler):
+    """A peer whose replica batch is torn (the first file whole, the second cut short)."""
+
+    def do_GET(self) -> None:
+        body = batch(("stale.data", b"d" * 100), ("rank-0-slot-0.data", b"m" * 100))
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body[:-50])
+        self.wfile.flush()
+        self.close_connection = True
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_a_torn_restore_is_removed_and_the_next_peer_asked(
+    peer: AgentProcess, tmp_path: Path
+) -> None:
+    data = os.urandom(1000)
+    meta = json.dumps({"rank": 0, "step": 1, "nbytes": 1000, "checksum": checksum(data)})
+    shard = batch(("rank-0-slot-0.data", data), ("rank-0-slot-0.meta", meta.encode()))
+    with post(peer, "node-6", shard) as sock:
+        assert read_reply(sock)[0] == 201
+    bad = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BadPeer)
+    thread = threading.Thread(target=bad.serve_forever, daemon=True)
+    thread.start()
+    memory = tmp_path / "memory"
+    try:
+        peers = {"bad": f"http://127.0.0.1:{bad.server_address[1]}", "good": peer.url}
+        assert restore_from_peers("node-6", memory, peers, TOKEN) == "good"
+    finally:
+        bad.shutdown()
+        bad.server_close()
+    # Nothing of the torn batch stayed (its whole first file neither): the good copy.
+    restored = {p.name: p.read_bytes() for p in memory.iterdir()}
+    assert restored == {"rank-0-slot-0.data": data, "rank-0-slot-0.meta": meta.encode()}

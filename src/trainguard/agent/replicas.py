@@ -28,12 +28,12 @@ atomically (tmp + rename), so a reader never sees half a file.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import logging
 import os
 import re
 import shutil
-import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
@@ -320,7 +320,7 @@ def restore_from_peers(
         try:
             with _request(f"{replica_url(base, source)}?{BATCH_QUERY}", token) as response:
                 count = _receive_all(memory_dir, response)
-        except (OSError, urllib.error.URLError, ReplicaError) as exc:
+        except (OSError, http.client.HTTPException, ReplicaError) as exc:  # a bad reply too
             logger.info("no replica of %s on %s: %s", source, peer_id, exc)
             _empty(memory_dir)
             continue
