@@ -148,6 +148,32 @@ def _commit_shard(memory: Path, step: int) -> bytes:
     return data
 
 
+def _commit_dcp_rank(memory: Path, step: int) -> bytes:
+    """A DCP step's rank file as the writer commits it: data, then its meta (renames)."""
+    data = os.urandom(10_000)
+    step_dir = memory / "dcp" / f"step-{step}"
+    step_dir.mkdir(parents=True)
+    for name, raw in (("rank-0.data", data), ("rank-0.json", b"{}")):
+        (step_dir / f".{name}.tmp").write_bytes(raw)
+        os.replace(step_dir / f".{name}.tmp", step_dir / name)
+    return data
+
+
+def test_a_dcp_step_in_new_directories_wakes_the_pusher(peer: AgentProcess, tmp_path: Path) -> None:
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    pusher = ReplicaPusher("node-7", memory, [peer.url], TOKEN, interval=3600, safety_interval=3600)
+    pusher.start()
+    try:
+        replica = held(peer, "node-7") / "dcp"
+        for step in (4, 5):  # the second in a directory created after the pusher's pass
+            data = _commit_dcp_rank(memory, step)
+            wait_for(lambda s=step: (replica / f"step-{s}" / "rank-0.json").exists(), timeout=30.0)
+            assert (replica / f"step-{step}" / "rank-0.data").read_bytes() == data
+    finally:
+        pusher.stop()
+
+
 def test_a_commit_wakes_the_pusher_without_its_poll(peer: AgentProcess, tmp_path: Path) -> None:
     memory = tmp_path / "memory"
     memory.mkdir()
