@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from test_agent_api_limits import (  # replica_agent: the fixture, one per modul
 )
 from trainguard.agent.client import AgentClient
 from trainguard.agent.replica_batch import file_part, frame_header, read_frame
-from trainguard.agent.replica_push import ReplicaPusher
+from trainguard.agent.replica_push import MIN_GAP_SECONDS, ReplicaPusher
 from trainguard.agent.replicas import restore_from_peers
 from trainguard.checkpoint.files import checksum
 
@@ -166,10 +167,11 @@ def test_a_dcp_step_in_new_directories_wakes_the_pusher(peer: AgentProcess, tmp_
     pusher.start()
     try:
         replica = held(peer, "node-7") / "dcp"
-        for step in (4, 5):  # the second in a directory created after the pusher's pass
+        for step in (4, 5):  # the second in a directory made while the pusher waits
             data = _commit_dcp_rank(memory, step)
             wait_for(lambda s=step: (replica / f"step-{s}" / "rank-0.json").exists(), timeout=30.0)
             assert (replica / f"step-{step}" / "rank-0.data").read_bytes() == data
+            time.sleep(3 * MIN_GAP_SECONDS)  # its next wait begun, with nothing pending
     finally:
         pusher.stop()
 
@@ -196,6 +198,7 @@ def test_a_commit_wakes_the_pusher_without_its_poll(peer: AgentProcess, tmp_path
                     return False
 
             wait_for(pushed, timeout=30.0)
+            time.sleep(3 * MIN_GAP_SECONDS)  # its next wait begun, with nothing pending
     finally:
         pusher.stop()
 
