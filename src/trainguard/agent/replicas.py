@@ -1,10 +1,12 @@
 """Peer replicas of the memory checkpoint tier: copies of a node's snapshots in other nodes' RAM.
 
 Each agent pushes the files of its node's memory tier to the next ``replicas``
-nodes (ring order of the attempt's node ranks) over the agent API, and keeps
-the copies it receives under its own replica directory (also RAM). When a node
-is replaced, its new agent finds its memory tier empty and pulls its files
-back from whichever peer holds them, before its workers start; the workers'
+nodes (ring order of the attempt's node ranks) over the agent API
+(:mod:`trainguard.agent.replica_push`: a pass's files in one batch per peer,
+:mod:`trainguard.agent.replica_batch`), and keeps the copies it receives under its own
+replica directory (also RAM; :class:`ReplicaStore`). When a node is replaced, its new
+agent finds its memory tier empty and pulls its files back from whichever peer holds
+them (all of them in one request), before its workers start; the workers'
 Checkpointer then finds them as if they had never been lost. A node that takes a lost
 node's place under another id (a spare) pulls the lost node's files: its assignment's
 ``replica_source`` names it (the shards are named by global rank, and the spare runs
