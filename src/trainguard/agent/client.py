@@ -16,6 +16,7 @@ import json
 import socket
 import threading
 import urllib.parse
+from collections.abc import Sequence
 from typing import IO, Any
 
 from pydantic import ValidationError
@@ -37,6 +38,9 @@ DEFAULT_TIMEOUT = 5.0  # s per request
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 _POOL = 4  # idle connections kept per agent
 _CHUNK = 65536
+
+Part = tuple[bytes, IO[bytes], int]
+"""Of an upload's body: some bytes, then the first bytes of a file (how many)."""
 
 
 class AgentError(Exception):
@@ -110,14 +114,18 @@ class AgentClient:
         """Ask the agent to kill its workers and exit."""
         self._request("POST", "/shutdown", None)
 
-    def upload(self, path: str, body: IO[bytes], size: int) -> None:
-        """PUT ``size`` bytes of the file ``body`` (from its start) to ``path``: a replica
-        of a memory-tier file, sent with ``sendfile`` once the agent has said it takes
-        it (``Expect: 100-continue``: a refusal, e.g. 413, comes before the body)."""
-        head = f"PUT {path} HTTP/1.1\r\n".encode() + self._head
+    def upload(self, path: str, parts: Sequence[Part]) -> None:
+        """POST a body of ``parts`` to ``path``: each part's bytes, then the first
+        ``size`` bytes of its file, sent with ``sendfile`` (a batch of replicas of
+        memory-tier files), once the agent has said it takes it (``Expect:
+        100-continue``: a refusal, e.g. 413, comes before the body). A file shorter
+        than its size by then (rewritten meanwhile) is padded with zeros: a torn copy,
+        which its meta's checksum tells."""
+        size = sum(len(prefix) + n for prefix, _, n in parts)
+        head = f"POST {path} HTTP/1.1\r\n".encode() + self._head
         head += b"Content-Type: application/octet-stream\r\nContent-Length: %d\r\n" % size
         head += b"Expect: 100-continue\r\n"
-        self._send("PUT", path, head + b"\r\n", (body, size))
+        self._send("POST", path, head + b"\r\n", parts)
 
     def close(self) -> None:
         """Close the idle connections."""
@@ -135,16 +143,14 @@ class AgentClient:
             head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
         return self._send(method, path, head + b"\r\n" + body)
 
-    def _send(
-        self, method: str, path: str, message: bytes, file: tuple[IO[bytes], int] | None = None
-    ) -> bytes:
+    def _send(self, method: str, path: str, message: bytes, parts: Sequence[Part] = ()) -> bytes:
         """One request (``message``, then ``file``'s bytes if any); retried once on a
         kept-alive connection the agent had closed."""
         url = self.base_url + path
         for attempt in (0, 1):
             sock, reused = self._connection(url, method)
             try:
-                status, keep, reply = _exchange(sock, message, file)
+                status, keep, reply = _exchange(sock, message, parts)
             except _Dropped:
                 sock.close()
                 if reused and attempt == 0:
@@ -182,24 +188,25 @@ class AgentClient:
 
 
 def _exchange(
-    sock: socket.socket, message: bytes, file: tuple[IO[bytes], int] | None = None
+    sock: socket.socket, message: bytes, parts: Sequence[Part] = ()
 ) -> tuple[int, bool, bytes]:
-    """Send ``message`` (and ``file``'s first bytes, if any, once the agent answers
-    ``100 Continue``), read one reply: (status, keep the connection, body).
+    """Send ``message`` (and ``parts``, if any, once the agent answers ``100
+    Continue``), read one reply: (status, keep the connection, body).
 
     :class:`_Dropped` when the connection failed before any byte of a reply came back.
     """
     try:
         sock.sendall(message)
         data = sock.recv(_CHUNK)
-        if file is not None and data.startswith(b"HTTP/1.1 100 "):
+        if parts and data.startswith(b"HTTP/1.1 100 "):
             while b"\r\n\r\n" not in data:
                 more = sock.recv(_CHUNK)
                 if not more:
                     raise ValueError("reply ended inside its headers")
                 data += more
             data = data.partition(b"\r\n\r\n")[2]
-            sock.sendfile(file[0], 0, file[1])
+            for prefix, file, size in parts:
+                _send_part(sock, prefix, file, size)
             data = data or sock.recv(_CHUNK)
     except (ConnectionError, BrokenPipeError) as exc:
         raise _Dropped from exc
@@ -244,6 +251,16 @@ def _exchange(
     if have > length:
         raise ValueError("reply longer than its Content-Length")
     return status, keep, b"".join(chunks)
+
+
+def _send_part(sock: socket.socket, prefix: bytes, file: IO[bytes], size: int) -> None:
+    if prefix:
+        sock.sendall(prefix)
+    left = size - (sock.sendfile(file, 0, size) if size else 0)
+    while left > 0:  # the file shrank since its size was taken: zeros keep the framing
+        pad = min(left, _CHUNK)
+        sock.sendall(bytes(pad))
+        left -= pad
 
 
 def _error_text(raw: bytes) -> str:

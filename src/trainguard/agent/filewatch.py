@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Final
 
-__all__ = ["REREAD_SECONDS", "DirWatch"]
+__all__ = ["COMMITS", "REREAD_SECONDS", "DirWatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,9 @@ _IN_CREATE: Final = 0x100
 _IN_NONBLOCK: Final = os.O_NONBLOCK
 _IN_CLOEXEC: Final = os.O_CLOEXEC
 _MASK: Final = _IN_MODIFY | _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_CREATE
+COMMITS: Final = _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_CREATE
+"""A watch's events for files committed whole (written and closed, or renamed in) and new
+files and directories, not each write (a memory tier's data is written through ``mmap``)."""
 _DRAIN: Final = 64 * 1024
 # A waiter's reread of what it watches when no change woke it: only in case inotify missed
 # one (it does not, where the watch is set before the first read).
@@ -53,8 +56,9 @@ _LIBC = _libc()
 class DirWatch:
     """An ``inotify`` descriptor on some directories, and a pipe to wake its waiter."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, mask: int = _MASK) -> None:
         self._fd = fd
+        self._mask = mask
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._poll = select.poll()
         self._poll.register(self._fd, select.POLLIN)
@@ -62,15 +66,16 @@ class DirWatch:
         self._closed = False
 
     @classmethod
-    def open(cls, directories: Iterable[Path]) -> DirWatch | None:
+    def open(cls, directories: Iterable[Path], mask: int = _MASK) -> DirWatch | None:
         """A watch on every one of ``directories`` (writes to, new files in and files
-        renamed into them); None where one of them cannot be watched."""
+        renamed into them; ``mask``: other events, e.g. :data:`COMMITS`); None where one
+        of them cannot be watched."""
         if _LIBC is None:
             return None
         fd = _LIBC.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         if fd < 0:
             return None
-        watch = cls(fd)
+        watch = cls(fd, mask)
         for directory in directories:
             if not watch.add(directory):
                 watch.close()
@@ -80,7 +85,7 @@ class DirWatch:
     def add(self, directory: Path) -> bool:
         """Also watch ``directory``; False where it cannot be watched."""
         assert _LIBC is not None
-        if _LIBC.inotify_add_watch(self._fd, os.fsencode(directory), _MASK) < 0:
+        if _LIBC.inotify_add_watch(self._fd, os.fsencode(directory), self._mask) < 0:
             error = ctypes.get_errno()
             logger.info("cannot watch %s (%s): polling instead", directory, os.strerror(error))
             return False

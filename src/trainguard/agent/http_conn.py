@@ -13,9 +13,13 @@ timeout, and a body read can also have a deadline for the whole body.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import http
+import os
+import select
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -25,6 +29,7 @@ __all__ = ["Connection", "HttpError", "RequestHead", "head_end", "parse_head", "
 
 MAX_HEADERS = 64
 _CHUNK = 1024 * 1024
+_PIPE_BYTES = 1024 * 1024
 
 
 class HttpError(Exception):
@@ -193,9 +198,19 @@ class Connection:
 
     def send_file(self, file: IO[bytes], size: int, close: bool) -> None:
         """A 200 whose body is ``size`` bytes of ``file`` (sent with ``sendfile``)."""
+        self.send_parts([(b"", file, size)], size, close)
+
+    def send_parts(
+        self, parts: Sequence[tuple[bytes, IO[bytes], int]], size: int, close: bool
+    ) -> None:
+        """A 200 whose body (``size`` bytes) is each part's bytes, then the first bytes
+        of its file (sent with ``sendfile``); the files must hold them (not shrink)."""
         self.sock.sendall(reply_head(200, size, {}, close, "application/octet-stream"))
-        if size:
-            self.sock.sendfile(file, 0, size)
+        for prefix, file, count in parts:
+            if prefix:
+                self.sock.sendall(prefix)
+            if count:
+                self.sock.sendfile(file, 0, count)
 
     def close(self) -> None:
         """Close at once; a client still sending gets a reset, not a reply it cannot read."""
@@ -230,3 +245,90 @@ class BodyStream:
             have += got
         self._left -= have
         return bytes(view[:have]) if have < want else bytes(chunk)
+
+    def readinto(self, target: memoryview, /) -> int:
+        """Fill ``target`` with the next bytes of body (the buffered ones first): how
+        many came; fewer than asked only at the body's end or when the client hangs up."""
+        want = min(len(target), self._left)
+        buffer = self._conn.buffer
+        have = min(len(buffer), want)
+        target[:have] = buffer[:have]
+        del buffer[:have]
+        while have < want:
+            got = self._conn.sock.recv_into(target[have:want])
+            if not got:
+                break
+            have += got
+        self._left -= have
+        return have
+
+    def splice_into(self, fd: int, count: int) -> int:
+        """Write the next ``count`` bytes of body to the file ``fd``: the buffered ones,
+        then straight from the socket through a pipe (``splice``: the bytes never pass
+        through Python, and the kernel copies them once, not twice). How many were
+        written: none only when the client hung up. :class:`TimeoutError` when none
+        come within the socket's timeout."""
+        count = min(count, self._left)
+        buffer = self._conn.buffer
+        done = min(len(buffer), count)
+        head = bytes(buffer[:done])  # what came with the request's head: a little
+        del buffer[:done]
+        while head:
+            head = head[os.write(fd, head) :]
+        sock = self._conn.sock
+        if done < count and type(sock) is socket.socket:  # the kernel's bytes are the body
+            done += _splice(sock, fd, count - done)
+        elif done < count:  # a wrapped socket (TLS): its bytes through Python
+            chunk = sock.recv(min(_CHUNK, count - done))
+            done += len(chunk)
+            while chunk:
+                chunk = chunk[os.write(fd, chunk) :]
+        self._left -= done
+        return done
+
+    def readline(self, size: int = -1, /) -> bytes:
+        """The body's next line, with its ``\\n``: at most ``size`` bytes (fewer at the
+        body's end, or when the client hangs up); never reads past the body."""
+        buffer = self._conn.buffer
+        limit = self._left if size < 0 else min(size, self._left)
+        while True:
+            end = buffer.find(b"\n", 0, limit)
+            if end >= 0 or len(buffer) >= limit:
+                take = end + 1 if end >= 0 else limit
+                break
+            got = self._conn.sock.recv(min(_CHUNK, self._left - len(buffer)))
+            if not got:
+                take = min(len(buffer), limit)
+                break
+            buffer += got
+        line = bytes(buffer[:take])
+        del buffer[:take]
+        self._left -= take
+        return line
+
+
+def _splice(sock: socket.socket, fd: int, count: int) -> int:
+    """Move ``count`` bytes from ``sock`` to the file ``fd`` through a pipe; how many
+    moved (fewer: the peer hung up). The socket's timeout bounds each wait for bytes."""
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):  # a larger pipe, fewer calls (else 64 KiB)
+            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        moved = 0
+        while moved < count:
+            try:
+                got = os.splice(sock.fileno(), write_end, min(_PIPE_BYTES, count - moved))
+            except BlockingIOError:  # a socket with a timeout is non-blocking
+                if not select.select([sock], [], [], sock.gettimeout())[0]:
+                    raise TimeoutError("timed out waiting for the body") from None
+                continue
+            if not got:
+                break
+            left = got
+            while left:
+                left -= os.splice(read_end, fd, left)
+            moved += got
+        return moved
+    finally:
+        os.close(read_end)
+        os.close(write_end)

@@ -4,9 +4,11 @@ bound the body, read it, answer.
 In this order, so that nothing of a body is read before it is allowed: the token (401),
 the ``Content-Length`` (400; 411 for a chunked body), the route (404, 405), the route's
 bound (413, :meth:`AgentApi.body_limit`), then the body within its time (408). A replica
-``PUT`` is bounded by :meth:`ReplicaStore.room` and streamed to RAM; at most
-``replica_transfers`` replica files stream at once (503 beyond). Every refusal before
-the body closes the connection with the body unread.
+``PUT`` (one file) or ``POST`` (a batch of files, :mod:`trainguard.agent.replica_batch`)
+is streamed to RAM, each file bounded by :meth:`ReplicaStore.room` before its bytes are
+read; at most ``replica_transfers`` replica requests stream at once (503 beyond). Every
+refusal before the body closes the connection with the body unread; a batch refused
+midway (a bad header: 400, a file too large: 413) closes it too.
 
 Errors: a client that hangs up or stalls is one debug line; an unexpected one is a 500
 and one warning line (its traceback at debug level). :meth:`RequestHandler.serve` never
@@ -24,7 +26,8 @@ from collections.abc import Iterator
 
 from trainguard.agent.api import AgentApi, error_reply, json_reply
 from trainguard.agent.http_conn import Connection, HttpError, RequestHead
-from trainguard.agent.replicas import REPLICA_PATH, ReplicaError, ReplicaStore
+from trainguard.agent.replica_batch import BATCH_QUERY
+from trainguard.agent.replicas import REPLICA_PATH, ReplicaError, ReplicaRoomError, ReplicaStore
 
 __all__ = ["RequestHandler"]
 
@@ -110,7 +113,8 @@ class RequestHandler:
             raise HttpError(408, f"body incomplete after {self.io_seconds:g} s") from None
 
     def _replica(self, conn: Connection, head: RequestHead, length: int | None) -> bool:
-        """``PUT /replica/<node>/<file>`` (streamed), ``GET /replica/<node>[/<file>]``."""
+        """``PUT /replica/<node>/<file>``, ``POST /replica/<node>`` (a batch; both
+        streamed), ``GET /replica/<node>[/<file>]`` (``?batch=1``: all files, a batch)."""
         store = self.replicas
         if store is None:
             raise HttpError(404, "this agent keeps no replicas (no memory tier)")
@@ -129,8 +133,21 @@ class RequestHandler:
                         conn.send(_CONTINUE)
                     store.receive(source, relpath, conn.body_stream(length), length)
                 reply = json_reply(201, {"stored": relpath})
+            elif head.method == "POST" and not relpath:
+                if length is None:
+                    raise HttpError(411, "a replica batch needs a Content-Length")
+                with self._transfer():
+                    if head.expects_continue:
+                        conn.send(_CONTINUE)
+                    stored = store.receive_batch(source, conn.body_stream(length))
+                reply = json_reply(201, {"stored": stored})
             elif length:
                 raise HttpError(413, _too_large(head, 0))
+            elif head.method == "GET" and not relpath and head.target.endswith(f"?{BATCH_QUERY}"):
+                with self._transfer(), store.batch(source) as (parts, size):
+                    conn.send_parts(parts, size, close=not keep)
+                _log_request(conn, head, 200)
+                return keep
             elif head.method == "GET" and not relpath:
                 reply = json_reply(200, {"files": store.listing(source)})
             elif head.method == "GET":
@@ -140,7 +157,9 @@ class RequestHandler:
                 return keep
             else:
                 raise HttpError(405, f"{head.method} {REPLICA_PATH}... is not supported")
-        except (ReplicaError, ValueError) as exc:  # a bad name (a NUL byte, say)
+        except ReplicaRoomError as exc:
+            raise HttpError(413, str(exc)) from None
+        except (ReplicaError, ValueError) as exc:  # a bad name (a NUL byte, say), a bad batch
             raise HttpError(400, str(exc)) from None
         except FileNotFoundError as exc:
             raise HttpError(404, str(exc)) from None

@@ -1,10 +1,12 @@
 """Peer replicas of the memory checkpoint tier: copies of a node's snapshots in other nodes' RAM.
 
 Each agent pushes the files of its node's memory tier to the next ``replicas``
-nodes (ring order of the attempt's node ranks) over the agent API, and keeps
-the copies it receives under its own replica directory (also RAM). When a node
-is replaced, its new agent finds its memory tier empty and pulls its files
-back from whichever peer holds them, before its workers start; the workers'
+nodes (ring order of the attempt's node ranks) over the agent API
+(:mod:`trainguard.agent.replica_push`: a pass's files in one batch per peer,
+:mod:`trainguard.agent.replica_batch`), and keeps the copies it receives under its own
+replica directory (also RAM; :class:`ReplicaStore`). When a node is replaced, its new
+agent finds its memory tier empty and pulls its files back from whichever peer holds
+them (all of them in one request), before its workers start; the workers'
 Checkpointer then finds them as if they had never been lost. A node that takes a lost
 node's place under another id (a spare) pulls the lost node's files: its assignment's
 ``replica_source`` names it (the shards are named by global rank, and the spare runs
@@ -27,57 +29,57 @@ atomically (tmp + rename), so a reader never sees half a file.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import logging
 import os
 import re
 import shutil
-import threading
-import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, NamedTuple, Protocol
+from typing import IO, Any, NamedTuple
 
-from trainguard.agent.client import AgentClient, AgentError
+from trainguard.agent.replica_batch import (
+    BATCH_QUERY,
+    BatchStream,
+    ReplicaError,
+    ReplicaRoomError,
+    file_part,
+    read_frame,
+    safe_relpath,
+    write_file,
+)
 from trainguard.checkpoint.files import checksum
-from trainguard.checkpoint.tier_dir import open_private, private_dir
+
+__all__ = [
+    "REPLICA_PATH",
+    "ReplicaError",
+    "ReplicaRoomError",
+    "ReplicaStore",
+    "replica_peers",
+    "restore_from_peers",
+]
 
 logger = logging.getLogger(__name__)
 
 REPLICA_PATH = "/replica/"
-PUSH_INTERVAL_SECONDS = 0.5
 TRANSFER_TIMEOUT_SECONDS = 60.0
-CHUNK_BYTES = 4 * 1024 * 1024
 DCP_KEEP = 2
 """DCP steps of each source a peer keeps (a newer one arriving removes the older ones)."""
 _DCP_STEP = re.compile(r"^dcp/step-(\d+)/")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def _dcp_steps(dcp: Path) -> dict[int, Path]:
+def dcp_steps(dcp: Path) -> dict[int, Path]:
     """Step -> directory of the DCP steps under ``dcp``."""
     found = {}
     for path in dcp.iterdir() if dcp.is_dir() else []:
         if match := _STEP_DIR.match(path.name):
             found[int(match[1])] = path
     return found
-
-
-class Readable(Protocol):
-    def read(self, size: int = -1, /) -> bytes: ...
-
-
-class ReplicaError(ValueError):
-    """A replica request that names an unsafe or unknown path."""
-
-
-def _safe_relpath(relpath: str) -> Path:
-    path = Path(relpath)
-    if not relpath or path.is_absolute() or ".." in path.parts or "\0" in relpath:
-        raise ReplicaError(f"replica path {relpath!r} is not a plain relative path")
-    return path
 
 
 def _safe_name(name: str) -> str:
@@ -132,7 +134,7 @@ def dcp_step_files(root: Path) -> list[tuple[str, str | None, tuple[int, int]]]:
     """The newest DCP step's files here to push, in order: (file, the file written just
     before it that must go first or None, the version of the file): each rank's
     ``rank-<R>.json`` after its data, then ``metadata.json``. Empty if there is none."""
-    steps = _dcp_steps(root / "dcp")
+    steps = dcp_steps(root / "dcp")
     if not steps:
         return []
     step_dir = steps[max(steps)]
@@ -199,33 +201,49 @@ class ReplicaStore:
         """The most bytes a received ``source/relpath`` may have: the free space of the
         replicas' filesystem (RAM), and what ``max_bytes`` leaves beside the other files
         held (the file it replaces does not count). :class:`ReplicaError` for a bad path."""
-        target = self.root / _safe_name(source) / _safe_relpath(relpath)
+        target = self.root / _safe_name(source) / safe_relpath(relpath)
         room = _free_bytes(self.root)
         if self.max_bytes is not None:
             held = sum(_size(p) for p in _files(self.root) if p != target)
             room = min(room, self.max_bytes - held)
         return max(0, room)
 
-    def receive(self, source: str, relpath: str, stream: Readable, length: int) -> None:
+    def receive(self, source: str, relpath: str, stream: BatchStream, length: int) -> None:
         """Write ``length`` bytes of ``stream`` to ``source/relpath`` (atomically: nothing
         of it stays when the stream fails or ends early)."""
-        target = self.root / _safe_name(source) / _safe_relpath(relpath)
+        target = self.root / _safe_name(source) / safe_relpath(relpath)
         self._prune_dcp(self.root / source, relpath)
-        private_dir(target.parent)
-        tmp = target.parent / f".tmp-{target.name}-{threading.get_ident()}"
-        remaining = length
-        try:
-            with open_private(tmp) as out:
-                while remaining > 0:
-                    chunk = stream.read(min(CHUNK_BYTES, remaining))
-                    if not chunk:
-                        raise ReplicaError(f"replica {relpath}: body ended {remaining} bytes early")
-                    out.write(chunk)
-                    remaining -= len(chunk)
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_file(target, stream, length, relpath)
+
+    def receive_batch(self, source: str, stream: BatchStream) -> list[str]:
+        """Write every file of the batch in ``stream`` under ``source``, in its order,
+        each bounded by :meth:`room` before its bytes are read; the paths stored.
+        :class:`ReplicaError` (:class:`ReplicaRoomError`) at the first bad (too large)
+        file: those before it stand, nothing of it does."""
+        stored = []
+        while (frame := read_frame(stream)) is not None:
+            room = self.room(source, frame.path)
+            if frame.size > room:
+                raise ReplicaRoomError(f"replica {frame.path}: {frame.size} bytes, room for {room}")
+            self.receive(source, frame.path, stream, frame.size)
+            stored.append(frame.path)
+        return stored
+
+    @contextlib.contextmanager
+    def batch(self, source: str) -> Iterator[tuple[list[tuple[bytes, IO[bytes], int]], int]]:
+        """Every file held of ``source``, opened, as a batch's parts (header, file, size:
+        data before its meta), and the batch's length; the files are closed after. A
+        file replaced meanwhile is sent as it was when opened (replicas are renamed in)."""
+        parts: list[tuple[bytes, IO[bytes], int]] = []
+        with contextlib.ExitStack() as stack:
+            root = self.root / _safe_name(source)
+            for entry in list_files(root):
+                try:
+                    f = stack.enter_context(open(root / entry["path"], "rb"))
+                except FileNotFoundError:
+                    continue  # an older DCP step pruned meanwhile
+                parts.append(file_part(f, entry["path"]))
+            yield parts, sum(len(header) + size for header, _, size in parts)
 
     @staticmethod
     def _prune_dcp(held: Path, relpath: str) -> None:
@@ -233,7 +251,7 @@ class ReplicaStore:
         match = _DCP_STEP.match(relpath)
         if match is None:
             return
-        steps = {*_dcp_steps(held / "dcp"), int(match[1])}
+        steps = {*dcp_steps(held / "dcp"), int(match[1])}
         for old in sorted(steps)[:-DCP_KEEP]:
             shutil.rmtree(held / "dcp" / f"step-{old}", ignore_errors=True)
 
@@ -241,7 +259,7 @@ class ReplicaStore:
         return list_files(self.root / _safe_name(source))
 
     def path(self, source: str, relpath: str) -> Path:
-        path = self.root / _safe_name(source) / _safe_relpath(relpath)
+        path = self.root / _safe_name(source) / safe_relpath(relpath)
         if not path.is_file():
             raise FileNotFoundError(f"no replica {source}/{relpath}")
         return path
@@ -270,99 +288,15 @@ def _free_bytes(path: Path) -> int:
     return 0
 
 
-def _request(
-    url: str, token: str, method: str = "GET", body: IO[bytes] | None = None, length: int = 0
-) -> Any:
-    request = urllib.request.Request(url, data=body, method=method)
+def _request(url: str, token: str) -> Any:
+    request = urllib.request.Request(url)
     request.add_header("Authorization", f"Bearer {token}")
-    if body is not None:
-        request.add_header("Content-Length", str(length))
-        request.add_header("Content-Type", "application/octet-stream")
     return urllib.request.urlopen(request, timeout=TRANSFER_TIMEOUT_SECONDS)
 
 
 def replica_url(base: str, source: str, relpath: str = "") -> str:
     tail = urllib.parse.quote(f"{source}/{relpath}" if relpath else source)
     return f"{base}{REPLICA_PATH}{tail}"
-
-
-class ReplicaPusher:
-    """Pushes changed files of this node's memory tier to its replica peers, in the background."""
-
-    def __init__(
-        self,
-        node_id: str,
-        memory_dir: Path,
-        peer_urls: list[str],
-        token: str,
-        interval: float = PUSH_INTERVAL_SECONDS,
-    ) -> None:
-        self.node_id = node_id
-        self.memory_dir = memory_dir
-        self.peer_urls = peer_urls
-        self.token = token
-        self.interval = interval
-        self._pushed: dict[tuple[str, str], tuple[int, int]] = {}  # (peer, path) -> (size, mtime)
-        # Kept-alive connections: one per file pushed cost both agents more CPU (and the
-        # receiver a thread) than the copying.
-        self._peers = {
-            url: AgentClient(url, token, timeout=TRANSFER_TIMEOUT_SECONDS) for url in peer_urls
-        }
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="trainguard-replicas", daemon=True)
-
-    def start(self) -> None:
-        if self.peer_urls:
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(TRANSFER_TIMEOUT_SECONDS)
-
-    def push_once(self) -> int:
-        """Push the shards of the newest step every rank of this node has checksummed, if
-        they changed since their last push; returns shards pushed.
-
-        Only shards whose meta carries a checksum leave the node (a copy-complete meta
-        without one is trusted on its own node only); data goes first, then the meta.
-        One step per pass: at 8 saves a second the older slots would be pushed only to
-        be replaced (half the agents' CPU went to those pushes and their receipt).
-        """
-        pushed = 0
-        units: list[tuple[str, str | None, tuple[int, int]]] = [
-            (shard.meta, shard.data, shard.version)
-            for shard in newest_whole_step(checksummed_shards(self.memory_dir))
-        ]
-        units += dcp_step_files(self.memory_dir)
-        for meta_rel, data_rel, version in units:
-            for peer in self.peer_urls:
-                key = (peer, meta_rel)
-                if self._pushed.get(key) == version or self._stop.is_set():
-                    continue
-                try:
-                    for rel in (data_rel, meta_rel):
-                        if rel is None:
-                            continue
-                        path = self.memory_dir / rel
-                        with open(path, "rb") as f:
-                            size = os.fstat(f.fileno()).st_size
-                            target = urllib.parse.urlsplit(replica_url(peer, self.node_id, rel))
-                            self._peers[peer].upload(target.path, f, size)
-                except (OSError, AgentError) as exc:
-                    logger.warning("replica push of %s to %s failed: %s", meta_rel, peer, exc)
-                    continue
-                self._pushed[key] = version
-                pushed += 1
-        return pushed
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.wait(self.interval):
-                self.push_once()
-        finally:
-            for peer in self._peers.values():
-                peer.close()
 
 
 def restore_from_peers(
@@ -374,6 +308,8 @@ def restore_from_peers(
 ) -> str | None:
     """Fill an empty memory tier from the first peer holding ``source``'s replica: the
     node that last ran this node's ranks (a node this one replaces; default: itself).
+    Each peer's replica comes in one request (a batch); one that fails midway is
+    removed, and the next peer is asked.
 
     Returns the peer's node id, or None when nothing was restored.
     """
@@ -384,29 +320,38 @@ def restore_from_peers(
         if peer_id in (node_id, source):
             continue
         try:
-            with _request(replica_url(base, source), token) as response:
-                files = json.loads(response.read())["files"]
-        except (OSError, urllib.error.URLError, ValueError, KeyError) as exc:
+            with _request(f"{replica_url(base, source)}?{BATCH_QUERY}", token) as response:
+                count = _receive_all(memory_dir, response)
+        except (OSError, http.client.HTTPException, ReplicaError) as exc:  # a bad reply too
             logger.info("no replica of %s on %s: %s", source, peer_id, exc)
+            _empty(memory_dir)
             continue
-        if not files:
+        if not count:
             continue
-        for entry in files:
-            target = memory_dir / _safe_relpath(entry["path"])
-            private_dir(target.parent)
-            tmp = target.parent / f".tmp-{target.name}"
-            with (
-                _request(replica_url(base, source, entry["path"]), token) as response,
-                open_private(tmp) as out,
-            ):
-                shutil.copyfileobj(response, out, CHUNK_BYTES)
-            os.replace(tmp, target)
         dropped = drop_unverified(memory_dir)
         if dropped:
             logger.warning("replica shards from %s failed their checksum: %s", peer_id, dropped)
-        logger.info("restored %d memory-tier files of %s from %s", len(files), source, peer_id)
+        logger.info("restored %d memory-tier files of %s from %s", count, source, peer_id)
         return peer_id
     return None
+
+
+def _receive_all(memory_dir: Path, stream: BatchStream) -> int:
+    """Write the batch in ``stream`` under ``memory_dir``; the files written."""
+    count = 0
+    while (frame := read_frame(stream)) is not None:
+        write_file(memory_dir / safe_relpath(frame.path), stream, frame.size, frame.path)
+        count += 1
+    return count
+
+
+def _empty(memory_dir: Path) -> None:
+    """Remove what a failed restore wrote (the memory tier was empty before it)."""
+    for path in memory_dir.iterdir() if memory_dir.is_dir() else []:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def replica_peers(node_id: str, peers: Mapping[str, str], replicas: int) -> list[str]:

@@ -20,10 +20,10 @@ with bounded threads, connections, heads, bodies and time; every number is in
 - The token is checked once the head is in, before any byte of the body is read. A
   request refused before its body (401, 404, 405, 411, 413) is answered and its
   connection closed with the body unread.
-- Bodies are bounded per route (:meth:`AgentApi.body_limit`); a replica ``PUT`` by the
-  room of the memory tier's replicas (:meth:`ReplicaStore.room`), and at most
-  ``replica_transfers`` stream at once (503 beyond), which leaves workers for the
-  controller.
+- Bodies are bounded per route (:meth:`AgentApi.body_limit`); a replica file (a ``PUT``
+  or one of a batch's) by the room of the memory tier's replicas
+  (:meth:`ReplicaStore.room`), and at most ``replica_transfers`` replica requests stream
+  at once (503 beyond), which leaves workers for the controller.
 - A client that hangs up is one debug line. An unexpected error is a 500 and one
   warning line (its traceback only at debug level).
 
@@ -31,7 +31,8 @@ A worker's part, one request, is :mod:`trainguard.agent.http_handler`'s; the pro
 pieces (head, body reads, replies) are :mod:`trainguard.agent.http_conn`'s.
 
 Besides the API's JSON routes, it streams the memory-tier replicas peers push and pull
-(``/replica/...``, see :mod:`trainguard.agent.replicas`).
+(``/replica/...``, see :mod:`trainguard.agent.replicas`; a pass's files in one batch,
+:mod:`trainguard.agent.replica_batch`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class ServerLimits:
     workers: int = 8
     """Threads serving requests (the selector thread is one more)."""
     replica_transfers: int = 6
-    """Replica files streamed at once; the other workers stay free for the controller."""
+    """Replica requests (a file, or a batch of them) streamed at once; the other workers
+    stay free for the controller."""
     connections: int = 64
     """Connections open at once."""
     per_peer: int = 32

@@ -34,7 +34,8 @@ from trainguard.agent.inprocess import Replaced, ResilientGroup
 from trainguard.agent.logs import Console, LineHook, LogLayout, LogTailer
 from trainguard.agent.monitoring import build_monitor
 from trainguard.agent.persist import MEMORY_DIR_ENV, DurablePersister, make_persister
-from trainguard.agent.replicas import ReplicaPusher, restore_from_peers
+from trainguard.agent.replica_push import ReplicaPusher
+from trainguard.agent.replicas import restore_from_peers
 from trainguard.agent.reporter import Reporter
 from trainguard.agent.train_scripts import run_train_script
 from trainguard.agent.warm import FRESH_STARTS, Spawner, StartOptions
