@@ -25,6 +25,7 @@ from typing import Any
 
 from trainguard.control.events import Event
 from trainguard.observe.account import OTHER, STARTUP, Accounting, account
+from trainguard.observe.cause import failure_cause
 from trainguard.observe.durable import durable_state
 from trainguard.observe.figures import (
     FAULT_COLOR,
@@ -146,11 +147,12 @@ def _header(history: JobHistory, acc: Accounting, now: float, world_size: int | 
 
 def why_failed(history: JobHistory) -> str | None:
     """A failed job's reason, as its controller recorded it when it gave up (the fault,
-    with the failed rank's exception where it wrote one, and the exhausted budget)."""
+    with the failed rank's exception where it wrote one, and the exhausted budget),
+    after the fault that started the failure where that was another one (a host that
+    went silent: :mod:`trainguard.observe.cause`)."""
     if history.phase != "Failed":
         return None
-    ends = [e.message for e in history.events if e.kind == "JobFailed" and e.message]
-    return ends[-1] if ends else None
+    return failure_cause([e for e in history.events if e.kind != "JobFailed" or e.message])
 
 
 def _time_section(acc: Accounting) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from trainguard.observe.account import account
+from trainguard.observe.cause import failure_cause
 from trainguard.observe.durable import DurableState, durable_state
 from trainguard.observe.history import load_history
 from trainguard.observe.terminal import safe_bytes, safe_cell
@@ -56,6 +57,8 @@ def job_json(store: Store, job: JobRow) -> dict[str, Any]:
         "name": job.name,
         "phase": effective_phase(job),
         "reason": job.reason,
+        # A failed job's cause: the fault that started the failure, then its reason.
+        "cause": failure_cause(history.events) if job.phase == "Failed" else None,
         "source": job.source,
         "created_at": job.created_at,
         "started_at": job.started_at,
@@ -155,6 +158,8 @@ def describe(store: Store, ref: str, output: str) -> int:
         ("Logs", data["logs_dir"]),
     ]:
         print(f"{label + ':':<10} {safe_cell(str(value))}")
+        if label == "Reason" and data["cause"] not in (None, data["reason"]):
+            print(f"{'Cause:':<10} {safe_cell(str(data['cause']))}")
     if (data["source"] or "").startswith(JOINED):
         print(
             f"\nThis host {data['source']}: its record follows the job's phase and restarts,"
