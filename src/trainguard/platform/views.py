@@ -168,7 +168,7 @@ def describe(store: Store, ref: str, output: str) -> int:
         )
     print("\nNodes:")
     _table(
-        [["NODE", "NODE RANK", "RANKS", "STATE", "ATTEMPT", "AGENT"]]
+        [["NODE", "NODE RANK", "RANKS", "STATE", "ATTEMPT", "HOST", "PIDS", "AGENT"]]
         + [
             [
                 n["node_id"],
@@ -176,6 +176,8 @@ def describe(store: Store, ref: str, output: str) -> int:
                 ",".join(map(str, n["ranks"])) or "-",
                 n["state"],
                 _dash(n["attempt"]),
+                n["host"] or "-",
+                _pids(n["workers"]),
                 n["agent_url"] or "-",
             ]
             for n in data["nodes"]
@@ -277,6 +279,11 @@ def _goodput(accounting: dict[str, Any]) -> str:
     if parts:
         text += f" (downtime: {', '.join(parts)}; {accounting['lost_steps']} steps lost)"
     return text
+
+
+def _pids(workers: list[dict[str, int]]) -> str:
+    """``1234,1235``: the running workers' pids on their node's host, in rank order."""
+    return ",".join(str(w["pid"]) for w in sorted(workers, key=lambda w: w["rank"])) or "-"
 
 
 def _dash(value: object) -> str:
