@@ -199,6 +199,22 @@ def test_a_node_that_is_not_up_keeps_a_crash_from_restarting_in_place() -> None:
     assert isinstance(stop, StopNodes)  # node-0 is lost: a full restart follows
 
 
+def test_a_node_silent_for_less_than_lost_after_is_up_for_an_in_place_restart() -> None:
+    # Across hosts (lost_after 8 s): 3 failed contacts over 2 s of silence are evidence;
+    # the controller holds node-0 up, and so does the in-place eligibility.
+    c = make(unreachable_after=3, lost_after=8.0)
+    h.begin(c)
+    quiet = NodeReport("node-0", running(0).status, failed_contacts=3, silent_for=2.0)
+    [action] = c.observe(1.0, {"node-0": quiet, "node-1": crashed(0)})
+    assert isinstance(action, RejoinNodes)
+    c2 = make(unreachable_after=3, lost_after=8.0)
+    h.begin(c2)
+    silent = NodeReport("node-0", running(0).status, failed_contacts=3, silent_for=8.5)
+    [stop] = c2.observe(1.0, {"node-0": silent, "node-1": crashed(0)})
+    assert isinstance(stop, StopNodes)
+    assert FaultType.NODE_LOST in {f.type for f in c2.attempts[0].faults}
+
+
 def test_without_budget_a_crash_stops_the_job() -> None:
     c = make(max_restarts=0)
     h.begin(c)

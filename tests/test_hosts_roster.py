@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from trainguard.agent.lease import ControllerLease
-from trainguard.control.contact import Contact, contact
+from trainguard.control.contact import Contact, ContactRule, contact
 from trainguard.control.reports import NodeReport
 from trainguard.hosts.addresses import Endpoint, is_local, parse_endpoint, route_to
 from trainguard.hosts.roster import JoinRefused, Roster, spec_differences
@@ -158,13 +158,14 @@ def test_the_agent_is_fenced_before_the_controller_may_declare_it_lost() -> None
     assert lease.fenced() is None
     assert ControllerLease(None, clock=lambda: 1e9).fenced() is None  # one machine: never
     # The controller, for its part: 3 failed contacts are not enough before 8 s of silence.
+    ACROSS_HOSTS = ContactRule(3, lost_after=8.0)
     silent = NodeReport("node-1", status=None, failed_contacts=5, silent_for=6.0)
-    assert contact(silent, 3, lost_after=8.0) is Contact.PENDING  # never answered
+    assert contact(silent, ACROSS_HOSTS) is Contact.PENDING  # never answered
     answered = NodeReport("n", status=_status(), failed_contacts=5, silent_for=6.0)
-    assert contact(answered, 3, lost_after=8.0) is Contact.UP
+    assert contact(answered, ACROSS_HOSTS) is Contact.UP
     longer = NodeReport("n", status=_status(), failed_contacts=5, silent_for=8.5)
-    assert contact(longer, 3, lost_after=8.0) is Contact.LOST
-    assert contact(answered, 3) is Contact.LOST  # one machine: the count alone
+    assert contact(longer, ACROSS_HOSTS) is Contact.LOST
+    assert contact(answered, ContactRule(3)) is Contact.LOST  # one machine: the count alone
 
 
 def _status():  # type: ignore[no-untyped-def]

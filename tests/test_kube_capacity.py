@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import pytest
 
+from trainguard.control.contact import ContactRule
 from trainguard.kube.api import KubeApi, NotFound
 from trainguard.kube.capacity import UNBOUNDED, PodShape, capacity, pod_requests, staying
 from trainguard.kube.config import OperatorConfig
@@ -272,7 +273,7 @@ def test_the_platform_reports_the_least_capacity_and_the_nodes_leaving() -> None
     kube = KubePlatform(
         cast(KubeApi, api), job, body, settings, groups,
         AgentTransport(book, "t", poll_interval=1.0),
-        cast(ClusterRecord, None), Outside(book), poll_interval=1.0, unreachable_after=3,
+        cast(ClusterRecord, None), Outside(book), poll_interval=1.0, contact_rule=ContactRule(3),
         node_health=NodeHealthLabels(cast(KubeApi, api), settings, "ml/job"),
         kueue=KueueWorkload.create(cast(KubeApi, api), body, 1.0),
     )  # fmt: skip

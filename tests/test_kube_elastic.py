@@ -21,6 +21,7 @@ from kube_cluster import JOB_TIMEOUT, Cluster, fake, record, running_cluster
 from test_run_elastic_inplace import records
 from trainguard.control.assignment import Endpoint
 from trainguard.control.config import ControlConfig
+from trainguard.control.contact import ContactRule
 from trainguard.control.controller import JobController
 from trainguard.control.elastic import ElasticConfig
 from trainguard.control.reports import NodeState
@@ -149,7 +150,7 @@ def platform(jobs: FakeJobs, elastic: bool) -> KubePlatform:
         cast(ClusterRecord, None),
         Outside(book),
         poll_interval=1.0,
-        unreachable_after=3,
+        contact_rule=ContactRule(3),
     )
     for node_id, name in (("node-0", "p0"), ("node-1", "p1")):
         kube.nodes[node_id] = PodNode(node_id, name)

@@ -6,13 +6,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import control_helpers as h
 from agent_harness import request_json
 from trainguard.control.actions import JobPhase, LaunchNodes
 from trainguard.control.assignment import Endpoint
-from trainguard.control.contact import Contact, contact, launch_verdict, lost_reason
+from trainguard.control.contact import (
+    Contact,
+    ContactRule,
+    contact,
+    launch_verdict,
+    lost_reason,
+    shown_state,
+)
 from trainguard.control.controller import ControlConfig, JobController
 from trainguard.control.reports import NodeReport, NodeState, Refusal
 from trainguard.platform.base import Cancel, Observation
@@ -24,6 +32,7 @@ from trainguard.wire.requests import StopRequest
 from trainguard.wire.status import WorkerState
 
 NODES = ("node-0", "node-1")
+COUNT = ContactRule(3)  # one machine: 3 failed contacts in a row, however short
 
 
 # -- contact ----------------------------------------------------------------------------
@@ -31,22 +40,37 @@ NODES = ("node-0", "node-1")
 
 def test_silence_is_evidence_until_the_threshold_and_gone_is_lost_at_once() -> None:
     up = h.report("n", NodeState.RUNNING)
-    assert contact(up, 3) is Contact.UP
-    assert contact(NodeReport("n", up.status, failed_contacts=2), 3) is Contact.UP
+    assert contact(up, COUNT) is Contact.UP
+    assert contact(NodeReport("n", up.status, failed_contacts=2), COUNT) is Contact.UP
     silent = NodeReport("n", up.status, failed_contacts=3, error="timed out")
-    assert contact(silent, 3) is Contact.LOST
-    assert lost_reason(silent, 3) == (
+    assert contact(silent, COUNT) is Contact.LOST
+    assert lost_reason(silent, COUNT) == (
         "n lost: its agent did not answer 3 contacts in a row (limit 3) (last: timed out)"
     )
-    assert contact(h.lost("n"), 3) is Contact.LOST
-    assert contact(NodeReport("n"), 3) is Contact.PENDING
-    assert contact(None, 3) is Contact.PENDING
+    assert contact(h.lost("n"), COUNT) is Contact.LOST
+    assert contact(NodeReport("n"), COUNT) is Contact.PENDING
+    assert contact(None, COUNT) is Contact.PENDING
+
+
+def test_the_state_users_see_is_the_controllers_verdict_lost_after_included() -> None:
+    # Across hosts (lost_after 8 s): 3 failed contacts over 2 s of silence leave the node
+    # up; trainguard status and a TrainingJob's status show its agent's state, not lost.
+    rule = ControlConfig("job", NODES, 2, lost_after=8.0).contact_rule
+    assert rule == ContactRule(3, 8.0)
+    quiet = NodeReport("n", h.status("n"), failed_contacts=3, silent_for=2.0)
+    assert contact(quiet, rule) is Contact.UP
+    assert shown_state(quiet, rule) is NodeState.RUNNING
+    longer = replace(quiet, silent_for=8.5)
+    assert contact(longer, rule) is Contact.LOST
+    assert shown_state(longer, rule) is Contact.LOST
+    assert shown_state(NodeReport("n"), rule) is Contact.PENDING
+    assert shown_state(quiet, COUNT) is Contact.LOST  # one machine: the count alone
 
 
 def test_launch_waits_for_idle_agents_and_loses_late_ones() -> None:
     reports = {"a": h.report("a", NodeState.READY, None), "b": NodeReport("b")}
-    assert launch_verdict(("a", "b"), reports, 3, False, 60.0) == ([], ["b"])
-    lost, waiting = launch_verdict(("a", "b"), reports, 3, True, 60.0)
+    assert launch_verdict(("a", "b"), reports, COUNT, False, 60.0) == ([], ["b"])
+    lost, waiting = launch_verdict(("a", "b"), reports, COUNT, True, 60.0)
     assert lost == [("b", "b lost: its agent was not ready within 60s")] and waiting == []
 
 
@@ -54,20 +78,20 @@ def test_a_node_waiting_for_a_host_waits_within_the_bound_and_is_lost_after_it()
     # Launch at t=100, no host for "b" since t=108; host_wait 600 s, start timeout 60 s.
     waiting_b = {"b": NodeReport("b", awaiting_host=108.0)}
     late = True  # the attempt's launch deadline (100 + 60) has passed
-    assert launch_verdict(("b",), waiting_b, 3, late, 60.0, now=300.0, host_wait=600.0) == (
+    assert launch_verdict(("b",), waiting_b, COUNT, late, 60.0, now=300.0, host_wait=600.0) == (
         [],
         ["b"],
     )
-    lost, waiting = launch_verdict(("b",), waiting_b, 3, late, 60.0, now=708.0, host_wait=600.0)
+    lost, waiting = launch_verdict(("b",), waiting_b, COUNT, late, 60.0, now=708.0, host_wait=600.0)
     assert lost == [("b", "b lost: no host joined to run it within 600s")] and waiting == []
     # A host came at t=300: its agent's start timeout counts from its launch, not the
     # attempt's.
     launched = {"b": NodeReport("b", launched_at=300.0)}
-    assert launch_verdict(("b",), launched, 3, late, 60.0, now=330.0, host_wait=600.0) == (
+    assert launch_verdict(("b",), launched, COUNT, late, 60.0, now=330.0, host_wait=600.0) == (
         [],
         ["b"],
     )
-    lost, _ = launch_verdict(("b",), launched, 3, late, 60.0, now=361.0, host_wait=600.0)
+    lost, _ = launch_verdict(("b",), launched, COUNT, late, 60.0, now=361.0, host_wait=600.0)
     assert lost == [("b", "b lost: its agent was not ready within 60s")]
 
 

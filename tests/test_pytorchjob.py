@@ -19,6 +19,7 @@ from trainguard.kube.config import OperatorConfig
 from trainguard.kube.crd import crd
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.pods import node_pod
+from trainguard.platform.config import control_config
 from trainguard.spec import SpecError, load_job, parse_job, resolve_plan
 from trainguard.spec.scripts import check_scripts
 
@@ -93,16 +94,65 @@ def test_master_and_workers_are_one_group_of_nodes_from_one_template() -> None:
     ]
 
 
-def test_a_master_template_unlike_the_workers_is_refused_naming_the_difference() -> None:
-    doc = walkthrough()
+def with_master(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with a Master like its Worker (2 replicas): 3 nodes, as torchrun says."""
     replicas = doc["spec"]["pytorchReplicaSpecs"]
     replicas["Master"] = copy.deepcopy(replicas["Worker"])
     replicas["Master"]["replicas"] = 1
+    for kind in ("Master", "Worker"):
+        command = container(doc, kind)["command"]
+        command[command.index("--nnodes=2")] = "--nnodes=3"
+    return doc
+
+
+def test_a_master_template_unlike_the_workers_is_a_group_of_its_own_node_0() -> None:
+    doc = with_master(walkthrough())
+    master = doc["spec"]["pytorchReplicaSpecs"]["Master"]
+    del master["template"]["spec"]["nodeSelector"]  # the health label on the Workers only
+    job = parse_job(copy.deepcopy(doc), "job.yaml")
+    assert [(g.name, g.replicas) for g in job.spec.replica_specs] == [("master", 1), ("worker", 2)]
+    selectors = [g.template.spec.model_dump(by_alias=True).get("nodeSelector")
+                 for g in job.spec.replica_specs]  # fmt: skip
+    assert selectors == [None, {"sagemaker.amazonaws.com/node-health-status": "Schedulable"}]
+    plan = resolve_plan(job, "job.yaml")
+    assert (plan.nnodes, plan.nproc_per_node) == (3, 2)
+    config, groups = control_config(plan, "job", durable=False)
+    assert config.node_ids == ("node-0", "node-1", "node-2")
+    assert [(index, group.name) for index, group in groups.values()] == [
+        (0, "master"),  # node-0
+        *[(1, "worker")] * 63,  # node-1, node-2, and those the job may grow onto (to 64)
+    ]
+    # One retry budget for the job: their restart policies must agree.
+    master["restartPolicy"] = "Never"
+    assert problems(copy.deepcopy(doc)) == [
+        (f"{WORKER}.restartPolicy", "must be the Master's (Never)")
+    ]
+    # ... and so must their workers per node, read from the GPU limits.
+    master["restartPolicy"] = "OnFailure"
+    container(doc, "Master")["resources"] = {"limits": {"nvidia.com/gpu": 8}}
+    container(doc)["resources"] = {"limits": {"nvidia.com/gpu": 4}}
+    for kind in ("Master", "Worker"):
+        container(doc, kind)["command"] = ["python", "train.py"]
+    [(where, message)] = problems(copy.deepcopy(doc))
+    assert where == f"{WORKER}.template.spec.containers[pytorch].resources.limits[nvidia.com/gpu]"
+    assert message.startswith("disagrees with spec.pytorchReplicaSpecs.Master.template"), message
+    container(doc)["resources"] = {"limits": {"nvidia.com/gpu": 8}}
+    assert parse_job(doc, "job.yaml").spec.nproc_per_node == "8"
+
+
+def test_a_two_group_jobs_plan_problems_name_the_master_or_the_worker(tmp_path: Path) -> None:
+    doc = with_master(walkthrough())
     container(doc, "Master")["image"] = "other:1"
-    assert paths(doc) == [f"{WORKER}.template.spec.containers[0].image"]
-    container(doc, "Master")["image"] = container(doc)["image"]
-    replicas["Master"]["restartPolicy"] = "Never"
-    assert problems(doc) == [(f"{WORKER}.restartPolicy", "must be the Master's (Never)")]
+    for kind, script in (("Master", "/fsdp/master.py"), ("Worker", "/fsdp/train.py")):
+        command = container(doc, kind)["command"]
+        command[command.index("examples/gpt/train.py")] = script
+    plan = resolve_plan(parse_job(doc, "job.yaml"), "job.yaml")
+    with pytest.raises(SpecError) as caught:
+        check_scripts(plan, "job.yaml", tmp_path)
+    assert [path for path, _ in caught.value.problems] == [
+        f"spec.pytorchReplicaSpecs.{kind}.template.spec.containers[0].command"
+        for kind in ("Master", "Worker")
+    ]
 
 
 @pytest.mark.parametrize(
@@ -244,7 +294,9 @@ def test_locally_the_job_fails_once_the_count_is_spent(tg: Trainguard, tmp_path:
     assert not list(out.glob("rank-*-attempt-3.json"))
 
 
-def test_submit_creates_the_converted_training_job_and_its_pods_are_valid_kubernetes() -> None:
+def test_submit_creates_the_converted_training_job_and_its_pods_are_valid_kubernetes(
+    tmp_path: Path,
+) -> None:
     body = _checked_job(str(EXAMPLE), allow_privileged=True)  # hostPath volumes
     assert (body["apiVersion"], body["kind"]) == ("trainguard.dev/v1", "TrainingJob")
     schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
@@ -263,6 +315,23 @@ def test_submit_creates_the_converted_training_job_and_its_pods_are_valid_kubern
         "requiredDuringSchedulingIgnoredDuringExecution"
     ]["nodeSelectorTerms"]
     assert {e["key"] for t in terms for e in t["matchExpressions"]} == {health}
+    # A Master without the health nodeSelector: its own group, node 0, its pod without it.
+    doc = with_master(walkthrough())
+    del doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["nodeSelector"]
+    path = tmp_path / "pytorchjob.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    body = _checked_job(str(path), allow_privileged=True)
+    jsonschema.Draft4Validator(schema).validate(body)
+    body["metadata"]["uid"] = "0c3e9ad5-4bd3-4c1e-9a70-2b6c0d0d6b1e"
+    job = parse_job(body, "stored")
+    plan = kube_plan(job, "stored", allow_privileged=True)
+    _, groups = control_config(plan, "fsdp", durable=False)
+    pods = []
+    for node_id in ("node-0", "node-1"):
+        index, group = groups[node_id]
+        pods.append(node_pod(job, body, index, group, node_id, f"fsdp-{node_id}-a0", 0, settings))
+        kubernetes_validate.validate(pods[-1], "1.31", strict=True)
+    assert [p["spec"].get("nodeSelector") for p in pods] == [None, {health: "Schedulable"}]
     # The hostPath volumes are refused without --allow-privileged-pods, naming the field.
     with pytest.raises(
         SpecError, match=r"spec\.pytorchReplicaSpecs\.Worker\.template\.spec\.volumes"

@@ -10,6 +10,7 @@ the walkthrough needs it: HyperPod's label names, and hostPath volumes allowed.
 
 from __future__ import annotations
 
+import copy
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,3 +119,36 @@ def test_walkthrough_pytorchjob_trains_unchanged_on_the_emulator(cluster: Cluste
     assert {n["hostNode"] for n in status["nodes"]} <= HEALTHY
     logs = cluster.tg("logs", "--kube", "fsdp", "--rank", "0")
     assert "Batch 40 Loss:" in logs.stdout, logs.stdout[-2000:]
+
+
+def test_a_master_without_the_health_selector_is_node_0_of_its_own_group(cluster: Cluster) -> None:
+    """Master and Worker templates that differ (the health nodeSelector on the Workers
+    only): two node groups, the Master's node 0 and rank 0, placed by its own template."""
+    out = cluster.root / "out"
+    doc = manifest(out)
+    replicas = doc["spec"]["pytorchReplicaSpecs"]  # type: ignore[index]
+    master = copy.deepcopy(replicas["Worker"])
+    master["replicas"] = 1
+    del master["template"]["spec"]["nodeSelector"]
+    replicas["Master"] = master
+    for replica in replicas.values():
+        command = replica["template"]["spec"]["containers"][0]["command"]
+        command[command.index("--nnodes=2")] = "--nnodes=3"
+        command[command.index("--sleep") + 1] = "0"
+    path = cluster.root / "pytorchjob.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    done = cluster.tg("submit", "-f", str(path), "-n", "default", "--allow-privileged-pods")
+    assert done.returncode == 0, done.stderr
+    stored = cluster.api.get_job("default", "fsdp")
+    assert [g["name"] for g in stored["spec"]["replicaSpecs"]] == ["master", "worker"]
+    status = cluster.wait_phase("fsdp", "Succeeded", "Failed")
+    assert status["phase"] == "Succeeded", status
+    nodes = {n["nodeId"]: n for n in status["nodes"]}
+    assert (nodes["node-0"]["nodeRank"], nodes["node-0"]["ranks"]) == (0, [0, 1])
+    # The Master's pod goes to the unlabelled Node (the emptiest, first by name: trainguard's
+    # own affinity only keeps it off unhealthy ones); the Workers' only to Schedulable ones.
+    assert nodes["node-0"]["hostNode"] == "a-unlabelled"
+    assert {nodes[n]["hostNode"] for n in ("node-1", "node-2")} <= HEALTHY
+    assert sorted(p.name for p in out.glob("rank-*-attempt-0.json")) == [
+        f"rank-{r}-attempt-0.json" for r in range(6)
+    ]

@@ -1,9 +1,12 @@
-"""Host memory for snapshots: fault it in ahead of use, and page-lock it for CUDA copies.
+"""Host memory for snapshots and transfers: fault it in ahead of use, and page-lock it for
+CUDA copies.
 
 Both run without the GIL, so a background thread can prepare the next slots while the
 training loop runs: :func:`populate` calls ``madvise(MADV_POPULATE_WRITE)`` through
 ctypes (Python's ``mmap.madvise`` holds the GIL), and :func:`register` calls
 ``cudaHostRegister`` through torch's binding of the CUDA runtime, which releases it.
+:class:`Prefault` runs :func:`populate` in a thread ahead of data arriving in fresh memory
+(a replacement's tensors receiving a peer's state).
 
 Measured on an H100 machine (torch 2.11, 4 GiB in a ``/dev/shm`` mapping): faulting in
 took 1.7 s, registering 0.17 s; a device-to-host copy into the registered mapping ran at
@@ -16,25 +19,35 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import threading
+from collections.abc import Sequence
 from typing import Final
 
 import torch
 
-__all__ = ["MADV_POPULATE_WRITE", "populate", "register", "unregister"]
+__all__ = ["MADV_POPULATE_WRITE", "Prefault", "populate", "register", "unregister"]
 
 log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14; not exported by Python 3.11's mmap module
 _REGISTER_PORTABLE: Final = 1  # cudaHostRegisterPortable
+_PAGE: Final = os.sysconf("SC_PAGE_SIZE")
+PREFAULT_STEP: Final = 8 << 20
+"""Bytes :class:`Prefault` faults in at a time, taking each stream's next range in turn."""
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
 
 
 def populate(address: int, nbytes: int) -> bool:
-    """Fault in ``nbytes`` of a writable shared mapping at ``address``; False where the
-    kernel cannot (before 5.14): the caller then maps with ``MAP_POPULATE``."""
-    if _libc.madvise(address, nbytes, MADV_POPULATE_WRITE) == 0:
+    """Fault in ``nbytes`` of writable memory at ``address`` (a shared mapping, or a
+    process's own anonymous memory; the contents are left as they are); False where the
+    kernel cannot (before 5.14): the caller then maps with ``MAP_POPULATE``.
+
+    ``address`` is rounded down to its page (``madvise`` needs a page-aligned start; the
+    page is in the same mapping)."""
+    start = address - address % _PAGE
+    if _libc.madvise(start, nbytes + address - start, MADV_POPULATE_WRITE) == 0:
         return True
     errno = ctypes.get_errno()
     if errno in (22, 38):  # EINVAL, ENOSYS: the advice is unknown to this kernel
@@ -62,3 +75,59 @@ def unregister(address: int) -> None:
     error = torch.cuda.cudart().cudaHostUnregister(address)
     if int(error) != 0:
         log.warning("cudaHostUnregister of snapshot memory failed: %s", error)
+
+
+class Prefault:
+    """Faults in byte ranges of host memory in a thread, ahead of data arriving there.
+
+    A receive into fresh memory (a hot spare's tensors, made with ``torch.empty`` and never
+    touched) takes a page fault per 4 KiB page in the middle of the copy: measured here,
+    a gloo receive of 1 GiB ran at 1.4 GB/s into fresh memory against 3.0 GB/s into
+    faulted memory, and at 2.5 GB/s with this thread faulting in ahead of it. ``streams``:
+    the ranges ``(address, nbytes)`` in the order data arrives in each stream (one per
+    sender, arriving at once); the thread takes :data:`PREFAULT_STEP` bytes of each stream
+    in turn. The contents are never changed, so the thread may fall behind the data or
+    overlap it: it then only costs the walk over pages already present. Where the kernel
+    cannot populate, it stops at once and the receive faults as it would have.
+    """
+
+    def __init__(self, streams: Sequence[Sequence[tuple[int, int]]]) -> None:
+        self._steps = [_steps(stream) for stream in streams if stream]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainguard-prefault", daemon=True)
+
+    def __enter__(self) -> Prefault:
+        if self._steps:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        pending = [iter(steps) for steps in self._steps]
+        while pending and not self._stop.is_set():
+            for stream in list(pending):
+                step = next(stream, None)
+                if step is None:
+                    pending.remove(stream)
+                    continue
+                try:
+                    if not populate(*step):
+                        return
+                except OSError as exc:  # memory unlike what it was said to be: not needed
+                    log.debug("prefault stopped: %s", exc)
+                    return
+                if self._stop.is_set():
+                    return
+
+
+def _steps(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` cut into pieces of at most :data:`PREFAULT_STEP` bytes, in order."""
+    return [
+        (address + offset, min(PREFAULT_STEP, nbytes - offset))
+        for address, nbytes in ranges
+        for offset in range(0, nbytes, PREFAULT_STEP)
+    ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from trainguard.control.contact import ContactRule
 from trainguard.control.elastic import ElasticConfig
 from trainguard.control.exit_hang import DEFAULT_TIMEOUT as DEFAULT_EXIT_HANG_TIMEOUT
 from trainguard.control.no_progress import DEFAULT_TIMEOUT as DEFAULT_NO_PROGRESS_TIMEOUT
@@ -110,6 +111,11 @@ class ControlConfig:
     straggler_window: int = DEFAULT_WINDOW
     # "report": an event; "restart": also a fault, and its node is replaced.
     straggler_action: StragglerAction = DEFAULT_ACTION
+
+    @property
+    def contact_rule(self) -> ContactRule:
+        """When a silent node is lost: the one rule the controller and the platforms use."""
+        return ContactRule(self.unreachable_after, self.lost_after)
 
     def __post_init__(self) -> None:
         if not self.node_ids:

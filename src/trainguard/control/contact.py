@@ -11,17 +11,31 @@
 - A node whose agent never answered is **pending** (coming up); the controller gives it
   ``node_start_timeout`` from its launch.
 
-Pure: the counts are the platform's facts, the threshold is the config's.
+Pure: the counts are the platform's facts, the bounds are the config's, as one
+:class:`ContactRule` (``ControlConfig.contact_rule``). Every reader takes the whole rule,
+so none can leave out a bound: the controller, in-process eligibility and the node state
+users see (:func:`shown_state`) give one verdict.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 
 from trainguard.control.reports import NodeReport
+from trainguard.wire.status import NodeState
 
-__all__ = ["Contact", "contact", "launch_verdict", "lost", "lost_reason", "settled"]
+__all__ = [
+    "Contact",
+    "ContactRule",
+    "contact",
+    "launch_verdict",
+    "lost",
+    "lost_reason",
+    "settled",
+    "shown_state",
+]
 
 
 class Contact(StrEnum):
@@ -30,7 +44,17 @@ class Contact(StrEnum):
     LOST = "lost"  # gone, or silent for ``unreachable_after`` contacts in a row
 
 
-def contact(report: NodeReport | None, unreachable_after: int, lost_after: float = 0.0) -> Contact:
+@dataclass(frozen=True)
+class ContactRule:
+    """When a silent node is lost: ``unreachable_after`` contacts in a row got no answer,
+    and (across hosts) it has been silent ``lost_after`` seconds by then (0: the count
+    alone decides)."""
+
+    unreachable_after: int
+    lost_after: float = 0.0
+
+
+def contact(report: NodeReport | None, rule: ContactRule) -> Contact:
     """The verdict on one node (a node without a report is pending)."""
     if report is None:
         return Contact.PENDING
@@ -38,16 +62,16 @@ def contact(report: NodeReport | None, unreachable_after: int, lost_after: float
         return Contact.LOST
     if report.status is None:
         return Contact.PENDING
-    if report.failed_contacts >= unreachable_after and report.silent_for >= lost_after:
+    if report.failed_contacts >= rule.unreachable_after and report.silent_for >= rule.lost_after:
         return Contact.LOST
     return Contact.UP
 
 
-def lost(report: NodeReport | None, unreachable_after: int, lost_after: float = 0.0) -> bool:
-    return contact(report, unreachable_after, lost_after) is Contact.LOST
+def lost(report: NodeReport | None, rule: ContactRule) -> bool:
+    return contact(report, rule) is Contact.LOST
 
 
-def lost_reason(report: NodeReport, unreachable_after: int) -> str:
+def lost_reason(report: NodeReport, rule: ContactRule) -> str:
     """Why a lost node is lost, in words."""
     if report.gone is not None:
         return f"{report.node_id} lost: {report.gone}"
@@ -55,26 +79,34 @@ def lost_reason(report: NodeReport, unreachable_after: int) -> str:
     silent = f" over {report.silent_for:.1f}s" if report.silent_for else ""
     return (
         f"{report.node_id} lost: its agent did not answer {report.failed_contacts} "
-        f"contacts in a row{silent} (limit {unreachable_after}){error}"
+        f"contacts in a row{silent} (limit {rule.unreachable_after}){error}"
     )
 
 
-def settled(report: NodeReport | None, unreachable_after: int, lost_after: float = 0.0) -> bool:
+def settled(report: NodeReport | None, rule: ContactRule) -> bool:
     """Nothing more to wait for on this node: none of its workers runs, or it is not up
     (a lost or never-up node: the platform reaps what is left of it)."""
-    if contact(report, unreachable_after, lost_after) is not Contact.UP:
+    if contact(report, rule) is not Contact.UP:
         return True
     assert report is not None and report.status is not None
     return report.status.quiescent
 
 
+def shown_state(report: NodeReport | None, rule: ContactRule) -> Contact | NodeState:
+    """A node's state as users see it (``trainguard status``, a TrainingJob's status):
+    the verdict while it is lost or pending, else its agent's own latest state."""
+    verdict = contact(report, rule)
+    if verdict is not Contact.UP or report is None or report.status is None:
+        return verdict
+    return report.status.state
+
+
 def launch_verdict(
     node_ids: Sequence[str],
     reports: Mapping[str, NodeReport],
-    unreachable_after: int,
+    rule: ContactRule,
     late: bool,
     start_timeout: float,
-    lost_after: float = 0.0,
     now: float = 0.0,
     host_wait: float = 0.0,
 ) -> tuple[list[tuple[str, str]], list[str]]:
@@ -100,10 +132,10 @@ def launch_verdict(
         launched_at = report.launched_at if report is not None else None
         if launched_at is not None and now - launched_at < start_timeout:
             exempt.add(node_id)
-        verdict = contact(report, unreachable_after, lost_after)
+        verdict = contact(report, rule)
         if verdict is Contact.LOST and report is not None:
-            lost.append((node_id, lost_reason(report, unreachable_after)))
-        elif verdict is Contact.PENDING or not settled(report, unreachable_after, lost_after):
+            lost.append((node_id, lost_reason(report, rule)))
+        elif verdict is Contact.PENDING or not settled(report, rule):
             waiting.append(node_id)
     if late:
         why = f"its agent was not ready within {start_timeout:g}s"

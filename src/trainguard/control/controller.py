@@ -285,10 +285,9 @@ class JobController:
         lost, waiting = launch_verdict(
             attempt.nodes,
             reports,
-            self.config.unreachable_after,
+            self.config.contact_rule,
             deadline is not None and now >= deadline,
             self.config.node_start_timeout,
-            self.config.lost_after,
             now,
             self.config.host_wait,
         )
@@ -372,8 +371,7 @@ class JobController:
             now,
             cfg.log_rules,
             cfg.heartbeat_timeout,
-            unreachable_after=cfg.unreachable_after,
-            lost_after=cfg.lost_after,
+            contact_rule=cfg.contact_rule,
             in_process=cfg.in_process,
             start_timeout=cfg.node_start_timeout,
             exit_hang_timeout=cfg.exit_hang_timeout,
@@ -540,11 +538,9 @@ class JobController:
             ranks = sorted(r for f in attempt.faults for r in f.evidence.get("ranks", []))
             reason = f"all ranks completed (ranks {ranks} ended as ExitHang after their work)"
             return self._complete(now, attempt, reports, [], reason)
-        limit = self.config.unreachable_after
         for fault in stop_faults(
-            now, attempt.number, nodes, attempt.faults, waiting, reports, limit,
-            self.config.lost_after,
-        ):  # fmt: skip
+            now, attempt.number, nodes, attempt.faults, waiting, reports, self.config.contact_rule
+        ):
             self._record_fault(now, attempt, fault)
         outcome = AttemptPhase.FAILED if attempt.faults else AttemptPhase.STOPPED
         self._end_attempt(now, attempt, outcome, attempt.reason or "stopped")
@@ -578,7 +574,7 @@ class JobController:
         return StopNodes(attempt.number, attempt.nodes, mode, grace, capture, notice)
 
     def _stopped(self, report: NodeReport | None) -> bool:
-        return settled(report, self.config.unreachable_after, self.config.lost_after)
+        return settled(report, self.config.contact_rule)
 
     # -- records ------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from trainguard.control.contact import Contact, contact, lost, lost_reason
+from trainguard.control.contact import Contact, ContactRule, contact, lost, lost_reason
 from trainguard.control.events import Fault, FaultType
 from trainguard.control.exit_hang import DEFAULT_TIMEOUT as DEFAULT_EXIT_HANG_TIMEOUT
 from trainguard.control.exit_hang import ExitWatch
@@ -94,8 +94,7 @@ def stop_faults(
     recorded: Sequence[Fault],
     waiting: Sequence[str],
     reports: Mapping[str, NodeReport],
-    unreachable_after: int,
-    lost_after: float = 0.0,
+    rule: ContactRule,
 ) -> list[Fault]:
     """When the stop of ``attempt`` (on ``nodes``) ends: the nodes that did not stop in
     time (``waiting``), and the nodes lost while stopping (a machine that died just after
@@ -114,12 +113,8 @@ def stop_faults(
     replaced = {f.node for f in [*recorded, *faults] if f.type.loses_node}
     for node_id in nodes:
         report = reports.get(node_id)
-        if (
-            node_id not in replaced
-            and report is not None
-            and lost(report, unreachable_after, lost_after)
-        ):
-            message = lost_reason(report, unreachable_after)
+        if node_id not in replaced and report is not None and lost(report, rule):
+            message = lost_reason(report, rule)
             faults.append(Fault(FaultType.NODE_LOST, now, attempt, node=node_id, message=message))
     return faults
 
@@ -142,8 +137,7 @@ class AttemptWatch:
         rules: Sequence[LogRuleSpec],
         heartbeat_timeout: float | None,
         *,
-        unreachable_after: int = 3,
-        lost_after: float = 0.0,
+        contact_rule: ContactRule,
         in_process: bool = False,
         start_timeout: float | None = None,
         exit_hang_timeout: float | None = DEFAULT_EXIT_HANG_TIMEOUT,
@@ -154,8 +148,7 @@ class AttemptWatch:
         self.attempt = attempt
         self.started_at = started_at
         self.start_timeout = start_timeout
-        self.unreachable_after = unreachable_after
-        self.lost_after = lost_after
+        self.contact_rule = contact_rule
         self.in_process = in_process
         self._hang = HangWatch(rules, started_at) if rules else None
         self._beats = HeartbeatWatch(heartbeat_timeout) if heartbeat_timeout else None
@@ -172,7 +165,7 @@ class AttemptWatch:
         out = []
         for a in assignments:
             report = reports.get(a.node_id)
-            verdict = contact(report, self.unreachable_after, self.lost_after)
+            verdict = contact(report, self.contact_rule)
             if report is None or verdict is not Contact.UP:
                 continue
             status = report.about(self.attempt)
@@ -194,9 +187,9 @@ class AttemptWatch:
         taken = {node_id for node_id, _ in current}
         for a in assignments:
             report = reports.get(a.node_id) or NodeReport(a.node_id, gone="no report")
-            verdict = contact(report, self.unreachable_after, self.lost_after)
+            verdict = contact(report, self.contact_rule)
             if verdict is Contact.LOST:
-                message = lost_reason(report, self.unreachable_after)
+                message = lost_reason(report, self.contact_rule)
             elif late and a.node_id not in taken:
                 # Up, but never took the attempt: its /start got lost on the way, say.
                 message = (

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from trainguard.control.contact import Contact, contact
+from trainguard.control.contact import Contact, ContactRule, contact
 from trainguard.control.events import Fault, FaultType
 from trainguard.control.reports import NodeReport
 from trainguard.wire.requests import NodeAssignment
@@ -97,7 +97,7 @@ def eligible(
     attempt: int,
     assignments: Sequence[NodeAssignment],
     reports: Mapping[str, NodeReport],
-    unreachable_after: int,
+    rule: ContactRule,
 ) -> bool:
     """Whether ``faults`` of ``attempt`` may be recovered in place (budget aside).
 
@@ -111,7 +111,7 @@ def eligible(
         return False
     for a in assignments:
         report = reports.get(a.node_id)
-        if report is None or contact(report, unreachable_after) is not Contact.UP:
+        if report is None or contact(report, rule) is not Contact.UP:
             return False
         status = report.about(attempt)
         if status is not None and status.state not in _REJOINABLE:

@@ -255,7 +255,7 @@ def can_restart_in_place(
         attempt.number,
         attempt.assignments,
         reports,
-        c.config.unreachable_after,
+        c.config.contact_rule,
     )
 
 

@@ -165,10 +165,7 @@ def running(
         return False
     for node_id in nodes:
         report = reports.get(node_id)
-        if (
-            report is None
-            or contact(report, c.config.unreachable_after, c.config.lost_after) is not Contact.UP
-        ):
+        if report is None or contact(report, c.config.contact_rule) is not Contact.UP:
             return False
         status = report.about(attempt.number)
         if status is None or status.state is not NodeState.RUNNING:
@@ -195,10 +192,9 @@ def standby_up(
     lost, waiting = launch_verdict(
         added,
         reports,
-        c.config.unreachable_after,
+        c.config.contact_rule,
         now >= attempt.standby_deadline,
         c.config.node_start_timeout,
-        c.config.lost_after,
     )
     busy = any(c.health.checking(reports.get(n)) or _warming(reports.get(n)) for n in added)
     return lost, not lost and not waiting and not busy

@@ -43,7 +43,7 @@ from typing import Any
 from trainguard.agent.client import AgentError
 from trainguard.control.actions import LaunchNodes
 from trainguard.control.assignment import Endpoint
-from trainguard.control.contact import Contact, contact
+from trainguard.control.contact import ContactRule, shown_state
 from trainguard.control.controller import JobController
 from trainguard.control.reports import NodeReport, Refusal
 from trainguard.kube.api import KubeApi, KubeError
@@ -127,7 +127,7 @@ class KubePlatform:
         outside: Outside,
         *,
         poll_interval: float,
-        unreachable_after: int,
+        contact_rule: ContactRule,
         clock: Callable[[], float] = time.time,
         node_health: NodeHealthLabels | None = None,
         kueue: KueueWorkload | None = None,
@@ -142,7 +142,7 @@ class KubePlatform:
         self.recorder = record
         self.outside = outside
         self.poll_interval = poll_interval
-        self.unreachable_after = unreachable_after
+        self.contact_rule = contact_rule
         self.clock = clock
         self.node_health = node_health  # None: Node labels are not read
         self.name = job.metadata.name
@@ -362,12 +362,7 @@ class KubePlatform:
         self.recorder.record(controller, pods, {**self.nodes, **self._seen}, self.clock(), reports)
 
     def _state(self, report: NodeReport | None) -> str:
-        verdict = contact(report, self.unreachable_after)
-        if verdict is Contact.LOST:
-            return "lost"
-        if verdict is Contact.PENDING or report is None or report.status is None:
-            return "pending"
-        return report.status.state.value
+        return shown_state(report, self.contact_rule).value
 
 
 _NONE = NodeReport("")

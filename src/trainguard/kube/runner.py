@@ -217,7 +217,7 @@ class KubeJob:
             self.record,
             self.outside,
             poll_interval=self.config.poll_interval,
-            unreachable_after=self.config.unreachable_after,
+            contact_rule=self.config.contact_rule,
             clock=self.clock,
             node_health=self.node_health,
             kueue=KueueWorkload.create(self.api, self.body, self.config.poll_interval),

@@ -25,7 +25,7 @@ from trainguard.agent.logs import orphaned_console
 from trainguard.checkpoint.tier_dir import private_dir
 from trainguard.control.actions import LaunchNodes
 from trainguard.control.assignment import Endpoint
-from trainguard.control.contact import Contact, contact
+from trainguard.control.contact import Contact, shown_state
 from trainguard.control.controller import JobController
 from trainguard.control.events import Event
 from trainguard.control.reports import NodeReport, Refusal
@@ -392,16 +392,11 @@ class LocalPlatform:
         attempt = controller.current
         assignments = {a.node_id: a for a in attempt.assignments} if attempt else {}
         rows = []
-        limit = controller.config.unreachable_after
+        rule = controller.config.contact_rule
         for node_id, report in reports.items():
             status = report.status
-            verdict = contact(report, limit)
-            if verdict is Contact.LOST:  # the controller's word, not just a gone process
-                state = "unreachable"
-            elif verdict is Contact.PENDING or status is None:
-                state = "pending"
-            else:
-                state = status.state.value
+            shown = shown_state(report, rule)  # the controller's word, not just a gone process
+            state = "unreachable" if shown is Contact.LOST else shown.value
             a = assignments.get(node_id)
             node = self.nodes.get(node_id)
             running = tuple(

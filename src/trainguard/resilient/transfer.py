@@ -12,6 +12,8 @@ are packed together into buckets of up to ``bucket_bytes`` (one copy each side).
 source of a route sends an equal share of the pieces (by bytes) to every receiver of the
 route, all at once (``isend``/``irecv``: the sources' links and the receivers' links are
 used in parallel, and a receiver unpacks a bucket while later pieces are still arriving).
+A receiver's host memory is faulted in by a thread ahead of the data (a replacement's
+tensors are fresh: :class:`~trainguard.checkpoint.host_memory.Prefault`).
 In DDP every rank at the newest step holds the whole state, so a replacement takes it
 from all of them at once; several replacements take it at the same time.
 
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainguard.checkpoint.host_memory import Prefault
 from trainguard.collectives import device_backends
 
 __all__ = ["BUCKET_BYTES", "CHUNK_BYTES", "Piece", "Route", "pieces", "shares", "transfer"]
@@ -197,6 +200,7 @@ def transfer(
     unpack: list[tuple[dist.Work | None, torch.Tensor, Piece]] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (received on host, destination)
     moved_out: dict[int, torch.Tensor] = {}  # tensors copied to where they travel
+    arriving: dict[int, list[tuple[int, int]]] = {}  # source -> host ranges, in order
     moved = 0
     tag = 0
     for route in routes:
@@ -226,12 +230,30 @@ def transfer(
                             in_flight = 0
                     elif rank in route.receivers:
                         buffer, direct = _incoming(piece, tensors, wire)
+                        if direct and buffer.device.type == "cpu":
+                            arriving.setdefault(source, []).append(
+                                (buffer.data_ptr(), piece.nbytes)
+                            )
                         work = posted.recv(buffer, source, tag)
                         moved += piece.nbytes
                         if piece.packed:
                             unpack.append((work, buffer, piece))
                         elif not direct:
                             staged.append((buffer, _slice(tensors, piece.parts[0])))
+    with Prefault(list(arriving.values())):
+        _complete(host, device, unpack, staged, tensors)
+    return moved
+
+
+def _complete(
+    host: _Posted,
+    device: _Posted,
+    unpack: Sequence[tuple[dist.Work | None, torch.Tensor, Piece]],
+    staged: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    tensors: Sequence[torch.Tensor | None],
+) -> None:
+    """Wait for the posted pieces, unpacking each bucket as it arrives, then copy the
+    pieces staged in host memory to their devices."""
     host.flush()
     device.flush()
     with torch.no_grad():
@@ -249,7 +271,6 @@ def transfer(
         device.wait()
         for buffer, target in staged:
             target.copy_(buffer)
-    return moved
 
 
 def _tensor(tensors: Sequence[torch.Tensor | None], index: int) -> torch.Tensor:

@@ -107,8 +107,9 @@ def resolve_plan(job: TrainingJob, source: str, secrets: SecretSource | None = N
     try:
         return _resolve_plan(job, source, secrets)
     except SpecError as err:  # a converted PyTorchJob's fields by their own names
-        group = job.spec.replica_specs[0].name
-        raise SpecError(source, as_written(job.metadata.annotations, group, err.problems)) from None
+        groups = [group.name for group in job.spec.replica_specs]
+        problems = as_written(job.metadata.annotations, groups, err.problems)
+        raise SpecError(source, problems) from None
 
 
 def _resolve_plan(job: TrainingJob, source: str, secrets: SecretSource | None) -> JobPlan:

@@ -1,21 +1,22 @@
 """Kubeflow's ``PyTorchJob`` (``kubeflow.org/v1``) read as a `TrainingJob`: pure, no I/O.
 
-Master (one replica) and Worker (n) are the job's ``1 + n`` nodes, one replica group from
-their one pod template (a difference is refused); the ``pytorch`` container runs the
-workers. The retry budget (``jobMaxRetryCount``) is HyperPod's auto-resume count
-(``sagemaker.amazonaws.com/enable-job-auto-resume: "true"`` and ``job-max-retry-count``,
-default 1), else ``runPolicy.backoffLimit``, else ``elasticPolicy.maxRestarts``; 0 with
-``restartPolicy: Never``. The pod template, ``nodeSelector`` included, is kept as written
-(Kubernetes' scheduler honours it; locally only the container's command, args, env and
-workingDir are used). Fields trainguard has no use for are ignored with a warning the
-caller prints; any other field, or a value of the wrong kind, is refused naming it.
+Master (one replica) and Worker (n) are the job's ``1 + n`` nodes: one replica group when
+their pod templates are alike, else two, the Master's first (it is node 0) and the
+Worker's after it; their ``restartPolicy`` must agree (the retry budget is the job's). The
+``pytorch`` container runs the workers. The retry budget (``jobMaxRetryCount``) is
+HyperPod's auto-resume count (``sagemaker.amazonaws.com/enable-job-auto-resume: "true"``
+and ``job-max-retry-count``, default 1), else ``runPolicy.backoffLimit``, else
+``elasticPolicy.maxRestarts``; 0 with ``restartPolicy: Never``. Each pod template,
+``nodeSelector`` included, is kept as written (Kubernetes' scheduler honours it; locally
+only the container's command, args, env and workingDir are used). Fields trainguard has
+no use for are ignored with a warning the caller prints; any other field, or a value of
+the wrong kind, is refused naming it.
 docs/kubernetes.md ("Kubeflow PyTorchJob") has the table of every field.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -82,16 +83,25 @@ class Conversion:
 
 
 def as_written(
-    annotations: Mapping[str, str], group: str, problems: list[tuple[str, str]]
+    annotations: Mapping[str, str], groups: Sequence[str], problems: list[tuple[str, str]]
 ) -> list[tuple[str, str]]:
     """Problems found in a converted job (its plan: a script, a launcher line) naming the
-    PyTorchJob's fields: ``spec.replicaSpecs[0]`` is its Worker (``group`` "worker") or
-    Master. A job not converted keeps its paths."""
+    PyTorchJob's fields: ``spec.replicaSpecs[i]`` is its Worker or its Master, by the
+    group's name (``groups``, in order). A job not converted keeps its paths."""
     if annotations.get(CONVERTED_FROM_ANNOTATION) != CONVERTED_FROM:
         return problems
-    kind = "Worker" if group == "worker" else "Master"
-    renamed = Conversion({}, origins={"spec.replicaSpecs[0]": f"spec.pytorchReplicaSpecs.{kind}"})
+    renamed = Conversion({}, origins=_origins(groups))
     return [(renamed.origin(path), message) for path, message in problems]
+
+
+def _origins(groups: Sequence[str]) -> dict[str, str]:
+    """Each converted group's path, ``spec.replicaSpecs[i]``, to its PyTorchJob replica's."""
+    return {f"spec.replicaSpecs[{i}]": _replica_path(name) for i, name in enumerate(groups)}
+
+
+def _replica_path(group: str) -> str:
+    kind = "Worker" if group == "worker" else "Master"
+    return f"spec.pytorchReplicaSpecs.{kind}"
 
 
 def is_pytorchjob(data: Mapping[Any, Any]) -> bool:
@@ -107,7 +117,7 @@ def convert(data: Mapping[Any, Any]) -> Conversion:
     reader.unknown(spec, "spec", _SPEC)
     metadata = data.get("metadata")
     annotations = metadata.get("annotations") if isinstance(metadata, Mapping) else None
-    group, group_path, restart_policy = _group(reader, spec)
+    groups, group_origins, restart_policy = _groups(reader, spec)
     run_policy, budget_from = _run_policy(reader, spec, annotations, restart_policy)
     elastic = reader.mapping(spec.get("elasticPolicy"), "spec.elasticPolicy")
     reader.unknown(elastic, "spec.elasticPolicy", _ELASTIC_USED | set(_ELASTIC_IGNORED))
@@ -115,15 +125,15 @@ def convert(data: Mapping[Any, Any]) -> Conversion:
         if key in elastic:
             reader.ignore(f"spec.elasticPolicy.{key}", why)
     bounds = {k: elastic[k] for k in ("minReplicas", "maxReplicas") if k in elastic}
-    nproc, nproc_from = _nproc(reader, spec, elastic, group)
+    nproc, nproc_from = _nproc(reader, spec, elastic, groups)
     if reader.problems:
         raise PyTorchJobError(reader.problems)
-    new_spec: dict[str, Any] = {"replicaSpecs": [group], "runPolicy": run_policy}
+    new_spec: dict[str, Any] = {"replicaSpecs": groups, "runPolicy": run_policy}
     if nproc is not None:
         new_spec["nprocPerNode"] = nproc
     if bounds:
         new_spec["elasticPolicy"] = bounds
-    origins = {"spec.replicaSpecs[0]": group_path, "spec.replicaSpecs": "spec.pytorchReplicaSpecs"}
+    origins = {**group_origins, "spec.replicaSpecs": "spec.pytorchReplicaSpecs"}
     if budget_from:
         origins["spec.runPolicy.jobMaxRetryCount"] = budget_from
     if nproc_from:
@@ -194,13 +204,17 @@ def _metadata(metadata: object) -> object:
     }
 
 
-def _group(reader: _Reader, spec: Mapping[Any, Any]) -> tuple[dict[str, Any], str, str]:
-    """The one replica group of Master + Worker, its PyTorchJob path, and its restartPolicy."""
+def _groups(
+    reader: _Reader, spec: Mapping[Any, Any]
+) -> tuple[list[dict[str, Any]], dict[str, str], str]:
+    """The replica groups of Master and Worker (one from their one template; else the
+    Master's, node 0, then the Worker's), each group's PyTorchJob path by its TrainingJob
+    path, and their restartPolicy."""
     path = "spec.pytorchReplicaSpecs"
     replicas = reader.mapping(spec.get("pytorchReplicaSpecs"), path, required=True)
     reader.unknown(replicas, path, frozenset({"Master", "Worker"}))
     if replicas and not ({"Master", "Worker"} & set(replicas)):
-        return {}, path, "OnFailure"
+        return [], {}, "OnFailure"
     if not replicas and not reader.problems:
         reader.fail(path, "needs Master or Worker")
     read: dict[str, tuple[int, Any, str]] = {}
@@ -222,25 +236,21 @@ def _group(reader: _Reader, spec: Mapping[Any, Any]) -> tuple[dict[str, Any], st
         template = reader.mapping(replica.get("template"), f"{here}.template", required=True)
         read[kind] = (count or 0, _pytorch_first(reader, template, f"{here}.template"), policy)
     if reader.problems:
-        return {}, path, "OnFailure"
-    kind = "Worker" if "Worker" in read else "Master"
-    nodes, template, policy = read[kind]
-    if "Master" in read and "Worker" in read:
-        master = read["Master"]
-        nodes += master[0]
-        where = _first_difference(master[1], template)
-        if where is not None:
-            reader.fail(
-                f"{path}.Worker.template{where}",
-                "differs from Master's: trainguard runs every node from one pod template "
-                "(make the Master's and the Worker's the same)",
-            )
-        if master[2] != policy:
-            reader.fail(f"{path}.Worker.restartPolicy", f"must be the Master's ({master[2]})")
-    if nodes < 1:
+        return [], {}, "OnFailure"
+    if "Master" in read and "Worker" in read and read["Master"][2] != read["Worker"][2]:
+        reader.fail(f"{path}.Worker.restartPolicy", f"must be the Master's ({read['Master'][2]})")
+    if sum(nodes for nodes, _, _ in read.values()) < 1:
         reader.fail(path, "no replicas: Master and Worker add up to 0 nodes")
-    group = {"name": kind.lower(), "replicas": nodes, "template": template}
-    return group, f"{path}.{kind}", policy
+    policy = next(iter(read.values()))[2]
+    master, worker = read.get("Master"), read.get("Worker")
+    if master and worker and master[1] == worker[1]:
+        read = {"Worker": (master[0] + worker[0], worker[1], policy)}  # one template
+    groups = [
+        {"name": kind.lower(), "replicas": nodes, "template": template}
+        for kind, (nodes, template, _) in read.items()  # the Master's first: node 0
+        if nodes
+    ]
+    return groups, _origins([str(group["name"]) for group in groups]), policy
 
 
 def _pytorch_first(reader: _Reader, template: Mapping[Any, Any], here: str) -> Any:
@@ -258,26 +268,6 @@ def _pytorch_first(reader: _Reader, template: Mapping[Any, Any], here: str) -> A
         return dict(template)
     rest = [c for c in containers if c is not named[0]]
     return {**template, "spec": {**pod, "containers": [named[0], *rest]}}
-
-
-def _first_difference(a: object, b: object, path: str = "") -> str | None:
-    """The first path (``.spec.containers[0].image``) where two JSON-like values differ."""
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        for key in [*a, *(k for k in b if k not in a)]:
-            if key not in a or key not in b:
-                return f"{path}.{key}"
-            found = _first_difference(a[key], b[key], f"{path}.{key}")
-            if found is not None:
-                return found
-        return None
-    if isinstance(a, list) and isinstance(b, list):
-        for index, (x, y) in enumerate(zip(a, b, strict=False)):
-            found = _first_difference(x, y, f"{path}[{index}]")
-            if found is not None:
-                return found
-        return None if len(a) == len(b) else f"{path}[{min(len(a), len(b))}]"
-    same = type(a) is type(b) and json.dumps(a, default=str) == json.dumps(b, default=str)
-    return None if same else path
 
 
 def _run_policy(
@@ -364,7 +354,7 @@ def _nproc(
     reader: _Reader,
     spec: Mapping[Any, Any],
     elastic: Mapping[Any, Any],
-    group: Mapping[str, Any],
+    groups: Sequence[Mapping[str, Any]],
 ) -> tuple[object, str]:
     """Workers per node and the field it came from (a number's kind is checked later)."""
     given = spec.get("nprocPerNode")
@@ -377,21 +367,33 @@ def _nproc(
         return _text(given), "spec.nprocPerNode"
     if legacy is not None:
         return _text(legacy), "spec.elasticPolicy.nProcPerNode"
-    try:
-        container = group["template"]["spec"]["containers"][0]
-        gpus = container["resources"]["limits"][GPU_RESOURCE]
-    except (KeyError, IndexError, TypeError):
+    found: list[tuple[str, str]] = []  # (GPUs, where), of each group that gives them
+    for group in groups:
+        try:
+            container = group["template"]["spec"]["containers"][0]
+            gpus = container["resources"]["limits"][GPU_RESOURCE]
+        except (KeyError, IndexError, TypeError):
+            continue
+        where = f"{_container_path(group)}.resources.limits[{GPU_RESOURCE}]"
+        if isinstance(gpus, bool) or not isinstance(gpus, int | str):
+            reader.fail(where, "must be a whole number")
+            return None, ""
+        found.append((str(gpus), where))
+    if not found:
         return None, ""
-    where = f"{_container_path(group)}.resources.limits[{GPU_RESOURCE}]"
-    if isinstance(gpus, bool) or not isinstance(gpus, int | str):
-        reader.fail(where, "must be a whole number")
-        return None, ""
-    return str(gpus), where
+    gpus, where = found[0]
+    for other, at in found[1:]:
+        if other != gpus:
+            reader.fail(
+                at,
+                f"disagrees with {where} ({gpus}): every node runs as many workers "
+                "(set spec.nprocPerNode)",
+            )
+    return gpus, where
 
 
 def _container_path(group: Mapping[str, Any]) -> str:
-    kind = "Worker" if group.get("name") == "worker" else "Master"
-    return f"spec.pytorchReplicaSpecs.{kind}.template.spec.containers[{CONTAINER}]"
+    return f"{_replica_path(str(group.get('name')))}.template.spec.containers[{CONTAINER}]"
 
 
 def _text(value: object) -> object:

@@ -63,5 +63,5 @@ def check_scripts(plan: JobPlan, source: str, cwd: Path | None = None) -> None:
             problems.append((f"{where}.command", f"script {script}: {what}{against}"))
     if problems:
         job = plan.job
-        first = job.spec.replica_specs[0].name
-        raise SpecError(source, as_written(job.metadata.annotations, first, problems))
+        groups = [group.name for group in job.spec.replica_specs]
+        raise SpecError(source, as_written(job.metadata.annotations, groups, problems))
