@@ -84,8 +84,9 @@ def test_a_sigkilled_rank_on_another_host_is_restarted(
     data = job.describe(job.runs[1])
     [fault] = data["faults"]
     assert fault["type"] == "WorkerCrash" and fault["rank"] == 1 and fault["node"] == "node-1"
-    # The step it reached (the kill's), resumed from 0 (the script restarts): all lost.
-    assert fault["fault_step"] in (50, 51) and fault["resumed_step"] == 0, fault
+    # The step the attempt reached (the kill's, or more: rank 0 is no DDP rank and goes
+    # on until stopped), resumed from 0 (the script restarts): all of it lost.
+    assert fault["fault_step"] >= 50 and fault["resumed_step"] == 0, fault
     assert fault["lost_steps"] == fault["fault_step"], fault
     assert data["restarts"] == 1 and data["phase"] == "Succeeded"
     joined = job.runs[0].output()  # the joined host prints the job's events too

@@ -3,10 +3,10 @@
 A fault is *recovered* at the first training step completed after it (the
 first progress of a later attempt).
 
-- ``fault_step`` is the step the faulty attempt had reached: its progress when the fault
-  was detected, raised by what is learnt later of that attempt (the step lines its ranks
-  printed before the fault but the controller read after it, a resilient rank's own
-  count when it left the attempt).
+- ``fault_step`` is the step the faulty attempt reached by the time it stopped: its
+  progress when the fault was detected, raised by what is learnt later of that attempt
+  (step lines read after the fault: a killed rank's last ones, a rank not blocked by the
+  dead one that went on until stopped; a resilient rank's own count when it left).
 - ``resumed_step`` is the step the new attempt resumed from: the step its ranks restored
   (a ``CheckpointRestored`` or ``AttemptJoined`` worker event: :func:`resume_point`), else
   its first completed step minus one. A script that prints its step every N steps has its
