@@ -164,8 +164,8 @@ def test_report_has_the_faults_goodput_and_escapes_the_job_strings() -> None:
     assert len(rows) == 2
     cells = [re.findall(r"<td>(.*?)</td>", r) for r in rows]
     assert "WorkerCrash" in cells[0][1] and cells[0][2] == "yes (kill:rank=1@step=100)"
-    assert cells[0][3:10] == ["0", "node-0", "1", "100", "process", "2.00", "50"]
-    assert "LogHang" in cells[1][1] and cells[1][2] == "no" and cells[1][7] == "inprocess"
+    assert cells[0][3:11] == ["0", "node-0", "1", "100", "50", "process", "2.00", "50"]
+    assert "LogHang" in cells[1][1] and cells[1][2] == "no" and cells[1][8] == "inprocess"
 
     # Downtime by cause, from the same accounting.
     for cause, seconds in acc.downtime_seconds().items():

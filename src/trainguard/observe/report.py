@@ -243,13 +243,15 @@ def _fault_section(history: JobHistory, acc: Accounting) -> str:
                 _dash(f.get("node")),
                 _dash(f.get("rank")),
                 _dash(f.get("fault_step", f.get("step"))),
+                _dash(f.get("resumed_step")),
                 _dash(f.get("scope")),
                 f"{recovery:.2f}" if isinstance(recovery, int | float) else "-",
                 _dash(f.get("lost_steps")),
                 Html(f'<span class="msg">{esc(f.get("message", ""))}</span>'),
             ]
         )
-    head = ["detected", "type", "injected", "attempt", "node", "rank", "step", "scope"]
+    head = ["detected", "type", "injected", "attempt", "node", "rank", "step", "resumed from"]
+    head += ["scope"]
     head += ["recovery s", "lost steps", "message"]
     stacks = "".join(_stacks(f) for f in history.faults)
     return "<section><h2>Faults</h2>" + table(head, rows, "faults") + stacks + "</section>"
