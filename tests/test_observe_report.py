@@ -234,6 +234,16 @@ def test_a_failed_jobs_report_blames_the_silence_that_started_the_failure() -> N
     gone = {"type": "NodeLost", "evidence": {"failed_contacts": 0, "gone": "agent exited"}}
     exited = (replace(events[2], data=gone), *events[3:])
     assert "went silent" not in (why_failed(_history(phase="Failed", events=exited)) or "")
+    # Another fault type started it: named first; the same type again: the reason alone.
+    crash = Event(T0 + 10.0, "Fault", "rank 3 exited with exit code 1", 1, "node-1", 3,
+                  {"type": "WorkerCrash"})  # fmt: skip
+    assert (why_failed(_history(phase="Failed", events=(crash, *events[3:]))) or "").startswith(
+        "attempt 1: rank 3 exited with exit code 1; no attempt after it completed a step"
+    )
+    again = Event(T0 + 12.0, "Fault", "rank 2 exited with exit code 1", 2, "node-1", 2,
+                  {"type": "WorkerCrash"})  # fmt: skip
+    ended = Event(T0 + 13.0, "JobFailed", "rank 2 exited with exit code 1; retry budget", 2)
+    assert why_failed(_history(phase="Failed", events=(crash, again, ended))) == ended.message
 
 
 def test_the_report_shows_the_newest_durable_step_and_a_missing_final_one() -> None:

@@ -8,9 +8,11 @@ run it``). The last fault is then a consequence, and naming it alone blames the 
 not the silence.
 
 The fault that started the failure is the first one since the job last recovered (its
-last ``Recovered`` event, or its start): no attempt after it completed a step. When that
-is not the fault the job failed on, :func:`failure_cause` names it first, and a host's
-silence as such. Pure: literal events in, a line out.
+last ``Recovered`` event, or its start): no attempt after it completed a step.
+:func:`failure_cause` names it first when it is a host's silence, or a fault of another
+type than the last attempt's (a crash, then a node that could not be brought back); the
+same fault again (a crash each attempt, a script error) is the reason's own. Pure:
+literal events in, a line out.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ def failure_cause(events: Sequence[Event]) -> str | None:
     failed = ended[-1].message
     started = _first_unrecovered_fault(events)
     if started is None or failed.startswith(started.message):
+        return failed
+    last = {
+        e.data.get("type") for e in events if e.kind == "Fault" and e.attempt == ended[-1].attempt
+    }
+    if not went_silent(started.data) and started.data.get("type") in last:
         return failed
     attempt = "" if started.attempt is None else f"attempt {started.attempt}: "
     origin = f"{attempt}{started.message}"
