@@ -13,11 +13,12 @@ from trainguard.control.controller import (
     StartNodes,
     StopNodes,
 )
-from trainguard.control.events import FaultType
+from trainguard.control.events import Event, Fault, FaultType
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport, NodeState
+from trainguard.control.timeline import Timeline, left_at, resume_point
 from trainguard.monitor.rules import LogRuleSpec
-from trainguard.wire.status import Detection, Progress, RuleActivity, WorkerState
+from trainguard.wire.status import Detection, Progress, RuleActivity, WorkerEvent, WorkerState
 
 NODES = ("node-0", "node-1")
 HANG = LogRuleSpec("JobHang", ".*Loss:.*", expected_recurring_frequency_in_seconds=10)
@@ -209,6 +210,52 @@ def test_timeline_measures_recovery_and_lost_steps() -> None:
     assert record["evidence"]["injected"] == "kill:rank=3@step=50"
     kinds = [e.kind for e in c.drain_events()]
     assert "FaultInjected" in kinds and "Recovered" in kinds
+
+
+def test_the_step_reached_counts_lines_read_late_and_a_restart_resumes_from_its_restore() -> None:
+    """Issue 39: "killed at step 208, resumed from 200, reported as 0 steps lost". The
+    killed rank's last lines reach the controller while the attempt stops; the new
+    attempt restored step 40 and logs every tenth step (first line: 50)."""
+    c = make()
+    c.observe(1.0, running(step=50, t=0.9))
+    c.observe(2.0, crash(0))
+    late = stopped(0)
+    late["node-0"] = h.report(
+        "node-0", NodeState.STOPPED, 0, workers=h.workers(0, WorkerState.STOPPED),
+        progress=Progress(first_step=1, first_time=0.1, step=53, time=1.9),
+    )  # fmt: skip
+    c.observe(3.0, late)
+    restored = WorkerEvent(rank=0, seq=1, time=7.5, kind="CheckpointRestored",
+                           message="rank 0 restored step 40", data={"step": 40})  # fmt: skip
+    c.observe(9.0, running(attempt=1, step=50, first=50, t=8.0, events=[restored]))
+    record = c.timeline.to_json()[0]
+    assert (record["fault_step"], record["resumed_step"], record["lost_steps"]) == (53, 40, 13)
+    [recovered] = [e.message for e in c.drain_events() if e.kind == "Recovered"]
+    assert "of attempt 0 at step 53 recovered in" in recovered, recovered
+    assert recovered.endswith("resumed from step 40, 13 steps lost"), recovered
+
+
+def test_timeline_steps_from_worker_events_that_come_late() -> None:
+    """A restore read after the attempt's first step line still sets where it resumed
+    from; a resilient rank's InProcessRestart says the step its attempt reached."""
+    timeline = Timeline()
+    timeline.add(Fault(FaultType.WORKER_CRASH, 1.0, 0, rank=1), 20)
+    [record] = timeline.progress(1, 31, 5.0)
+    assert (record.resumed_step, record.lost_steps) == (30, 0)
+    left = Event(4.0, "InProcessRestart", "left", 1, data={"attempt": 0, "step": 24})
+    joined = Event(4.5, "AttemptJoined", "joined", 1, data={"attempt": 1, "step": 20})
+    restored = Event(4.5, "CheckpointRestored", "restored", 1, data={"step": 22, "tier": "m"})
+    assert (left_at(left), resume_point(joined), resume_point(restored)) == (
+        (0, 24),
+        (1, 20),
+        (1, 22),
+    )
+    assert resume_point(left) is None and left_at(joined) is None
+    timeline.reached(*(left_at(left) or (0, 0)))
+    for event in (restored, joined):
+        timeline.resumed(*(resume_point(event) or (0, 0)))
+    assert (record.fault_step, record.resumed_step, record.lost_steps) == (24, 20, 4)
+    assert resume_point(Event(1.0, "CheckpointRestored", "no step", 1, data={"step": True})) is None
 
 
 def test_an_injection_confirmed_with_its_fault_still_marks_that_fault() -> None:

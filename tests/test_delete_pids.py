@@ -234,3 +234,30 @@ def test_delete_of_a_killed_controllers_job_kills_what_is_left(
     assert "left pid" not in done.stderr
     wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=30)
     assert _jobs(tg) == [] and not memory.exists()
+
+
+def test_describe_shows_a_remote_nodes_worker_pids_with_their_host_and_delete_spares_them(
+    tg: Trainguard, bystanders: list[subprocess.Popen[bytes]]
+) -> None:
+    """Issue 39: `describe -o json` had no pids for the workers of a node on another
+    host. They are shown with the host's name; `delete` never signals them (a pid of
+    another machine names some other process here: a bystander stands in for it)."""
+    there = _bystander(bystanders)
+    job_id = _job(tg, _dead_pid())
+    store = Store(tg.state_dir)
+    try:
+        remote = NodeRow("node-1", "running", node_rank=1, ranks=(1, 2), attempt=0,
+                         agent_url="http://10.0.0.3:4000", host="host1",
+                         workers=((2, there + 1), (1, there)))  # fmt: skip
+        store.upsert_nodes(job_id, [remote])
+    finally:
+        store.close()
+    [node] = tg.describe(job_id)["nodes"]
+    assert (node["host"], node["worker_pids"], node["agent_pid"]) == ("host1", [], None)
+    assert node["workers"] == [{"rank": 2, "pid": there + 1}, {"rank": 1, "pid": there}]
+    text = tg.run("describe", job_id, timeout=60).stdout
+    [row] = [line for line in text.splitlines() if line.strip().startswith("node-1")]
+    assert f"host1  {there},{there + 1}  http://10.0.0.3:4000" in row, text
+    done = tg.run("delete", job_id, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert all(p.poll() is None for p in bystanders)  # nothing was signalled

@@ -62,14 +62,32 @@ def test_a_sigkilled_rank_on_another_host_is_restarted(
 ) -> None:
     hosts = namespace_hosts(2, prefix="host")
     job = HostsJob(hosts)
-    argv = ["--max-restarts", "1", *torchrun_form(hosts, 2, STEPS, "200")]
+    argv = ["--max-restarts", "1", *torchrun_form(hosts, 2, STEPS, "600")]
     job.start(hosts[1], argv, tmp_path)
     job.start(hosts[0], [*argv[:2], "--inject", "kill:rank=1@step=50", *argv[2:]], tmp_path)
+    # While attempt 1 runs, describe on the controller's host gives every worker's pid
+    # with its host, node-1's on host1 too (issue 39: none for remote workers).
+    wait_for_text(job.runs[1], "AttemptStarted: attempt 1", 120)
+    deadline = time.monotonic() + 60
+    nodes = job.describe(job.runs[1])["nodes"]
+    while not all(n["workers"] for n in nodes):
+        assert time.monotonic() < deadline, nodes
+        time.sleep(0.2)
+        nodes = job.describe(job.runs[1])["nodes"]
+    assert [(n["node_id"], n["host"]) for n in nodes] == [
+        ("node-0", hosts[0].name), ("node-1", hosts[1].name)
+    ], nodes  # fmt: skip
+    assert [w["rank"] for n in nodes for w in n["workers"]] == [0, 1], nodes
+    assert nodes[1]["worker_pids"] == [] and nodes[1]["workers"][0]["pid"] > 0, nodes
     codes = job.wait()
     assert codes == [0, 0], job.outputs()
     data = job.describe(job.runs[1])
     [fault] = data["faults"]
     assert fault["type"] == "WorkerCrash" and fault["rank"] == 1 and fault["node"] == "node-1"
+    # The step the attempt reached (the kill's, or more: rank 0 is no DDP rank and goes
+    # on until stopped), resumed from 0 (the script restarts): all of it lost.
+    assert fault["fault_step"] >= 50 and fault["resumed_step"] == 0, fault
+    assert fault["lost_steps"] == fault["fault_step"], fault
     assert data["restarts"] == 1 and data["phase"] == "Succeeded"
     joined = job.runs[0].output()  # the joined host prints the job's events too
     assert re.search(r"\d\d:\d\d:\d\d Fault: .*rank 1", joined), joined

@@ -3,6 +3,7 @@ running job keeps (history.Trace), and the metrics they feed (observe.metrics)."
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -45,6 +46,17 @@ def test_a_job_without_faults_is_startup_steps_and_a_tail() -> None:
     assert acc.goodput == pytest.approx(0.9)
     assert acc.downtime_seconds() == pytest.approx({"startup": 4.0, "other": 6.0})
     assert (acc.kept_steps, acc.lost_steps) == (90, 0)
+
+
+def test_an_attempt_resumes_from_the_step_its_ranks_restored() -> None:
+    """Attempt 1 restored step 30 and logs every 10 steps (first sample: step 40): the
+    steps 31..40 of attempt 0 were redone; its first step alone says from 39 (1 lost)."""
+    samples = [(11.0, 0, 1), (50.0, 0, 40), (70.0, 1, 40), (90.0, 1, 60)]
+    restored = Event(60.0, "CheckpointRestored", "rank 0 restored step 30", 1, rank=0,
+                     data={"step": 30, "tier": "memory"})  # fmt: skip
+    assert account(history(samples, [fault(0)]), now=1e9).lost_steps == 1
+    with_restore = replace(history(samples, [fault(0)]), events=(restored,))
+    assert account(with_restore, now=1e9).lost_steps == 10
 
 
 def test_steps_redone_after_a_fault_are_downtime_of_that_fault() -> None:

@@ -30,7 +30,7 @@ from trainguard.observe.account import account
 from trainguard.observe.durable import DurableState, durable_state
 from trainguard.observe.figures import FAULT_COLOR, Png, pace_figure, progress_figure
 from trainguard.observe.history import JOB, AttemptSpan, JobHistory, Sample
-from trainguard.observe.report import png_path, render
+from trainguard.observe.report import png_path, render, why_failed
 
 T0 = 1_700_000_000.0
 EVIL = '<script>alert("x")</script> & co'
@@ -164,8 +164,8 @@ def test_report_has_the_faults_goodput_and_escapes_the_job_strings() -> None:
     assert len(rows) == 2
     cells = [re.findall(r"<td>(.*?)</td>", r) for r in rows]
     assert "WorkerCrash" in cells[0][1] and cells[0][2] == "yes (kill:rank=1@step=100)"
-    assert cells[0][3:10] == ["0", "node-0", "1", "100", "process", "2.00", "50"]
-    assert "LogHang" in cells[1][1] and cells[1][2] == "no" and cells[1][7] == "inprocess"
+    assert cells[0][3:11] == ["0", "node-0", "1", "100", "50", "process", "2.00", "50"]
+    assert "LogHang" in cells[1][1] and cells[1][2] == "no" and cells[1][8] == "inprocess"
 
     # Downtime by cause, from the same accounting.
     for cause, seconds in acc.downtime_seconds().items():
@@ -200,6 +200,50 @@ def test_a_failed_jobs_report_starts_with_why_it_failed() -> None:
     assert "Why it failed:" in why.group(1) and html.escape(reason) in why.group(1)
     assert page.index('id="why"') < page.index("<h2>")  # at the top
     assert 'id="why"' not in render(_history(), T0 + 100.0).html
+
+
+def test_a_failed_jobs_report_blames_the_silence_that_started_the_failure() -> None:
+    """Issue 39: host1 went silent, node-1 was lost, and every restart after it failed to
+    launch node-1's agent: the report named 'agent could not be launched'. The silence
+    comes first now; a job that recovered since a fault is blamed on its last one."""
+    launch = "node-1 lost: its agent could not be launched: no host can run node-1"
+    reason = f"{launch}; retry budget exhausted (--max-restarts=1, restarts=1)"
+    silence = {"type": "NodeLost", "node": "node-1", "evidence": {"failed_contacts": 3,
+               "gone": None}}  # fmt: skip
+    cut = "node-1 lost: its agent did not answer 3 contacts in a row over 8.1s (limit 3)"
+    events = (
+        Event(T0 + 1.0, "Fault", "rank 1 exited with signal SIGKILL", 0, "node-0", 1,
+              {"type": "WorkerCrash", "evidence": {"exitcode": -9}}),
+        Event(T0 + 2.0, "Recovered", "WorkerCrash of attempt 0 recovered", 1),
+        Event(T0 + 10.0, "Fault", cut, 1, "node-1", None, silence),
+        Event(T0 + 11.0, "RestartScheduled", "full job restart", 1),
+        Event(T0 + 12.0, "Fault", launch, 2, "node-1", None, {"type": "NodeLost"}),
+        Event(T0 + 13.0, "JobFailed", reason, 2),
+    )  # fmt: skip
+    why = why_failed(_history(phase="Failed", events=events))
+    assert why is not None and why.startswith("node-1's host went silent at "), why
+    assert f"(attempt 1: {cut}); no attempt after it completed a step" in why, why
+    assert why.endswith(f"the job failed on: {reason}"), why
+    page = render(_history(phase="Failed", events=events), T0 + 100.0).html
+    assert html.escape("node-1's host went silent") in page
+    # Recovered since the silence: the job failed on its last fault, named alone.
+    again = (*events[:-1], Event(T0 + 20.0, "Recovered", "NodeLost recovered", 3),
+             Event(T0 + 30.0, "Fault", launch, 3, "node-1"), events[-1])  # fmt: skip
+    assert why_failed(_history(phase="Failed", events=again)) == reason
+    # A node whose agent is known gone (it exited) did not go silent.
+    gone = {"type": "NodeLost", "evidence": {"failed_contacts": 0, "gone": "agent exited"}}
+    exited = (replace(events[2], data=gone), *events[3:])
+    assert "went silent" not in (why_failed(_history(phase="Failed", events=exited)) or "")
+    # Another fault type started it: named first; the same type again: the reason alone.
+    crash = Event(T0 + 10.0, "Fault", "rank 3 exited with exit code 1", 1, "node-1", 3,
+                  {"type": "WorkerCrash"})  # fmt: skip
+    assert (why_failed(_history(phase="Failed", events=(crash, *events[3:]))) or "").startswith(
+        "attempt 1: rank 3 exited with exit code 1; no attempt after it completed a step"
+    )
+    again = Event(T0 + 12.0, "Fault", "rank 2 exited with exit code 1", 2, "node-1", 2,
+                  {"type": "WorkerCrash"})  # fmt: skip
+    ended = Event(T0 + 13.0, "JobFailed", "rank 2 exited with exit code 1; retry budget", 2)
+    assert why_failed(_history(phase="Failed", events=(crash, again, ended))) == ended.message
 
 
 def test_the_report_shows_the_newest_durable_step_and_a_missing_final_one() -> None:

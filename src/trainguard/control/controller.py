@@ -523,6 +523,9 @@ class JobController:
             # Every node has been asked by now (the loop sends before it looks again): the
             # time the nodes get to stop counts from here, however long the asking took.
             attempt.stop_deadline = now + attempt.stop_allowance
+        # Steps its ranks completed before the fault, read since: the step it reached.
+        attempt.watch.observe_progress(attempt.watch.current(attempt.assignments, reports))
+        self.record.reached(attempt)
         # The nodes a scaling drops are taken away: their loss is not a fault.
         nodes = [n for n in attempt.nodes if attempt.scale is None or n not in attempt.scale.drop]
         waiting = [n for n in nodes if not self._stopped(reports.get(n))]

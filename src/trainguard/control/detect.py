@@ -181,7 +181,7 @@ class AttemptWatch:
         current: Sequence[tuple[str, NodeStatus]],
     ) -> list[Fault]:
         """The faults ``reports`` show; ``current`` is :meth:`current` of the same."""
-        self._observe_progress(current)
+        self.observe_progress(current)
         faults: list[Fault] = []
         late = self.start_timeout is not None and now - self.started_at >= self.start_timeout
         taken = {node_id for node_id, _ in current}
@@ -338,7 +338,8 @@ class AttemptWatch:
                 watch.resume(now)
         self._stalls.clock.resume(now)
 
-    def _observe_progress(self, current: Sequence[tuple[str, NodeStatus]]) -> None:
+    def observe_progress(self, current: Sequence[tuple[str, NodeStatus]]) -> None:
+        """The job's progress in this attempt, with what ``current`` (:meth:`current`) shows."""
         progress = self.progress
         for _, status in current:
             node = status.monitor.progress

@@ -17,7 +17,7 @@ from typing import Any
 from trainguard.control.attempt import Attempt
 from trainguard.control.events import Event, Fault
 from trainguard.control.reports import NodeReport
-from trainguard.control.timeline import Timeline, with_evidence
+from trainguard.control.timeline import Timeline, left_at, resume_point, with_evidence
 
 __all__ = ["JobRecord"]
 
@@ -146,10 +146,30 @@ class JobRecord:
                     if node_of is None:
                         node_of = _rank_nodes(attempt)
                     node = node_of.get(e.rank, node_id)
-                    self.event(e.time, e.kind, e.message, attempt.number, node, e.rank, e.data)
+                    event = Event(e.time, e.kind, e.message, attempt.number, node, e.rank,
+                                  dict(e.data))  # fmt: skip
+                    self._events.append(event)
+                    self._steps_of(event)
+
+    def _steps_of(self, event: Event) -> None:
+        """A worker event that says where an attempt resumed from, or where a rank was
+        when it left one: the fault timeline's steps."""
+        if (resumed := resume_point(event)) is not None:
+            self.timeline.resumed(*resumed)
+        elif (left := left_at(event)) is not None:
+            self.timeline.reached(*left)
+
+    def reached(self, attempt: Attempt) -> None:
+        """The attempt's newest step is the step its faults reached: the lines its ranks
+        printed before a fault, read after it (a killed rank's last ones, while the
+        attempt stops), count."""
+        if (progress := attempt.watch.progress) is not None:
+            self.timeline.reached(attempt.number, progress.step)
 
     def progress(self, now: float, attempt: Attempt) -> None:
-        """The attempt's first completed step recovers every earlier open fault."""
+        """The attempt's first completed step recovers every earlier open fault; its
+        newest is the step its own faults reached (lines read after a fault count)."""
+        self.reached(attempt)
         progress = attempt.watch.progress
         if progress is None or attempt.recovered:
             return
@@ -160,9 +180,9 @@ class JobRecord:
             self.event(
                 now,
                 "Recovered",
-                f"{record.fault.type} of attempt {record.fault.attempt} recovered in "
-                f"{record.recovery_seconds:.1f}s ({record.scope} restart); resumed from step "
-                f"{record.resumed_step}, {record.lost_steps} steps lost",
+                f"{record.fault.type} of attempt {record.fault.attempt}{record.at_step()} "
+                f"recovered in {record.recovery_seconds:.1f}s ({record.scope} restart); "
+                f"resumed from step {record.resumed_step}, {record.lost_steps} steps lost",
                 attempt.number,
                 data=record.to_json(),
             )

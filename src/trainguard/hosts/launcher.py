@@ -87,6 +87,7 @@ class RemoteNode:
         self.incarnation = incarnation
         self.host = host
         self.address = host.addr
+        self.hostname = host.hostname
         self.remote_pid = reply.pid  # on its host: never signalled from here
         self._port = reply.port
         self._token = token

@@ -5,6 +5,8 @@ The window is the job's run: from its start (``started_at``) to its end, or now.
 - **Useful** time is time spent on steps that were kept. Each attempt's progress
   samples say which steps it completed and when; a step is *kept* unless a later
   attempt resumed from before it (then it was done again: its time is lost). An attempt
+  resumed from the step its ranks restored (a ``CheckpointRestored`` or
+  ``AttemptJoined`` event), else from before its first sampled step. An attempt
   keeps the steps from its first completed one to the newest one no later attempt
   redid; its useful time runs from the start of its first kept step (the completion
   time less one step, the attempt's median step time) to the completion of its last
@@ -32,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.control.timeline import resume_point
 from trainguard.observe.history import JobHistory, Sample
 
 __all__ = ["Accounting", "Downtime", "account"]
@@ -177,12 +180,18 @@ def account(history: JobHistory, now: float, samples: Sequence[Sample] | None = 
     for a in attempts:
         a.step_seconds = a.step_seconds or fallback
 
-    # Kept steps, from the newest attempt back: each resumes from its first step - 1.
+    # Kept steps, from the newest attempt back: each resumes from the step its ranks
+    # restored (control/timeline.py), else from its first step - 1.
+    restored: dict[int, int] = {}
+    for event in history.events:
+        if (point := resume_point(event)) is not None:
+            restored[point[0]] = min(point[1], restored.get(point[0], point[1]))
     keep_to: dict[int, int] = {}
     limit: int | None = None
     for a in reversed(attempts):
         keep_to[a.number] = a.last if limit is None else min(a.last, limit)
-        limit = a.first - 1 if limit is None else min(limit, a.first - 1)
+        resumed = min(a.first - 1, restored.get(a.number, a.first - 1))
+        limit = resumed if limit is None else min(limit, resumed)
 
     faults = [f for f in history.faults if isinstance(f.get("attempt"), int)]
     useful: list[Useful] = []

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from trainguard.control.controller import JobController
 from trainguard.control.events import Event
 from trainguard.control.reports import NodeReport
+from trainguard.control.timeline import resume_point
 from trainguard.observe.account import Accounting, account
 from trainguard.observe.history import JobHistory, Sample, Trace
 
@@ -54,6 +55,7 @@ class JobObserver:
         self._counted_faults = 0
         self._state_at = float("-inf")
         self._speed: tuple[int, float, float] | None = None  # step, time, steps/s
+        self._restores: list[Event] = []  # where attempts resumed from (the accounting's)
 
     def turn(
         self,
@@ -71,6 +73,7 @@ class JobObserver:
         paces = controller.stragglers.paces()
         if attempt is not None and paces:
             self.trace.paces(now, attempt.number, paces)
+        self._restores += [e for e in events if resume_point(e) is not None]
         ended = controller.phase.terminal
         if ended:
             self.trace.end()
@@ -102,6 +105,7 @@ class JobObserver:
             started_at=controller.started_at,
             finished_at=controller.finished_at,
             restarts=controller.restarts,
+            events=tuple(self._restores),
             faults=tuple(controller.timeline.to_json()),
         )
         return account(history, now, self.trace.snapshot())

@@ -25,6 +25,7 @@ from typing import Any
 
 from trainguard.control.events import Event
 from trainguard.observe.account import OTHER, STARTUP, Accounting, account
+from trainguard.observe.cause import failure_cause
 from trainguard.observe.durable import durable_state
 from trainguard.observe.figures import (
     FAULT_COLOR,
@@ -146,11 +147,12 @@ def _header(history: JobHistory, acc: Accounting, now: float, world_size: int | 
 
 def why_failed(history: JobHistory) -> str | None:
     """A failed job's reason, as its controller recorded it when it gave up (the fault,
-    with the failed rank's exception where it wrote one, and the exhausted budget)."""
+    with the failed rank's exception where it wrote one, and the exhausted budget),
+    after the fault that started the failure where that was another one (a host that
+    went silent: :mod:`trainguard.observe.cause`)."""
     if history.phase != "Failed":
         return None
-    ends = [e.message for e in history.events if e.kind == "JobFailed" and e.message]
-    return ends[-1] if ends else None
+    return failure_cause([e for e in history.events if e.kind != "JobFailed" or e.message])
 
 
 def _time_section(acc: Accounting) -> str:
@@ -241,13 +243,15 @@ def _fault_section(history: JobHistory, acc: Accounting) -> str:
                 _dash(f.get("node")),
                 _dash(f.get("rank")),
                 _dash(f.get("fault_step", f.get("step"))),
+                _dash(f.get("resumed_step")),
                 _dash(f.get("scope")),
                 f"{recovery:.2f}" if isinstance(recovery, int | float) else "-",
                 _dash(f.get("lost_steps")),
                 Html(f'<span class="msg">{esc(f.get("message", ""))}</span>'),
             ]
         )
-    head = ["detected", "type", "injected", "attempt", "node", "rank", "step", "scope"]
+    head = ["detected", "type", "injected", "attempt", "node", "rank", "step", "resumed from"]
+    head += ["scope"]
     head += ["recovery s", "lost steps", "message"]
     stacks = "".join(_stacks(f) for f in history.faults)
     return "<section><h2>Faults</h2>" + table(head, rows, "faults") + stacks + "</section>"

@@ -3,6 +3,7 @@
 ``trainguard run`` prints it under the job's result, e.g.::
 
     1 fault: WorkerCrash (rank 3) recovered in 0.8s by an in-process restart, 0 steps lost
+    (at step 100, resumed from step 100)
 
 Pure: it reads the controller's fault timeline.
 """
@@ -30,10 +31,13 @@ def fault_summary(records: Sequence[FaultRecord]) -> str | None:
         who = f"rank {r.fault.rank}" if r.fault.rank is not None else r.fault.node or "the job"
         what = f"{r.fault.type} ({who})"
         if r.recovery_seconds is None:
-            parts.append(f"{what} not recovered")
+            at = "" if r.fault_step is None else f" at step {r.fault_step}"
+            parts.append(f"{what} not recovered{at}")
             continue
         how = _SCOPES.get(r.scope or "", f"a {r.scope} restart")
         lost = "" if r.lost_steps is None else f", {r.lost_steps} steps lost"
+        if r.fault_step is not None and r.resumed_step is not None:
+            lost += f" (at step {r.fault_step}, resumed from step {r.resumed_step})"
         parts.append(f"{what} recovered in {r.recovery_seconds:.1f}s by {how}{lost}")
     count = f"{len(records)} fault{'s' if len(records) > 1 else ''}"
     return f"{count}: " + "; ".join(parts)

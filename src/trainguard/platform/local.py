@@ -35,6 +35,7 @@ from trainguard.hosts.addresses import resolve
 from trainguard.hosts.controller_host import AGENT_CONTACT_TIMEOUT, ControllerHost, interface_env
 from trainguard.hosts.launcher import HostsLauncher
 from trainguard.hosts.security import write_token_file
+from trainguard.observe.cause import failure_cause
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
 from trainguard.observe.summary import fault_summary
@@ -536,6 +537,10 @@ class LocalRunner:
             )
         reason = controller.reason or ""
         self._say(f"job {self.job_id} {controller.phase.value.lower()}: {reason}")
+        if controller.phase is JobPhase.FAILED:  # the fault that started it, if another
+            cause = failure_cause(self.store.events(self.job_id))
+            if cause is not None and cause != reason:
+                self._say(f"cause: {cause}")
         shortfall = controller.checkpoints.shortfall()  # its newest asked-for step not durable
         if shortfall is not None:
             self._say(shortfall.message)

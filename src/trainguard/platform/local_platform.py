@@ -399,13 +399,15 @@ class LocalPlatform:
             state = "unreachable" if shown is Contact.LOST else shown.value
             a = assignments.get(node_id)
             node = self.nodes.get(node_id)
-            # Another host's pids mean nothing here (nor may `delete` signal them).
-            local = node is None or node.pid is not None
-            pids = tuple(
-                w.pid
-                for w in (status.workers if status and local else ())
+            running = tuple(
+                (w.rank, w.pid)
+                for w in (status.workers if status else ())
                 if w.pid is not None and w.state is WorkerState.RUNNING
             )
+            # Another host's pids mean nothing here (nor may `delete` signal them): shown
+            # with their host (workers), never recorded as this machine's (worker_pids).
+            local = node is None or node.pid is not None
+            pids = tuple(pid for _, pid in running) if local else ()
             agent_pid = node.pid if node else None
             starts = self._starts(node_id, (agent_pid, *pids))
             row = NodeRow(
@@ -419,6 +421,8 @@ class LocalPlatform:
                 worker_pids=pids,
                 agent_started=starts[0],
                 worker_starts=starts[1:],
+                host=node.hostname if node else None,
+                workers=running,
             )
             if pids and node is not None:
                 node.last_pids = pids

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -54,6 +55,8 @@ class LaunchedNode(Protocol):
     last_pids: tuple[int, ...]
     # Where its agent serves (127.0.0.1 on one machine; its host's address on several).
     address: str
+    # The machine its agent and workers run on, by name (``describe`` shows it).
+    hostname: str
 
     @property
     def pid(self) -> int | None:
@@ -136,6 +139,7 @@ class LocalNode(WorkerPids):
         self.process = process
         self.port_file = port_file
         self.address = address
+        self.hostname = socket.gethostname()
         super().__init__()
 
     @property

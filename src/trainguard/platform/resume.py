@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -154,6 +155,7 @@ class AdoptedNode(WorkerPids):
         self.incarnation = agent.incarnation
         self.url = agent.url
         self.address = urlsplit(agent.url).hostname or "127.0.0.1"
+        self.hostname = socket.gethostname()  # adopted agents are this machine's
         self._pid = agent.pid
         self._started = agent.started
         super().__init__()

@@ -37,6 +37,11 @@ _ADDED_COLUMNS = (
     ("jobs", "node_requests", "TEXT NOT NULL DEFAULT '[]'"),
     # Elastic jobs: the nodes the job may use (`trainguard scale --capacity`; NULL: its size).
     ("jobs", "capacity", "INTEGER"),
+    # The machine a node runs on, by name, and its running workers there, [[rank, pid],
+    # ...], on whichever host: `describe` shows them (only worker_pids, this machine's
+    # own, are ever signalled).
+    ("nodes", "host", "TEXT"),
+    ("nodes", "workers_json", "TEXT NOT NULL DEFAULT '[]'"),
 )
 # How long a write waits for a competing writer before giving up.
 BUSY_TIMEOUT_SECONDS = 30.0
@@ -222,6 +227,10 @@ class NodeRow:
     # Start times (procs.start_time) of the agent and of each worker pid, in order.
     agent_started: str | None = None
     worker_starts: tuple[str | None, ...] = ()
+    # The machine the node runs on (its hostname), and (rank, pid) of each running worker
+    # there, a node on another host's too: shown, never signalled (worker_pids are).
+    host: str | None = None
+    workers: tuple[tuple[int, int], ...] = ()
 
 
 class Store:
@@ -443,14 +452,16 @@ class Store:
         with self._tx() as db:
             db.executemany(
                 "INSERT INTO nodes (job_id, node_id, node_rank, ranks_json, state, attempt,"
-                " agent_pid, agent_url, worker_pids_json, agent_started, worker_starts_json)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+                " agent_pid, agent_url, worker_pids_json, agent_started, worker_starts_json,"
+                " host, workers_json)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
                 " ON CONFLICT (job_id, node_id) DO UPDATE SET node_rank = excluded.node_rank,"
                 " ranks_json = excluded.ranks_json, state = excluded.state,"
                 " attempt = excluded.attempt, agent_pid = excluded.agent_pid,"
                 " agent_url = excluded.agent_url, worker_pids_json = excluded.worker_pids_json,"
                 " agent_started = excluded.agent_started,"
-                " worker_starts_json = excluded.worker_starts_json",
+                " worker_starts_json = excluded.worker_starts_json,"
+                " host = excluded.host, workers_json = excluded.workers_json",
                 [
                     (
                         job_id,
@@ -464,6 +475,8 @@ class Store:
                         json.dumps(list(r.worker_pids)),
                         r.agent_started,
                         json.dumps(list(r.worker_starts)),
+                        r.host,
+                        json.dumps([list(w) for w in r.workers]),
                     )
                     for r in rows
                 ],
@@ -480,6 +493,7 @@ class Store:
             d["ranks"] = json.loads(d.pop("ranks_json"))
             d["worker_pids"] = json.loads(d.pop("worker_pids_json"))
             d["worker_starts"] = json.loads(d.pop("worker_starts_json"))
+            d["workers"] = [{"rank": r, "pid": p} for r, p in json.loads(d.pop("workers_json"))]
             out.append(d)
         return out
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from trainguard.observe.account import account
+from trainguard.observe.cause import failure_cause
 from trainguard.observe.durable import DurableState, durable_state
 from trainguard.observe.history import load_history
 from trainguard.observe.terminal import safe_bytes, safe_cell
@@ -56,6 +57,8 @@ def job_json(store: Store, job: JobRow) -> dict[str, Any]:
         "name": job.name,
         "phase": effective_phase(job),
         "reason": job.reason,
+        # A failed job's cause: the fault that started the failure, then its reason.
+        "cause": failure_cause(history.events) if job.phase == "Failed" else None,
         "source": job.source,
         "created_at": job.created_at,
         "started_at": job.started_at,
@@ -155,6 +158,8 @@ def describe(store: Store, ref: str, output: str) -> int:
         ("Logs", data["logs_dir"]),
     ]:
         print(f"{label + ':':<10} {safe_cell(str(value))}")
+        if label == "Reason" and data["cause"] not in (None, data["reason"]):
+            print(f"{'Cause:':<10} {safe_cell(str(data['cause']))}")
     if (data["source"] or "").startswith(JOINED):
         print(
             f"\nThis host {data['source']}: its record follows the job's phase and restarts,"
@@ -163,7 +168,7 @@ def describe(store: Store, ref: str, output: str) -> int:
         )
     print("\nNodes:")
     _table(
-        [["NODE", "NODE RANK", "RANKS", "STATE", "ATTEMPT", "AGENT"]]
+        [["NODE", "NODE RANK", "RANKS", "STATE", "ATTEMPT", "HOST", "PIDS", "AGENT"]]
         + [
             [
                 n["node_id"],
@@ -171,6 +176,8 @@ def describe(store: Store, ref: str, output: str) -> int:
                 ",".join(map(str, n["ranks"])) or "-",
                 n["state"],
                 _dash(n["attempt"]),
+                n["host"] or "-",
+                _pids(n["workers"]),
                 n["agent_url"] or "-",
             ]
             for n in data["nodes"]
@@ -204,6 +211,7 @@ def describe(store: Store, ref: str, output: str) -> int:
                     "NODE",
                     "RANK",
                     "STEP",
+                    "RESUMED",
                     "SCOPE",
                     "RECOVERY",
                     "LOST STEPS",
@@ -218,6 +226,7 @@ def describe(store: Store, ref: str, output: str) -> int:
                     f["node"] or "-",
                     _dash(f["rank"]),
                     _dash(f["fault_step"]),
+                    _dash(f["resumed_step"]),
                     f["scope"] or "-",
                     "-" if f["recovery_seconds"] is None else f"{f['recovery_seconds']:.1f}s",
                     _dash(f["lost_steps"]),
@@ -272,6 +281,11 @@ def _goodput(accounting: dict[str, Any]) -> str:
     if parts:
         text += f" (downtime: {', '.join(parts)}; {accounting['lost_steps']} steps lost)"
     return text
+
+
+def _pids(workers: list[dict[str, int]]) -> str:
+    """``1234,1235``: the running workers' pids on their node's host, in rank order."""
+    return ",".join(str(w["pid"]) for w in sorted(workers, key=lambda w: w["rank"])) or "-"
 
 
 def _dash(value: object) -> str:
