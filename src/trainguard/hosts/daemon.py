@@ -4,7 +4,16 @@ host that does not own the endpoint.
 :class:`HostDaemon` joins the controller (retrying until ``--join-timeout``), serves
 ``POST /launch`` and ``POST /shutdown`` for it (node agents on this host, bound to the
 address that reaches the controller), copies its agents' console (its ranks' lines) to
-this terminal, and renews its lease every ``lease_seconds``. It ends with the job: when
+this terminal, and renews its lease every ``lease_seconds``.
+
+A host that joins as a spare is kept warm: its daemon starts the spare node's agent at
+once, as a standby (``--standby``: its worker template imports torch and the script's
+modules, and it runs no check and no attempt). When the controller launches that node
+here, the daemon only gives the standby agent the launch's incarnation (``POST
+/assign``) and answers with its port: the replacement of a lost node does not wait for an
+interpreter, the agent's imports and ``import torch``. A launch of another node id (the
+controller moved a lost node here under its own id) stops the standby and starts a
+fresh agent, as does a standby that died or refused. It ends with the job: when
 a lease says the job finished, the process exits with the job's exit code.
 
 Fencing (a host cut off from the network keeps running, and could keep training and
@@ -37,6 +46,7 @@ from typing import IO, Any
 
 from aiohttp import web
 
+from trainguard.agent.client import AgentClient, AgentError
 from trainguard.health.suite import Peers
 from trainguard.hosts.addresses import Endpoint, LocalAddress
 from trainguard.observe.terminal import safe_bytes
@@ -52,6 +62,7 @@ from trainguard.wire.hosts import (
     PartitionRequest,
     ShutdownRequest,
 )
+from trainguard.wire.requests import AssignRequest
 
 __all__ = ["EXIT_JOIN_REFUSED", "EXIT_LOST_CONTROLLER", "HostDaemon", "JoinError"]
 
@@ -65,6 +76,7 @@ JOIN_QUIET_SECONDS = 10.0  # a join unanswered this long is said, and again ever
 JOIN_REMIND_SECONDS = 30.0
 PORT_WAIT_SECONDS = 60.0
 REQUEST_TIMEOUT = 5.0
+ASSIGN_TIMEOUT = 5.0  # a standby agent takes its node (POST /assign): it only queues it
 
 
 class JoinError(RuntimeError):
@@ -120,6 +132,8 @@ class HostDaemon:
         self._nodes: dict[str, LocalNode] = {}
         self.launched: set[str] = set()  # every node id this host ran: its memory tier's name
         self._joined_launches: set[str] = set()  # those since the last join
+        self._standby: set[str] = set()  # node ids whose agent waits, warm, for its launch
+        self._starting = threading.Lock()  # one agent start (or standby's) at a time
         self._launcher: AgentLauncher | None = None
         self._ready = threading.Event()  # set once the join's answer is taken in
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="tg-daemon")
@@ -157,6 +171,8 @@ class HostDaemon:
                     f"({reply.role}); this host is {self.local.addr}"
                     + (f" on {self.local.ifname}" if self.local.ifname else "")
                 )
+                if reply.role == "spare":
+                    self._pool.submit(self._warm_spare, reply)
                 outcome = self._keep_lease(reply)
                 if isinstance(outcome, int):
                     return outcome
@@ -289,6 +305,16 @@ class HostDaemon:
         # host has read the answer: wait for it.
         if not self._ready.wait(PORT_WAIT_SECONDS):
             raise RuntimeError("this host has not joined yet")
+        with self._starting:
+            with self._lock:
+                others = self._standby - {launch.node_id}
+            for node_id in others:  # a standby of another node id is of no use now
+                self._shutdown_node(node_id)
+            if launch.node_id in self._standby and (taken := self._assign(launch)) is not None:
+                return taken
+            return self._fresh_agent(launch)
+
+    def _fresh_agent(self, launch: LaunchRequest) -> LaunchReply:
         launcher, reply = self._launcher, self.reply
         assert launcher is not None and reply is not None
         self._shutdown_node(launch.node_id)  # a relaunch replaces the node's agent
@@ -296,14 +322,76 @@ class HostDaemon:
             self._first_launch(reply, launch.node_id)
         peers = Peers(*launch.peers) if launch.peers is not None else None
         node = launcher(launch.node_id, launch.incarnation, peers)
+        self._took(launch.node_id, node)
+        port = self._serving(node)
+        pid = node.pid
+        assert pid is not None
+        return LaunchReply(pid=pid, port=port)
+
+    def _warm_spare(self, reply: JoinReply) -> None:
+        """Start the spare node's agent as a standby (see the module doc)."""
+        node_id = reply.node_id
+        with self._starting:
+            launcher = self._launcher
+            if launcher is None or self.reply is not reply:
+                return  # fenced and joined again since: that join warms its own
+            self._first_launch(reply, node_id)
+            try:
+                node = launcher(node_id, f"{node_id}.standby", None, standby=True)
+            except OSError as exc:
+                logger.warning("the spare's standby agent could not start: %s", exc)
+                return  # its launch starts a fresh agent
+            self._took(node_id, node, standby=True)
+            try:
+                self._serving(node)
+            except RuntimeError as exc:
+                self._say(f"{node_id}: the standby agent of this spare host failed ({exc})")
+                self._shutdown_node(node_id)
+                return
+        if self.reply is not reply:  # fenced while it started: it must not outlive that
+            self._shutdown_node(node_id)
+            return
+        self._say(f"{node_id}: this spare host's agent is up, idle until the job needs it")
+
+    def _assign(self, launch: LaunchRequest) -> LaunchReply | None:
+        """Give ``launch.node_id``'s standby agent its incarnation; None when it cannot
+        take it (it died, or refused): it is then stopped, for a fresh agent."""
         with self._lock:
-            self._nodes[launch.node_id] = node
-            self.launched.add(launch.node_id)
-            self._joined_launches.add(launch.node_id)
+            self._standby.discard(launch.node_id)
+            node = self._nodes.get(launch.node_id)
+        if node is None:
+            return None
+        try:
+            port = self._serving(node)
+            client = AgentClient(f"http://{_bracket(self.local.addr)}:{port}", self._token,
+                                 timeout=ASSIGN_TIMEOUT)  # fmt: skip
+            try:
+                client.assign(AssignRequest(incarnation=launch.incarnation, peers=launch.peers))
+            finally:
+                client.close()
+        except (RuntimeError, AgentError) as exc:
+            logger.warning("%s: the standby agent cannot take the launch: %s", launch.node_id, exc)
+            self._shutdown_node(launch.node_id)
+            return None
+        assert node.pid is not None
+        return LaunchReply(pid=node.pid, port=port)
+
+    def _took(self, node_id: str, node: LocalNode, standby: bool = False) -> None:
+        with self._lock:
+            self._nodes[node_id] = node
+            self.launched.add(node_id)
+            self._joined_launches.add(node_id)
+            if standby:
+                self._standby.add(node_id)
         if node.console is not None:
             threading.Thread(
                 target=self._pump, args=(node.console,), daemon=True, name="tg-console"
             ).start()
+
+    @staticmethod
+    def _serving(node: LocalNode) -> int:
+        """The port ``node``'s agent serves on, once it does; RuntimeError: it exited, or
+        did not serve in time."""
         deadline = time.monotonic() + PORT_WAIT_SECONDS
         while (port := node.port()) is None:
             if (why := node.exited()) is not None:
@@ -311,13 +399,12 @@ class HostDaemon:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"its agent did not serve within {PORT_WAIT_SECONDS:g}s")
             time.sleep(0.02)
-        pid = node.pid
-        assert pid is not None
-        return LaunchReply(pid=pid, port=port)
+        return port
 
     def _shutdown_node(self, node_id: str) -> None:
         with self._lock:
             node = self._nodes.pop(node_id, None)
+            self._standby.discard(node_id)
         if node is not None:
             node.shutdown(None)  # no graceful API call: the controller made it, if it could
 
