@@ -56,7 +56,7 @@ def _client(port: int) -> AgentClient:
 def _standby(daemon: HostDaemon) -> tuple[int, int]:
     """Warm the spare as run() does on a spare's join; the standby's (pid, port)."""
     assert daemon.reply is not None
-    daemon._warm_spare(daemon.reply)
+    daemon._warm_spare(daemon.reply, daemon._generation)
     node = daemon._nodes["node-2"]
     port = node.port()
     assert node.pid is not None and port is not None
@@ -90,3 +90,11 @@ def test_a_fenced_spare_stops_its_standby(spare: HostDaemon) -> None:
     pid, _ = _standby(spare)
     spare._shutdown_all()  # what a failed lease (or one saying "lost") does
     wait_for(lambda: not pid_alive(pid), timeout=30.0)
+
+
+def test_a_standby_asked_for_before_a_fence_does_not_start_after_it(spare: HostDaemon) -> None:
+    assert spare.reply is not None
+    generation = spare._generation
+    spare._shutdown_all()  # the lease failed before the standby's start came round
+    spare._warm_spare(spare.reply, generation)
+    assert spare._nodes == {}

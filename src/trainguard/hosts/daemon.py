@@ -133,6 +133,9 @@ class HostDaemon:
         self.launched: set[str] = set()  # every node id this host ran: its memory tier's name
         self._joined_launches: set[str] = set()  # those since the last join
         self._standby: set[str] = set()  # node ids whose agent waits, warm, for its launch
+        # One more each time this host's agents are all stopped (fenced, the job's end):
+        # a standby that comes up after that stops at once.
+        self._generation = 0
         self._starting = threading.Lock()  # one agent start (or standby's) at a time
         self._launcher: AgentLauncher | None = None
         self._ready = threading.Event()  # set once the join's answer is taken in
@@ -172,7 +175,7 @@ class HostDaemon:
                     + (f" on {self.local.ifname}" if self.local.ifname else "")
                 )
                 if reply.role == "spare":
-                    self._pool.submit(self._warm_spare, reply)
+                    self._pool.submit(self._warm_spare, reply, self._generation)
                 outcome = self._keep_lease(reply)
                 if isinstance(outcome, int):
                     return outcome
@@ -328,13 +331,14 @@ class HostDaemon:
         assert pid is not None
         return LaunchReply(pid=pid, port=port)
 
-    def _warm_spare(self, reply: JoinReply) -> None:
-        """Start the spare node's agent as a standby (see the module doc)."""
+    def _warm_spare(self, reply: JoinReply, generation: int) -> None:
+        """Start the spare node's agent as a standby (see the module doc), unless this
+        host's agents were all stopped since ``generation`` (fenced, or the job ended)."""
         node_id = reply.node_id
         with self._starting:
             launcher = self._launcher
-            if launcher is None or self.reply is not reply:
-                return  # fenced and joined again since: that join warms its own
+            if launcher is None or self._generation != generation:
+                return  # fenced (and maybe joined again) since: a new join warms its own
             self._first_launch(reply, node_id)
             try:
                 node = launcher(node_id, f"{node_id}.standby", None, standby=True)
@@ -348,7 +352,9 @@ class HostDaemon:
                 self._say(f"{node_id}: the standby agent of this spare host failed ({exc})")
                 self._shutdown_node(node_id)
                 return
-        if self.reply is not reply:  # fenced while it started: it must not outlive that
+        with self._lock:
+            stale = self._generation != generation
+        if stale:  # fenced while it started: it must not outlive that
             self._shutdown_node(node_id)
             return
         self._say(f"{node_id}: this spare host's agent is up, idle until the job needs it")
@@ -410,6 +416,7 @@ class HostDaemon:
 
     def _shutdown_all(self) -> None:
         with self._lock:
+            self._generation += 1  # before the list: a standby added later sees it
             ids = list(self._nodes)
         for node_id in ids:
             self._shutdown_node(node_id)
