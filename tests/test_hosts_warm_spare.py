@@ -45,7 +45,7 @@ def spare(tmp_path: Path) -> Iterator[HostDaemon]:
     try:
         yield daemon
     finally:
-        daemon._shutdown_all()  # every agent, by its own process (never by name)
+        daemon.agents.shutdown_all()  # every agent, by its own process (never by name)
         daemon.server.close()
 
 
@@ -56,8 +56,8 @@ def _client(port: int) -> AgentClient:
 def _standby(daemon: HostDaemon) -> tuple[int, int]:
     """Warm the spare as run() does on a spare's join; the standby's (pid, port)."""
     assert daemon.reply is not None
-    daemon._warm_spare(daemon.reply, daemon._generation)
-    node = daemon._nodes["node-2"]
+    daemon._warm_spare(daemon.reply, daemon.agents.generation)
+    node = daemon.agents.nodes["node-2"]
     port = node.port()
     assert node.pid is not None and port is not None
     return node.pid, port
@@ -83,18 +83,18 @@ def test_a_launch_of_another_node_stops_the_standby(spare: HostDaemon) -> None:
     reply = spare._start_agent(LaunchRequest(node_id="node-1", incarnation="node-1.3"))
     assert reply.pid != pid
     wait_for(lambda: not pid_alive(pid), timeout=30.0)
-    assert set(spare._nodes) == {"node-1"}
+    assert set(spare.agents.nodes) == {"node-1"}
 
 
 def test_a_fenced_spare_stops_its_standby(spare: HostDaemon) -> None:
     pid, _ = _standby(spare)
-    spare._shutdown_all()  # what a failed lease (or one saying "lost") does
+    spare.agents.shutdown_all()  # what a failed lease (or one saying "lost") does
     wait_for(lambda: not pid_alive(pid), timeout=30.0)
 
 
 def test_a_standby_asked_for_before_a_fence_does_not_start_after_it(spare: HostDaemon) -> None:
     assert spare.reply is not None
-    generation = spare._generation
-    spare._shutdown_all()  # the lease failed before the standby's start came round
+    generation = spare.agents.generation
+    spare.agents.shutdown_all()  # the lease failed before the standby's start came round
     spare._warm_spare(spare.reply, generation)
-    assert spare._nodes == {}
+    assert spare.agents.nodes == {}

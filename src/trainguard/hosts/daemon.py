@@ -4,17 +4,11 @@ host that does not own the endpoint.
 :class:`HostDaemon` joins the controller (retrying until ``--join-timeout``), serves
 ``POST /launch`` and ``POST /shutdown`` for it (node agents on this host, bound to the
 address that reaches the controller), copies its agents' console (its ranks' lines) to
-this terminal, and renews its lease every ``lease_seconds``.
-
-A host that joins as a spare is kept warm: its daemon starts the spare node's agent at
-once, as a standby (``--standby``: its worker template imports torch and the script's
-modules, and it runs no check and no attempt). When the controller launches that node
-here, the daemon only gives the standby agent the launch's incarnation (``POST
-/assign``) and answers with its port: the replacement of a lost node does not wait for an
-interpreter, the agent's imports and ``import torch``. A launch of another node id (the
-controller moved a lost node here under its own id) stops the standby and starts a
-fresh agent, as does a standby that died or refused. It ends with the job: when
+this terminal, and renews its lease every ``lease_seconds``. It ends with the job: when
 a lease says the job finished, the process exits with the job's exit code.
+
+A host that joins as a spare is kept warm: the spare node's agent starts at once as a
+standby, and the node's launch only hands it its incarnation (:mod:`.host_agents`).
 
 Fencing (a host cut off from the network keeps running, and could keep training and
 writing): when no lease renewal succeeds for ``partition_timeout`` seconds, the daemon
@@ -46,12 +40,10 @@ from typing import IO, Any
 
 from aiohttp import web
 
-from trainguard.agent.client import AgentClient, AgentError
-from trainguard.health.suite import Peers
 from trainguard.hosts.addresses import Endpoint, LocalAddress
-from trainguard.observe.terminal import safe_bytes
+from trainguard.hosts.host_agents import PORT_WAIT_SECONDS, HostAgents
 from trainguard.platform.inbox import RouteServer, bearer_ok
-from trainguard.platform.node import AgentLauncher, LocalNode
+from trainguard.platform.node import AgentLauncher
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.hosts import (
     HostLease,
@@ -62,7 +54,6 @@ from trainguard.wire.hosts import (
     PartitionRequest,
     ShutdownRequest,
 )
-from trainguard.wire.requests import AssignRequest
 
 __all__ = ["EXIT_JOIN_REFUSED", "EXIT_LOST_CONTROLLER", "HostDaemon", "JoinError"]
 
@@ -74,9 +65,7 @@ PARTITION_ENV = "TRAINGUARD_ALLOW_PARTITION"  # "1": --inject partition may cut 
 JOIN_RETRY_SECONDS = 0.5
 JOIN_QUIET_SECONDS = 10.0  # a join unanswered this long is said, and again every:
 JOIN_REMIND_SECONDS = 30.0
-PORT_WAIT_SECONDS = 60.0
 REQUEST_TIMEOUT = 5.0
-ASSIGN_TIMEOUT = 5.0  # a standby agent takes its node (POST /assign): it only queues it
 
 
 class JoinError(RuntimeError):
@@ -118,26 +107,16 @@ class HostDaemon:
         self.local = local
         self.spec = spec
         self._make_launcher = make_launcher
-        self._first_launch = first_launch
         self._on_progress = on_progress
         self.progress: tuple[str, int] | None = None  # the newest lease's phase, restarts
         self.node_rank = node_rank
         self.join_timeout = join_timeout
         self._tls_client = tls_client
         self._say = say
-        self._out = out
         scheme = "https" if tls_client is not None else "http"
         self.controller_url = f"{scheme}://{_bracket(endpoint.host)}:{endpoint.port}"
         self._lock = threading.Lock()
-        self._nodes: dict[str, LocalNode] = {}
-        self.launched: set[str] = set()  # every node id this host ran: its memory tier's name
-        self._joined_launches: set[str] = set()  # those since the last join
-        self._standby: set[str] = set()  # node ids whose agent waits, warm, for its launch
-        # One more each time this host's agents are all stopped (fenced, the job's end):
-        # a standby that comes up after that stops at once.
-        self._generation = 0
-        self._starting = threading.Lock()  # one agent start (or standby's) at a time
-        self._launcher: AgentLauncher | None = None
+        self.agents = HostAgents(token, local.addr, first_launch, out)
         self._ready = threading.Event()  # set once the join's answer is taken in
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="tg-daemon")
         self.server = RouteServer(
@@ -154,6 +133,11 @@ class HostDaemon:
         self.host_id = ""
         self.reply: JoinReply | None = None
 
+    @property
+    def launched(self) -> set[str]:
+        """Every node id this host ran: its memory tier's name."""
+        return self.agents.launched
+
     # -- the run -------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -163,7 +147,7 @@ class HostDaemon:
                 self._ready.clear()
                 try:
                     self.reply = reply = self.join()
-                    self._joined_launches = set()
+                    self.agents.joined()
                 except JoinError as exc:
                     self._say(str(exc))
                     return EXIT_JOIN_REFUSED if exc.refused else EXIT_LOST_CONTROLLER
@@ -175,13 +159,13 @@ class HostDaemon:
                     + (f" on {self.local.ifname}" if self.local.ifname else "")
                 )
                 if reply.role == "spare":
-                    self._pool.submit(self._warm_spare, reply, self._generation)
+                    self._pool.submit(self._warm_spare, reply, self.agents.generation)
                 outcome = self._keep_lease(reply)
                 if isinstance(outcome, int):
                     return outcome
                 self._say(outcome)  # fenced: join again, as a new host
         finally:
-            self._shutdown_all()
+            self.agents.shutdown_all()
             self.server.close()
             self._pool.shutdown(wait=False)
 
@@ -235,7 +219,7 @@ class HostDaemon:
             except (OSError, ValueError, WireError, urllib.error.HTTPError) as exc:
                 cut_for = time.monotonic() - last_ok
                 if cut_for >= reply.partition_timeout:
-                    self._shutdown_all()
+                    self.agents.shutdown_all()
                     return (
                         f"no word from the controller for {cut_for:.0f}s "
                         f"(partitionTimeoutSeconds {reply.partition_timeout:g}; last: {exc}): "
@@ -249,11 +233,11 @@ class HostDaemon:
                 self.progress = progress
                 self._on_progress(reply, *progress)
             if lease.finished:
-                self._shutdown_all()
+                self.agents.shutdown_all()
                 self._say(f"job {reply.job_id} ended: {lease.reason} (exit {lease.exit_code})")
                 return lease.exit_code if lease.exit_code is not None else EXIT_LOST_CONTROLLER
             if lease.standing == "lost":
-                self._shutdown_all()
+                self.agents.shutdown_all()
                 return (
                     f"the controller declared {reply.node_id} lost: this host's workers are "
                     "stopped; joining again as a new host"
@@ -281,7 +265,7 @@ class HostDaemon:
             stop = parse_json(ShutdownRequest, await request.read(), "shutdown")
         except WireError as exc:
             return _error(400, str(exc))
-        await _in_thread(self._pool, lambda: self._shutdown_node(stop.node_id))
+        await _in_thread(self._pool, lambda: self.agents.shutdown_node(stop.node_id))
         return web.json_response({"accepted": True}, status=202)
 
     async def _partition(self, request: web.Request) -> web.Response:
@@ -308,135 +292,16 @@ class HostDaemon:
         # host has read the answer: wait for it.
         if not self._ready.wait(PORT_WAIT_SECONDS):
             raise RuntimeError("this host has not joined yet")
-        with self._starting:
-            with self._lock:
-                others = self._standby - {launch.node_id}
-            for node_id in others:  # a standby of another node id is of no use now
-                self._shutdown_node(node_id)
-            if launch.node_id in self._standby and (taken := self._assign(launch)) is not None:
-                return taken
-            return self._fresh_agent(launch)
-
-    def _fresh_agent(self, launch: LaunchRequest) -> LaunchReply:
         launcher, reply = self._launcher, self.reply
         assert launcher is not None and reply is not None
-        self._shutdown_node(launch.node_id)  # a relaunch replaces the node's agent
-        if launch.node_id not in self._joined_launches:  # after a fence too: a new host
-            self._first_launch(reply, launch.node_id)
-        peers = Peers(*launch.peers) if launch.peers is not None else None
-        node = launcher(launch.node_id, launch.incarnation, peers)
-        self._took(launch.node_id, node)
-        port = self._serving(node)
-        pid = node.pid
-        assert pid is not None
-        return LaunchReply(pid=pid, port=port)
+        return self.agents.launch(launcher, reply, launch)
 
     def _warm_spare(self, reply: JoinReply, generation: int) -> None:
-        """Start the spare node's agent as a standby (see the module doc), unless this
-        host's agents were all stopped since ``generation`` (fenced, or the job ended)."""
-        node_id = reply.node_id
-        with self._starting:
-            launcher = self._launcher
-            if launcher is None or self._generation != generation:
-                return  # fenced (and maybe joined again) since: a new join warms its own
-            self._first_launch(reply, node_id)
-            try:
-                node = launcher(node_id, f"{node_id}.standby", None, standby=True)
-            except OSError as exc:
-                logger.warning("the spare's standby agent could not start: %s", exc)
-                return  # its launch starts a fresh agent
-            self._took(node_id, node, standby=True)
-            try:
-                self._serving(node)
-            except RuntimeError as exc:
-                self._say(f"{node_id}: the standby agent of this spare host failed ({exc})")
-                self._shutdown_node(node_id)
-                return
-        with self._lock:
-            stale = self._generation != generation
-        if stale:  # fenced while it started: it must not outlive that
-            self._shutdown_node(node_id)
-            return
-        self._say(f"{node_id}: this spare host's agent is up, idle until the job needs it")
-
-    def _assign(self, launch: LaunchRequest) -> LaunchReply | None:
-        """Give ``launch.node_id``'s standby agent its incarnation; None when it cannot
-        take it (it died, or refused): it is then stopped, for a fresh agent."""
-        with self._lock:
-            self._standby.discard(launch.node_id)
-            node = self._nodes.get(launch.node_id)
-        if node is None:
-            return None
-        try:
-            port = self._serving(node)
-            client = AgentClient(f"http://{_bracket(self.local.addr)}:{port}", self._token,
-                                 timeout=ASSIGN_TIMEOUT)  # fmt: skip
-            try:
-                client.assign(AssignRequest(incarnation=launch.incarnation, peers=launch.peers))
-            finally:
-                client.close()
-        except (RuntimeError, AgentError) as exc:
-            logger.warning("%s: the standby agent cannot take the launch: %s", launch.node_id, exc)
-            self._shutdown_node(launch.node_id)
-            return None
-        assert node.pid is not None
-        return LaunchReply(pid=node.pid, port=port)
-
-    def _took(self, node_id: str, node: LocalNode, standby: bool = False) -> None:
-        with self._lock:
-            self._nodes[node_id] = node
-            self.launched.add(node_id)
-            self._joined_launches.add(node_id)
-            if standby:
-                self._standby.add(node_id)
-        if node.console is not None:
-            threading.Thread(
-                target=self._pump, args=(node.console,), daemon=True, name="tg-console"
-            ).start()
-
-    @staticmethod
-    def _serving(node: LocalNode) -> int:
-        """The port ``node``'s agent serves on, once it does; RuntimeError: it exited, or
-        did not serve in time."""
-        deadline = time.monotonic() + PORT_WAIT_SECONDS
-        while (port := node.port()) is None:
-            if (why := node.exited()) is not None:
-                raise RuntimeError(why)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"its agent did not serve within {PORT_WAIT_SECONDS:g}s")
-            time.sleep(0.02)
-        return port
-
-    def _shutdown_node(self, node_id: str) -> None:
-        with self._lock:
-            node = self._nodes.pop(node_id, None)
-            self._standby.discard(node_id)
-        if node is not None:
-            node.shutdown(None)  # no graceful API call: the controller made it, if it could
-
-    def _shutdown_all(self) -> None:
-        with self._lock:
-            self._generation += 1  # before the list: a standby added later sees it
-            ids = list(self._nodes)
-        for node_id in ids:
-            self._shutdown_node(node_id)
-
-    def _pump(self, stream: IO[bytes]) -> None:
-        """Copy an agent's console to ours, control characters shown as escapes
-        (observe/terminal.py). A console that went away (a closed pipe) is dropped, and
-        the agent's pipe still drained: the job goes on."""
-        out = self._out
-        try:
-            for raw in iter(stream.readline, b""):
-                if out is None:
-                    continue
-                try:
-                    out.write(safe_bytes(raw).encode())
-                    out.flush()
-                except (OSError, ValueError):
-                    out = None
-        except (OSError, ValueError):
-            pass  # the agent's pipe was closed under us at shutdown
+        launcher = self._launcher
+        if launcher is not None and self.agents.warm_spare(launcher, reply, generation):
+            self._say(
+                f"{reply.node_id}: this spare host's agent is up, idle until the job needs it"
+            )
 
     # -- HTTP to the controller ----------------------------------------------------------
 
