@@ -5,16 +5,19 @@ node id, or the host's fencing, stops the standby. Real agent processes (fake wo
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from agent_harness import make_assignment, spawn_agent, start
 from conftest import FAKE_WORKER, pid_alive, wait_for
 from trainguard.agent.client import AgentClient, AgentError
 from trainguard.hosts.addresses import Endpoint, LocalAddress
 from trainguard.hosts.daemon import HostDaemon
 from trainguard.platform.node import AgentLauncher
+from trainguard.spec.health import HealthOptions
 from trainguard.spec.plan import NodeGroupPlan
 from trainguard.wire.hosts import JoinReply, LaunchRequest
 from trainguard.wire.requests import AssignRequest
@@ -98,3 +101,28 @@ def test_a_standby_asked_for_before_a_fence_does_not_start_after_it(spare: HostD
     spare.agents.shutdown_all()  # the lease failed before the standby's start came round
     spare._warm_spare(spare.reply, generation)
     assert spare.agents.nodes == {}
+
+
+def test_a_standby_agent_runs_no_check_and_no_attempt_until_assigned(tmp_path: Path) -> None:
+    """``--standby``: its on-start checks wait for ``POST /assign``, and ``/start`` is
+    refused until then; assigned, it reports the incarnation it was given."""
+    health = HealthOptions.model_validate({"onStart": ["cpu"], "continuous": []}).settings()
+    agent = spawn_agent(
+        tmp_path, extra_args=["--incarnation", "node-0.standby", "--standby",
+                              "--health", health.to_json()],
+    )  # fmt: skip
+    try:
+        client = agent.client
+        time.sleep(1.0)  # long enough for the cpu check, had it started
+        status = client.status()
+        assert status.incarnation == "node-0.standby"
+        assert status.health is not None and status.health.deep == "InProgress"
+        with pytest.raises(AgentError) as refused:
+            client.start(start(make_assignment()))
+        assert refused.value.status == 409
+        client.assign(AssignRequest(incarnation="node-0.3", peers=None))
+        wait_for(lambda: client.status().health.deep == "Passed", timeout=60.0)  # type: ignore[union-attr]
+        assert client.status().incarnation == "node-0.3"
+        client.close()
+    finally:
+        agent.close()
