@@ -13,7 +13,8 @@ stall, the steps lost and the detection mean what they mean in the recovery scen
 
 - trainguard: the same ``trainguard run -f job.yaml --rdzv-endpoint HOST0:PORT`` on
   three hosts, in join order: host 0 (controller, node 0), host 1 (node 1: ranks 2 and
-  3), host 2 (the spec's one spare, idle until a node is lost). SIGKILL:
+  3), host 2 (the spec's one spare: its agent is started as a standby when it joins, its
+  worker template warm, and idle until a node is lost). SIGKILL:
   ``--inject kill:rank=3@step=S``, a process-level restart. Cut off:
   ``--inject partition:node=1@step=S`` (host 1's daemon takes its interface down for
   good); its node is lost after ``nodeLostAfterSeconds`` (8 s across hosts) and the job
@@ -225,8 +226,36 @@ def _trainguard_hosts(setup: FaultSetup, injection: str, lost: bool = False) -> 
             note = record.note
             if first not in (None, "NodeLost"):
                 note = (note + "; " if note else "") + f"the first fault was {first}"
-            record = replace(record, detect_s=lost_detection(job), note=note)
+            spare_log = (setup.workdir / f"{hosts[2].name}.log").read_text(errors="replace")
+            warm = WARM_SPARE_LINE in spare_log
+            if not warm:
+                note = (note + "; " if note else "") + "the spare host's agent was not warm"
+            detail = {**record.detail, "spare_warm": warm, "after_lost": after_lost(job)}
+            record = replace(record, detect_s=lost_detection(job), note=note, detail=detail)
     return record
+
+
+WARM_SPARE_LINE = "this spare host's agent is up"  # hosts/daemon.py, once its standby serves
+
+
+def after_lost(job: dict[str, Any]) -> dict[str, float]:
+    """Where the time from the first ``NodeLost`` fault to the recovery went, in seconds
+    (``trainguard describe -o json``'s events): ``stop`` (the faulted attempt stopped),
+    ``launch`` (the next attempt's agents up, the spare's among them), ``start`` (its
+    ranks' first step: the ``Recovered`` event). A part whose events are missing is left out."""
+    lost = [f["detected_at"] for f in job["faults"] if f["type"] == "NodeLost"]
+    if not lost:
+        return {}
+    marks = [("stop", "AttemptEnded"), ("launch", "AttemptStarted"), ("start", "Recovered")]
+    parts: dict[str, float] = {}
+    at = float(min(lost))
+    for name, kind in marks:
+        times = [float(e["time"]) for e in job["events"] if e["kind"] == kind and e["time"] >= at]
+        if not times:
+            break
+        parts[name] = round(min(times) - at, 3)
+        at = min(times)
+    return parts
 
 
 def one_host_kill(setup: FaultSetup) -> FaultRecord:

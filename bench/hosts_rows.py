@@ -27,7 +27,12 @@ PARTS: dict[str, tuple[str, list[tuple[str, str, Fmt, bool]]]] = {
     "cut": (
         "host 1 cut off",
         [
-            ("stall_s", "stall: cut -> next completed step (on the spare host)", seconds, True),
+            (
+                "stall_s",
+                "stall: cut -> next completed step (on the warm spare host)",
+                seconds,
+                True,
+            ),
             ("lost_steps", "steps lost (redone)", count, True),
             ("detect_s", "cut -> NodeLost (fault decision)", seconds, True),
         ],

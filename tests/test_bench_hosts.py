@@ -20,7 +20,7 @@ if str(REPO) not in sys.path:  # the bench package lives at the top of the repos
     sys.path.insert(0, str(REPO))
 
 from bench import suite  # noqa: E402
-from bench.hosts import hosts_job, lost_detection, torchrun_argv  # noqa: E402
+from bench.hosts import after_lost, hosts_job, lost_detection, torchrun_argv  # noqa: E402
 from bench.recovery import FaultRecord, Variant  # noqa: E402
 from bench.report import markdown  # noqa: E402
 from bench.runs import TrainArgs  # noqa: E402
@@ -35,6 +35,22 @@ def test_the_job_has_a_spare_and_a_hang_rule_longer_than_a_lost_node() -> None:
     [hang] = [r for r in spec["spec"]["runPolicy"]["logMonitoringConfiguration"]
               if r["name"] == "JobHangingDetection"]  # fmt: skip
     assert hang["expectedRecurringFrequencyInSeconds"] > 8  # nodeLostAfterSeconds across hosts
+
+
+def test_the_time_after_a_lost_node_is_split_at_the_controllers_events() -> None:
+    job = {
+        "faults": [{"type": "NodeLost", "detected_at": 108.5}],
+        "events": [
+            {"kind": "AttemptEnded", "time": 50.0},  # an earlier attempt's: not this one
+            {"kind": "AttemptEnded", "time": 109.0},
+            {"kind": "AttemptStarted", "time": 109.5},
+            {"kind": "Recovered", "time": 112.5},
+        ],
+    }
+    assert after_lost(job) == {"stop": 0.5, "launch": 0.5, "start": 3.0}
+    job["events"] = job["events"][:2]  # never recovered
+    assert after_lost(job) == {"stop": 0.5}
+    assert after_lost({"faults": [], "events": []}) == {}
 
 
 def test_torchrun_static_form_meets_at_host_0() -> None:

@@ -410,6 +410,8 @@ def test_an_injected_partition_cuts_a_host_off_and_the_spare_takes_over(
     text = controller.output()
     assert "FaultInjected: injected partition:node=1@step=300,for=15" in text, text
     assert "node-1 lost" in text and "replacing node-1 -> node-2" in text, text
+    # The spare host's agent was up, warm and idle, before it was needed.
+    assert "node-2: this spare host's agent is up" in spare.output(), spare.output()
     wait_for_text(cut, "declared node-1 lost", 60)  # back on the network: fenced
 
 

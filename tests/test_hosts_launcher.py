@@ -1,17 +1,26 @@
-"""RemoteNode.shutdown: a live host's agent and daemon are asked; a fenced one is not."""
+"""RemoteNode.shutdown: a live host's agent and daemon are asked; a fenced one is not, and
+the platform sends a fenced host's node no request."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
+from trainguard.control.reports import Refusal
 from trainguard.hosts.launcher import RemoteNode
 from trainguard.hosts.roster import HostRecord
+from trainguard.platform.book import ReportBook
+from trainguard.platform.inject import Injector
+from trainguard.platform.local_platform import LocalPlatform
+from trainguard.platform.store import Store
+from trainguard.platform.transport import Delivery
 from trainguard.wire.hosts import LaunchReply
+from trainguard.wire.requests import StopRequest
 
 
 class _Recorder(BaseHTTPRequestHandler):
@@ -65,3 +74,30 @@ def test_a_fenced_host_is_not_contacted(daemon: tuple[str, list[str]]) -> None:
     url, paths = daemon
     _node(url, lost=True).shutdown(None)
     assert paths == []
+
+
+class _Transport:
+    """What the platform sends through: the node ids of the requests it was given."""
+
+    def __init__(self) -> None:
+        self.book = ReportBook()
+        self.sent: list[str] = []
+
+    def send(self, deliveries: Sequence[Delivery]) -> list[Refusal]:
+        self.sent += [d.node_id for d in deliveries]
+        return []
+
+
+def test_no_request_goes_to_a_fenced_hosts_node(tmp_path: Path) -> None:
+    """A node declared lost is not asked to stop: its calls' timeouts and retries would
+    hold the controller's loop (and the replacement's launch) up for seconds."""
+    transport = _Transport()
+    platform = LocalPlatform(
+        "job", Store(tmp_path / "state"), transport, lambda *args: None,  # type: ignore[arg-type]
+        memory_root=tmp_path / "memory", injector=Injector((), 4, 2), say=lambda line: None,
+        pump=lambda stream: None, interrupted=lambda: None,
+    )  # fmt: skip
+    platform.nodes = {"node-0": _node("http://127.0.0.1:1", False), "node-1": _node("", True)}
+    stop = StopRequest(attempt=0, mode="process")
+    platform.send([Delivery(n, "stop", 0, stop) for n in ("node-0", "node-1")])
+    assert transport.sent == ["node-0"]

@@ -122,11 +122,11 @@ def test_another_hosts_daemon_shows_its_ranks_lines_escaped_and_survives_its_con
     )  # fmt: skip
     try:
         lines = f"[rank2]: {HOSTILE}\n[rank2]: after\n".encode()
-        daemon._pump(io.BytesIO(lines))
+        daemon.agents._pump(io.BytesIO(lines))
         assert shown.getvalue().decode() == f"[rank2]: {safe_text(HOSTILE)}\n[rank2]: after\n"
         agent = io.BytesIO(lines * 100)
         daemon._out = _ClosedPipe()
-        daemon._pump(agent)  # no reader: the lines are dropped, the agent's pipe drained
+        daemon.agents._pump(agent)  # no reader: the lines are dropped, the agent's pipe drained
         assert agent.tell() == len(lines) * 100
     finally:
         daemon.server.close()

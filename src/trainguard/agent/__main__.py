@@ -3,7 +3,7 @@
     python -m trainguard.agent --node-id ID (--token-file FILE | --token-env VAR) --log-dir DIR
         [--host 127.0.0.1] [--port 0] [--port-file FILE] [--parent-pid PID
         [--controller-grace SECONDS]]
-        [--incarnation NAME] [--cwd DIR] [--env KEY=VALUE]... [--cold-start]
+        [--incarnation NAME] [--standby] [--cwd DIR] [--env KEY=VALUE]... [--cold-start]
         [--preload MODULE]... [--max-replica-bytes BYTES]
         [--pre-train-script JSON] [--post-train-script JSON]
         [--health JSON [--health-peers RANK,WORLD,ADDR,PORT] [--health-hooks DIR]
@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cwd", type=Path, help="working directory of the workers")
     parser.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="add to workers' env"
+    )
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="a spare host's agent, started before its node is needed: it warms its worker "
+        "template and waits, running no health check and no attempt, until its host's "
+        "daemon gives it the node's incarnation (POST /assign)",
     )
     parser.add_argument(
         "--cold-start",
@@ -323,6 +330,7 @@ def _serve(
         fence=lease.fenced,
         tls=_client_tls(args.tls_ca),
     )
+    supervisor.standby = args.standby
     if args.parent_pid is not None and args.controller_grace:
         supervisor.controller = ControllerWatch(args.parent_pid, args.controller_grace)
     health = parse_health(args, parser)

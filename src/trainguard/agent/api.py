@@ -22,6 +22,7 @@ from trainguard.agent.monitoring import build_monitor
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.requests import (
     Accepted,
+    AssignRequest,
     AttachRequest,
     AttemptRequest,
     InjectRequest,
@@ -62,6 +63,7 @@ class NodeControl(Protocol):
     def request_persist(self, request: PersistRequest) -> None: ...
     def request_inject(self, request: InjectRequest) -> None: ...
     def request_attach(self, request: AttachRequest) -> None: ...
+    def request_assign(self, request: AssignRequest) -> None: ...
     def request_shutdown(self, reason: str) -> None: ...
 
 
@@ -97,6 +99,7 @@ class AgentApi:
             ("POST", "/persist"),
             ("POST", "/inject"),
             ("POST", "/attach"),
+            ("POST", "/assign"),
             ("POST", "/shutdown"),
         }
     )
@@ -183,6 +186,9 @@ class AgentApi:
             return self._accepted()
         if path == "/attach":
             node.request_attach(parse_json(AttachRequest, body, "attach"))
+            return self._accepted()
+        if path == "/assign":
+            node.request_assign(parse_json(AssignRequest, body, "assign"))
             return self._accepted()
         assert path == "/shutdown"
         return Reply(

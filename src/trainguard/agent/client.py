@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from trainguard.wire.base import Wire, error_text
 from trainguard.wire.requests import (
+    AssignRequest,
     AttachRequest,
     AttemptRequest,
     InjectRequest,
@@ -109,6 +110,10 @@ class AgentClient:
     def attach(self, request: AttachRequest) -> None:
         """Take this agent over for a resumed job's controller (``POST /attach``)."""
         self._request("POST", "/attach", request)
+
+    def assign(self, request: AssignRequest) -> None:
+        """Give a standby agent (``--standby``) its node's incarnation."""
+        self._request("POST", "/assign", request)
 
     def shutdown(self) -> None:
         """Ask the agent to kill its workers and exit."""

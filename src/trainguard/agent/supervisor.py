@@ -49,6 +49,7 @@ from trainguard.wire.control_files import ProtocolError, read_ack
 if TYPE_CHECKING:
     from trainguard.agent.health import HealthKeeper
 from trainguard.wire.requests import (
+    AssignRequest,
     AttachRequest,
     AttemptRequest,
     InjectRequest,
@@ -154,6 +155,10 @@ class Supervisor:
         self.controller: ControllerWatch | None = None
         # The node's health checks and monitors (agent/health.py); None: not asked for.
         self.health: HealthKeeper | None = None
+        # A standby agent (``--standby``, a spare host's): no health checks and no attempt
+        # until its host's daemon gives it to its node (``POST /assign``); its worker
+        # template warms meanwhile.
+        self.standby = False
         self._shutdown_requested = False
         self._group: WorkerGroup | None = None
         self._tailer: LogTailer | None = None
@@ -169,8 +174,29 @@ class Supervisor:
 
     def start(self) -> None:
         self._thread.start()
-        if self.health is not None:
+        if self.health is not None and not self.standby:
             self.health.start()
+
+    def request_assign(self, request: AssignRequest) -> None:
+        """A standby agent is given to its node: it reports ``request.incarnation`` from
+        now on, and runs its on-start checks (with ``request.peers``). :class:`Refused`
+        if it is not a standby agent, or was given already."""
+        with self.board.lock:
+            if not self.standby:
+                raise Refused(f"this agent is not a standby agent ({self.board.incarnation})")
+            if self._shutdown_requested:
+                raise Refused("this agent is shutting down")
+            self.standby = False
+            self.board.incarnation = request.incarnation
+            self.board.changed()
+        if self.health is not None:
+            if request.peers is not None:
+                from trainguard.health.suite import Peers  # with the checks: only if asked for
+
+                self.health.peers = Peers(*request.peers)
+            self.health.start()
+        logger.info("standby agent assigned as %s", request.incarnation)
+        self._reporter.nudge()
 
     def health_news(self) -> None:
         """The node's health changed (a check finished, a monitor found something):
@@ -200,6 +226,8 @@ class Supervisor:
         The same attempt again (a retried request) is accepted and changes nothing.
         """
         with self.board.lock:
+            if self.standby:
+                raise StartRefused("a standby agent takes no attempt before POST /assign")
             self._reporter.target(request.report_url)  # before any news of this attempt
             if self.board.admit_start(request.assignment, self._shutdown_requested):
                 self._commands.put(_Start(request))

@@ -7,6 +7,9 @@ address that reaches the controller), copies its agents' console (its ranks' lin
 this terminal, and renews its lease every ``lease_seconds``. It ends with the job: when
 a lease says the job finished, the process exits with the job's exit code.
 
+A host that joins as a spare is kept warm: the spare node's agent starts at once as a
+standby, and the node's launch only hands it its incarnation (:mod:`.host_agents`).
+
 Fencing (a host cut off from the network keeps running, and could keep training and
 writing): when no lease renewal succeeds for ``partition_timeout`` seconds, the daemon
 shuts its agents down (their workers die with them); when a lease says the host was
@@ -37,11 +40,10 @@ from typing import IO, Any
 
 from aiohttp import web
 
-from trainguard.health.suite import Peers
 from trainguard.hosts.addresses import Endpoint, LocalAddress
-from trainguard.observe.terminal import safe_bytes
+from trainguard.hosts.host_agents import PORT_WAIT_SECONDS, HostAgents
 from trainguard.platform.inbox import RouteServer, bearer_ok
-from trainguard.platform.node import AgentLauncher, LocalNode
+from trainguard.platform.node import AgentLauncher
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.hosts import (
     HostLease,
@@ -63,7 +65,6 @@ PARTITION_ENV = "TRAINGUARD_ALLOW_PARTITION"  # "1": --inject partition may cut 
 JOIN_RETRY_SECONDS = 0.5
 JOIN_QUIET_SECONDS = 10.0  # a join unanswered this long is said, and again every:
 JOIN_REMIND_SECONDS = 30.0
-PORT_WAIT_SECONDS = 60.0
 REQUEST_TIMEOUT = 5.0
 
 
@@ -106,21 +107,16 @@ class HostDaemon:
         self.local = local
         self.spec = spec
         self._make_launcher = make_launcher
-        self._first_launch = first_launch
         self._on_progress = on_progress
         self.progress: tuple[str, int] | None = None  # the newest lease's phase, restarts
         self.node_rank = node_rank
         self.join_timeout = join_timeout
         self._tls_client = tls_client
         self._say = say
-        self._out = out
         scheme = "https" if tls_client is not None else "http"
         self.controller_url = f"{scheme}://{_bracket(endpoint.host)}:{endpoint.port}"
         self._lock = threading.Lock()
-        self._nodes: dict[str, LocalNode] = {}
-        self.launched: set[str] = set()  # every node id this host ran: its memory tier's name
-        self._joined_launches: set[str] = set()  # those since the last join
-        self._launcher: AgentLauncher | None = None
+        self.agents = HostAgents(token, local.addr, first_launch, out)
         self._ready = threading.Event()  # set once the join's answer is taken in
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="tg-daemon")
         self.server = RouteServer(
@@ -137,6 +133,11 @@ class HostDaemon:
         self.host_id = ""
         self.reply: JoinReply | None = None
 
+    @property
+    def launched(self) -> set[str]:
+        """Every node id this host ran: its memory tier's name."""
+        return self.agents.launched
+
     # -- the run -------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -146,7 +147,7 @@ class HostDaemon:
                 self._ready.clear()
                 try:
                     self.reply = reply = self.join()
-                    self._joined_launches = set()
+                    self.agents.joined()
                 except JoinError as exc:
                     self._say(str(exc))
                     return EXIT_JOIN_REFUSED if exc.refused else EXIT_LOST_CONTROLLER
@@ -157,12 +158,14 @@ class HostDaemon:
                     f"({reply.role}); this host is {self.local.addr}"
                     + (f" on {self.local.ifname}" if self.local.ifname else "")
                 )
+                if reply.role == "spare":
+                    self._pool.submit(self._warm_spare, reply, self.agents.generation)
                 outcome = self._keep_lease(reply)
                 if isinstance(outcome, int):
                     return outcome
                 self._say(outcome)  # fenced: join again, as a new host
         finally:
-            self._shutdown_all()
+            self.agents.shutdown_all()
             self.server.close()
             self._pool.shutdown(wait=False)
 
@@ -216,7 +219,7 @@ class HostDaemon:
             except (OSError, ValueError, WireError, urllib.error.HTTPError) as exc:
                 cut_for = time.monotonic() - last_ok
                 if cut_for >= reply.partition_timeout:
-                    self._shutdown_all()
+                    self.agents.shutdown_all()
                     return (
                         f"no word from the controller for {cut_for:.0f}s "
                         f"(partitionTimeoutSeconds {reply.partition_timeout:g}; last: {exc}): "
@@ -230,11 +233,11 @@ class HostDaemon:
                 self.progress = progress
                 self._on_progress(reply, *progress)
             if lease.finished:
-                self._shutdown_all()
+                self.agents.shutdown_all()
                 self._say(f"job {reply.job_id} ended: {lease.reason} (exit {lease.exit_code})")
                 return lease.exit_code if lease.exit_code is not None else EXIT_LOST_CONTROLLER
             if lease.standing == "lost":
-                self._shutdown_all()
+                self.agents.shutdown_all()
                 return (
                     f"the controller declared {reply.node_id} lost: this host's workers are "
                     "stopped; joining again as a new host"
@@ -262,7 +265,7 @@ class HostDaemon:
             stop = parse_json(ShutdownRequest, await request.read(), "shutdown")
         except WireError as exc:
             return _error(400, str(exc))
-        await _in_thread(self._pool, lambda: self._shutdown_node(stop.node_id))
+        await _in_thread(self._pool, lambda: self.agents.shutdown_node(stop.node_id))
         return web.json_response({"accepted": True}, status=202)
 
     async def _partition(self, request: web.Request) -> web.Response:
@@ -291,58 +294,14 @@ class HostDaemon:
             raise RuntimeError("this host has not joined yet")
         launcher, reply = self._launcher, self.reply
         assert launcher is not None and reply is not None
-        self._shutdown_node(launch.node_id)  # a relaunch replaces the node's agent
-        if launch.node_id not in self._joined_launches:  # after a fence too: a new host
-            self._first_launch(reply, launch.node_id)
-        peers = Peers(*launch.peers) if launch.peers is not None else None
-        node = launcher(launch.node_id, launch.incarnation, peers)
-        with self._lock:
-            self._nodes[launch.node_id] = node
-            self.launched.add(launch.node_id)
-            self._joined_launches.add(launch.node_id)
-        if node.console is not None:
-            threading.Thread(
-                target=self._pump, args=(node.console,), daemon=True, name="tg-console"
-            ).start()
-        deadline = time.monotonic() + PORT_WAIT_SECONDS
-        while (port := node.port()) is None:
-            if (why := node.exited()) is not None:
-                raise RuntimeError(why)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"its agent did not serve within {PORT_WAIT_SECONDS:g}s")
-            time.sleep(0.02)
-        pid = node.pid
-        assert pid is not None
-        return LaunchReply(pid=pid, port=port)
+        return self.agents.launch(launcher, reply, launch)
 
-    def _shutdown_node(self, node_id: str) -> None:
-        with self._lock:
-            node = self._nodes.pop(node_id, None)
-        if node is not None:
-            node.shutdown(None)  # no graceful API call: the controller made it, if it could
-
-    def _shutdown_all(self) -> None:
-        with self._lock:
-            ids = list(self._nodes)
-        for node_id in ids:
-            self._shutdown_node(node_id)
-
-    def _pump(self, stream: IO[bytes]) -> None:
-        """Copy an agent's console to ours, control characters shown as escapes
-        (observe/terminal.py). A console that went away (a closed pipe) is dropped, and
-        the agent's pipe still drained: the job goes on."""
-        out = self._out
-        try:
-            for raw in iter(stream.readline, b""):
-                if out is None:
-                    continue
-                try:
-                    out.write(safe_bytes(raw).encode())
-                    out.flush()
-                except (OSError, ValueError):
-                    out = None
-        except (OSError, ValueError):
-            pass  # the agent's pipe was closed under us at shutdown
+    def _warm_spare(self, reply: JoinReply, generation: int) -> None:
+        launcher = self._launcher
+        if launcher is not None and self.agents.warm_spare(launcher, reply, generation):
+            self._say(
+                f"{reply.node_id}: this spare host's agent is up, idle until the job needs it"
+            )
 
     # -- HTTP to the controller ----------------------------------------------------------
 

@@ -108,6 +108,11 @@ class RemoteNode:
     def exited(self) -> str | None:
         return None  # a dead agent or host is found by its silence (control/contact.py)
 
+    @property
+    def fenced(self) -> bool:
+        """Its host was fenced: nothing is asked of it any more (see :meth:`shutdown`)."""
+        return self.host.lost
+
     def shutdown(self, client: AgentClient | None) -> None:
         """Ask the agent, then its host's daemon (which kills what is left).
 

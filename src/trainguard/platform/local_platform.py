@@ -252,7 +252,14 @@ class LocalPlatform:
     # -- transport ---------------------------------------------------------------------
 
     def send(self, deliveries: Sequence[Delivery]) -> list[Refusal]:
-        return self.transport.send(deliveries)
+        """Deliver the requests, but none to a node whose host is fenced (a job across
+        hosts: its node was declared lost, or its lease went stale). It cannot answer,
+        and its calls' timeouts and retries would hold the loop up for seconds (the
+        replacement's launch with it); its host stops its workers on its own."""
+        return self.transport.send([d for d in deliveries if not self._fenced(d.node_id)])
+
+    def _fenced(self, node_id: str) -> bool:
+        return getattr(self.nodes.get(node_id), "fenced", False) is True
 
     def wait(self, timeout: float) -> None:
         """Until news, ``timeout``, or (while agents start) one of them serves: an agent

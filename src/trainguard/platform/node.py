@@ -214,7 +214,11 @@ class AgentLauncher:
         self.controller_grace = controller_grace  # agents outlive this process so long
         self.health = health
 
-    def __call__(self, node_id: str, incarnation: str, peers: Peers | None = None) -> LocalNode:
+    def __call__(
+        self, node_id: str, incarnation: str, peers: Peers | None = None, standby: bool = False
+    ) -> LocalNode:
+        """``standby``: a spare host's agent, started before it is needed (``--standby``:
+        it waits for ``POST /assign``; hosts/daemon.py)."""
         group = self.groups[node_id]
         agents_dir = self.job_dir / "agents"
         agents_dir.mkdir(parents=True, exist_ok=True)
@@ -254,6 +258,8 @@ class AgentLauncher:
             argv += ["--fence-after", f"{self.fence_after:g}"]
         if self.tls_ca is not None:
             argv += ["--tls-ca", self.tls_ca]
+        if standby:
+            argv.append("--standby")
         argv += [*self.start.agent_flags(), "--", *group.command]
         with open(agents_dir / f"{node_id}.log", "ab") as agent_log:
             process = subprocess.Popen(

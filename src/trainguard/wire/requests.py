@@ -6,6 +6,7 @@
     POST /stop      StopRequest      stop an attempt's workers              -> 202
     POST /persist   PersistRequest   persist a memory-tier step             -> 202, 409
     POST /shutdown  (no body)        kill the workers and exit              -> 202
+    POST /assign    AssignRequest    a standby agent takes its incarnation  -> 202, 409
     GET  /status                     NodeStatus                             -> 200
 
 An agent pushes its :class:`~trainguard.wire.status.NodeStatus` to the ``report_url`` of
@@ -24,6 +25,7 @@ from trainguard.wire.logs import LogLimits
 
 __all__ = [
     "Accepted",
+    "AssignRequest",
     "AttemptRequest",
     "MonitorConfig",
     "NodeAssignment",
@@ -219,6 +221,16 @@ class AttachRequest(Wire):
     report_url: str = Field(min_length=1, max_length=2048)
     pid: int = Field(ge=1, le=2**22)
     start: int | None = Field(default=None, ge=0, le=MAX_STEP)
+
+
+class AssignRequest(Wire):
+    """A standby agent (``--standby``: a spare host's, started when the host joined) is
+    given to its node: it reports ``incarnation`` from now on and runs its on-start
+    health checks, with ``peers`` (rank, world, addr, port) for the connectivity check.
+    Asked by its host's daemon, never by the controller."""
+
+    incarnation: Name
+    peers: tuple[Count, Count, Name, Count] | None = None
 
 
 class Accepted(Wire):
