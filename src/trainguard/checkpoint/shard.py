@@ -49,9 +49,11 @@ def make_meta(
     world_size: int,
     digest: str | None,
     attempt: int | None = None,
+    entries: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The meta of a shard laid out by ``layout`` (``digest`` None: not yet checksummed),
-    written by ``rank`` in ``attempt`` (None: unknown)."""
+    written by ``rank`` in ``attempt`` (None: unknown); ``entries``: the JSON of
+    ``layout.entries`` when the caller has it already (save()'s copy plan)."""
     return {
         "format": FORMAT,
         "job_id": job_id,
@@ -59,7 +61,7 @@ def make_meta(
         "rank": rank,
         "world_size": world_size,
         "nbytes": layout.nbytes,
-        "tensors": [entry.to_json() for entry in layout.entries],
+        "tensors": [e.to_json() for e in layout.entries] if entries is None else entries,
         "plain": layout.tree,
         "checksum": digest,
         "created_at": time.time(),
