@@ -208,9 +208,11 @@ class Checkpointer:
             self.memory.reserve(slot, step)
         self._background.submit(Snapshot(step, slot, meta, durable, None if blocking else copy))
         if prepared:  # a new size: ready the other slots before the saves that use them
-            others = tuple(s for s in self.memory.unready(layout.nbytes, cuda) if s != slot)
-            if others:
-                self._background.submit(Prepare(others, layout.nbytes, cuda, copy.device))
+            # One task a slot, in the order saves take free slots (choose_slot): the next
+            # save waits for its own slot only, never for the ones after it.
+            for other in self.memory.unready(layout.nbytes, cuda):
+                if other != slot:
+                    self._background.submit(Prepare((other,), layout.nbytes, cuda, copy.device))
         self._save_times.add(step, time.perf_counter() - started)
         self._room.fits(step)
         return True

@@ -70,6 +70,9 @@ def default_memory_dir(environ: Mapping[str, str] | None = None) -> str:
     return str(user_root() / run_id)
 
 
+Pause = Callable[[], None]
+"""Called between chunks of background work on a slot; blocks while a save copies."""
+
 Skipped = Callable[[str, "int | None", str], None]
 """Told of a shard :meth:`MemoryTier.shards` skips: its meta file, its step (None: not
 known), and why."""
@@ -107,9 +110,9 @@ class _Slot:
         locked = self.pinned or self.pin_failed or not pin
         return self.capacity >= nbytes and self.map is not None and locked
 
-    def ensure(self, nbytes: int, pin: bool = False) -> bool:
+    def ensure(self, nbytes: int, pin: bool = False, pause: Pause | None = None) -> bool:
         """Grow (and pre-fault) the slot to hold ``nbytes``, page-lock it if ``pin``;
-        returns whether it did anything."""
+        returns whether it did anything. ``pause``: see :func:`host_memory.populate`."""
         if self.ready(nbytes, pin):
             return False
         if self.capacity < nbytes or self.map is None:
@@ -122,16 +125,16 @@ class _Slot:
                     exc.errno, f"cannot allocate {size} bytes for memory slot {self.data_path}"
                 ) from exc
             self.capacity = size
-            self._map()
+            self._map(pause)
         if pin and not self.pinned and self.buffer is not None:
             self.pinned = host_memory.register(self.buffer.data_ptr(), self.capacity)
             self.pin_failed = not self.pinned
         return True
 
-    def _map(self) -> None:
+    def _map(self, pause: Pause | None = None) -> None:
         self.map = mmap.mmap(self.fd, self.capacity, flags=mmap.MAP_SHARED)
         self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
-        if not host_memory.populate(self.buffer.data_ptr(), self.capacity):
+        if not host_memory.populate(self.buffer.data_ptr(), self.capacity, pause):
             self.buffer = None  # older kernel: pre-fault at map time instead
             self.map.close()
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -346,9 +349,12 @@ class MemoryTier:
                 unready.append(slot)
         return unready
 
-    def prepare_slot(self, slot: int, nbytes: int, pin: bool = False) -> None:
-        """Allocate, pre-fault (and page-lock) one slot listed by :meth:`unready`."""
-        self._slots[slot].ensure(nbytes, pin)
+    def prepare_slot(
+        self, slot: int, nbytes: int, pin: bool = False, pause: Pause | None = None
+    ) -> None:
+        """Allocate, pre-fault (and page-lock) one slot listed by :meth:`unready`
+        (``pause``: see :func:`host_memory.populate`)."""
+        self._slots[slot].ensure(nbytes, pin, pause)
 
     def prepare(self, nbytes: int, pin: bool = False) -> None:
         """Allocate and pre-fault (and page-lock) every slot to ``nbytes`` now.
