@@ -21,6 +21,7 @@ import torch
 
 from trainguard.checkpoint import Checkpointer
 from trainguard.checkpoint.copy_plan import plan_for
+from trainguard.checkpoint.shard import encode_meta, make_meta
 
 
 @pytest.fixture
@@ -161,3 +162,15 @@ def test_the_plan_is_reused_only_for_the_same_structure() -> None:
         plan_for({"w": torch.randn(3, 2), True: [torch.zeros(2), 6]}, plan)
     with pytest.raises(TypeError, match="cannot be checkpointed"):
         plan_for({"w": torch.randn(3, 2), 1: [torch.zeros(2), object()]}, plan)
+
+
+def test_a_state_without_tensors_is_saved(shm: str) -> None:
+    _saved_then_restored(shm, [{"step": 1, "tag": "a"}, {"step": 2, "tag": "b"}], {})
+
+
+def test_a_meta_with_encoded_entries_reads_as_one_without() -> None:
+    plan, layout, _ = plan_for({"w": torch.randn(3, 2), "n": [torch.arange(4), 1.5]}, None)
+    meta = make_meta(layout, job_id="j", step=3, rank=0, world_size=1, digest=None)
+    cached = {**meta, "tensors": plan.entries_json, "checksum": "xxh3_128:00"}
+    assert json.loads(encode_meta(cached)) == {**meta, "checksum": "xxh3_128:00"}
+    assert json.loads(encode_meta(meta)) == meta

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from trainguard.checkpoint.shard import EncodedEntries
 from trainguard.checkpoint.sharding import is_dtensor, local_tensor, sharding_of
 from trainguard.checkpoint.state import PLAIN, Layout, flatten
 
@@ -37,7 +38,7 @@ class CopyPlan:
     def __init__(self, layout: Layout, tensors: Sequence[torch.Tensor], signature: list[Any]):
         self.layout = layout
         self.signature = signature
-        self.entries_json = [entry.to_json() for entry in layout.entries]
+        self.entries_json = EncodedEntries([entry.to_json() for entry in layout.entries])
         self.cuda = any(tensor.is_cuda for tensor in tensors)
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 

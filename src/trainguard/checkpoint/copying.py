@@ -81,6 +81,11 @@ def copy_to_host(
 def copy_into(views: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> CopyDone:
     """Copy each tensor into its view of a host buffer; CUDA ones asynchronously (see the
     module doc). The returned :class:`CopyDone` says when all are there."""
+    if not has_cuda(tensors):  # one call for all: no per-tensor dispatch from Python
+        if tensors:  # (it refuses empty lists)
+            with torch.no_grad():
+                torch._foreach_copy_(list(views), list(tensors))
+        return CopyDone()
     events = []
     host_views: list[torch.Tensor] = []
     host_tensors: list[torch.Tensor] = []
@@ -94,7 +99,7 @@ def copy_into(views: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) ->
             else:
                 host_views.append(view)
                 host_tensors.append(tensor)
-        if host_views:  # one call for all: no per-tensor dispatch from Python
+        if host_views:
             torch._foreach_copy_(host_views, host_tensors)
         for device, pairs in by_device.items():
             caller = torch.cuda.current_stream(device)

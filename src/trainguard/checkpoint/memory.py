@@ -50,7 +50,7 @@ import torch
 
 from trainguard.checkpoint import host_memory
 from trainguard.checkpoint.files import hold_from
-from trainguard.checkpoint.shard import ShardInvalid, check_identity, layout_of
+from trainguard.checkpoint.shard import ShardInvalid, check_identity, encode_meta, layout_of
 from trainguard.checkpoint.state import Layout
 from trainguard.checkpoint.tier_dir import open_private, private_dir, user_root
 
@@ -374,7 +374,7 @@ class MemoryTier:
         path = self.meta_path(slot)
         tmp = f"{path}.tmp"
         with open_private(tmp) as file:
-            file.write(json.dumps(meta, separators=(",", ":")).encode())
+            file.write(encode_meta(meta))
         os.replace(tmp, path)
         if self._steps is not None and isinstance(meta.get("step"), int):
             self._steps[slot] = meta["step"]

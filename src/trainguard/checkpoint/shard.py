@@ -16,6 +16,7 @@ unknown; its shards then need their checksum everywhere.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -25,8 +26,10 @@ from trainguard.checkpoint.state import Layout, TensorEntry
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "FORMAT",
+    "EncodedEntries",
     "ShardInvalid",
     "checksum",
+    "encode_meta",
     "layout_of",
     "make_meta",
     "unchecked_refusal",
@@ -67,6 +70,25 @@ def make_meta(
         "created_at": time.time(),
         "writer": {"rank": rank, "attempt": attempt},
     }
+
+
+class EncodedEntries(list[dict[str, Any]]):
+    """A meta's ``"tensors"`` list together with its JSON, encoded once (save()'s copy
+    plan keeps one while the state's structure holds; never changed after that)."""
+
+    def __init__(self, entries: list[dict[str, Any]]) -> None:
+        super().__init__(entries)
+        self.json = json.dumps(entries, separators=(",", ":"))
+
+
+def encode_meta(meta: dict[str, Any]) -> bytes:
+    """``meta`` as compact JSON; its ``"tensors"`` from their cached JSON when they are
+    :class:`EncodedEntries` (then last: JSON objects are unordered)."""
+    tensors = meta.get("tensors")
+    if not isinstance(tensors, EncodedEntries):
+        return json.dumps(meta, separators=(",", ":")).encode()
+    rest = json.dumps({k: v for k, v in meta.items() if k != "tensors"}, separators=(",", ":"))
+    return f'{rest[:-1]}{"," if len(rest) > 2 else ""}"tensors":{tensors.json}}}'.encode()
 
 
 def layout_of(meta: dict[str, Any]) -> Layout:
