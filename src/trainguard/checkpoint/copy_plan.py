@@ -3,10 +3,12 @@
 :func:`~trainguard.checkpoint.state.flatten` builds a :class:`TensorEntry` per tensor
 (its dtype name, shape, 64-byte aligned offset, a DTensor's sharding) and the meta's
 JSON of them; :func:`~trainguard.checkpoint.copying.copy_to_host` then makes a view of
-the slot per tensor. Done at every save, that costs ~10 µs a tensor: for a small model
-with its optimizer (hundreds of tensors, a megabyte or two) it was most of ``save()``.
+the slot per tensor. Done at every save, that cost ~15-40 µs a tensor (2-core VM): for a
+small model with its optimizer (hundreds of tensors, a megabyte or two) it was most of
+``save()``.
 
-A :class:`CopyPlan` keeps them: the layout, the entries' JSON, and, per slot buffer, the
+A :class:`CopyPlan` keeps them: the layout, the entries' JSON (encoded once:
+:class:`~trainguard.checkpoint.shard.EncodedEntries`), and, per slot buffer, the
 destination views. Each save walks the freshly captured state once (:func:`scan`),
 which yields its tensors, its tree (with the plain values read now) and a *signature*:
 every container's kind and keys (with their types), every tensor's class, dtype,
