@@ -24,6 +24,17 @@ work), idles again and times a plain copy of the same bytes into pre-faulted ten
 ``ratio_spaced_save_vs_memcpy`` their median over the copies' (the goal,
 ``goal_ratio_spaced_save_vs_memcpy``: at most 1.2).
 
+``per_call`` (each of ``--per-call-sizes``, MB of float32 state in ``--per-call-tensors``
+tensors, shaped like a model with an Adam optimizer: per parameter, its two moments and
+a 0-dim step; plus plain values, one of them the step): the per-call cost of ``save()``
+for small states of many tensors, with one intra-op thread (as each rank of a job with a
+rank per core; on a shared 2-core machine two threads' copies stall each other, which
+would measure the machine's load, not the call). Per repetition, interleaved:
+``per_call_save_s``,
+``save()`` blocking (slots pre-faulted by ``load_latest``, the background work waited for,
+untimed, after each); ``per_call_copy_s``, a plain ``copy_`` of each tensor into
+pre-faulted tensors. ``goal_per_call_save_s``: at most 5 ms.
+
 ``cuda`` (each of ``--cuda-sizes``, only with a CUDA device; otherwise the string
 ``"no CUDA device"``): the state as 4 float32 CUDA tensors, slots pinned by
 ``load_latest`` and one warm-up save, then per repetition, interleaved, and each timer
@@ -63,6 +74,8 @@ from typing import Any
 import torch
 
 TENSORS = 4
+PER_CALL_GOAL_S = 0.005
+"""save() of a state of up to 16 MB blocks at most this long, however many tensors."""
 SPACED_GOAL = 1.2
 """Every save after the first blocks at most this many times a plain pre-faulted copy."""
 NO_CUDA = "no CUDA device"
@@ -227,6 +240,67 @@ def bench_spaced(mib: int, saves: int, spacing: float, shm_dir: Path) -> dict[st
     }
 
 
+def _many_tensors_state(mb: float, tensors: int) -> dict[str, Any]:
+    """About ``mb`` MB of float32 in about ``tensors`` tensors, laid out like a model's and
+    an Adam optimizer's state dicts (per parameter: its two moments and a 0-dim step)."""
+    params = max(1, tensors // 4)
+    numel = max(1, int(mb * 1e6) // 4 // (3 * params))
+    model = {f"layer{i}.weight": torch.randn(numel) for i in range(params)}
+    moments = {
+        i: {
+            "step": torch.tensor(1.0),
+            "exp_avg": torch.randn(numel),
+            "exp_avg_sq": torch.rand(numel),
+        }
+        for i in range(params)
+    }
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": list(range(params))}]
+    return {"model": model, "optim": {"state": moments, "param_groups": groups}, "step": 0}
+
+
+def bench_per_call(mb: float, tensors: int, repeats: int, shm_dir: Path) -> dict[str, Any]:
+    """save() of a small state of many tensors, against a plain copy of each tensor."""
+    from bench.workloads_ckpt import tensors as leaves
+    from trainguard.checkpoint import Checkpointer
+
+    state = _many_tensors_state(mb, tensors)
+    live = list(leaves(state))
+    dst = [torch.zeros_like(t) for t in live]  # pre-faulted: every page written
+    directory = shm_dir / f"per-call-{mb}"
+    ckpt = Checkpointer(memory_dir=str(directory), job_id="bench-per-call", environ={})
+    save_s: list[float] = []
+    copy_s: list[float] = []
+
+    def copy() -> None:
+        for target, source in zip(dst, live, strict=True):
+            target.copy_(source)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ckpt.load_latest(state)
+        ckpt.save(0, state)  # warm-up (as in training, the first save is not the point)
+        ckpt.wait()
+        for step in range(1, repeats + 1):
+            state["step"] = step
+            save_s += _timed(functools.partial(ckpt.save, step, state), 1, after=ckpt.wait)
+            copy_s += _timed(copy, 1)
+    finally:
+        torch.set_num_threads(threads)
+        ckpt.close()
+        shutil.rmtree(directory, ignore_errors=True)
+    nbytes = sum(t.numel() * t.element_size() for t in live)
+    save = _stats(save_s)
+    return {
+        "bytes": nbytes,
+        "tensors": len(live),
+        "per_call_save_s": save,
+        "per_call_copy_s": _stats(copy_s),
+        "ratio_per_call_save_vs_copy": save["median"] / statistics.median(copy_s),
+        "goal_per_call_save_s": PER_CALL_GOAL_S,
+    }
+
+
 def _synced(fn: Callable[[], Any]) -> float:
     """Seconds ``fn`` takes, started once the device is idle."""
     torch.cuda.synchronize()
@@ -386,6 +460,10 @@ def _sizes(text: str) -> list[int]:
     return [int(s) for s in text.split(",") if s.strip()]
 
 
+def _mbs(text: str) -> list[float]:
+    return [float(s) for s in text.split(",") if s.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="256,1024", help="MiB of state, comma-separated")
@@ -403,6 +481,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cuda-sizes", default="1024,4096", help="MiB of CUDA state, comma-separated"
     )
+    parser.add_argument(
+        "--per-call-sizes", default="1.4,16", help="MB of the many-tensor states, comma-separated"
+    )
+    parser.add_argument(
+        "--per-call-tensors", type=int, default=116, help="tensors in each many-tensor state"
+    )
+    parser.add_argument(
+        "--per-call-repeats", type=int, default=20, help="saves timed per many-tensor state"
+    )
+    parser.add_argument("--only-per-call", action="store_true", help="only the per-call figures")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
     sizes = _sizes(args.sizes)
@@ -410,10 +498,17 @@ def main(argv: list[str] | None = None) -> int:
     disk_dir = Path(tempfile.mkdtemp(prefix="tg-bench-", dir=os.environ.get("TMPDIR", "/var/tmp")))
     shm_dir = Path(tempfile.mkdtemp(prefix="tg-bench-", dir="/dev/shm"))
     try:
-        for mib in sizes:
-            results[f"{mib}MiB"] = bench_size(mib, args.repeats, disk_dir, shm_dir)
-        results["spaced"] = bench_spaced(args.spaced_size, args.spaced_saves, args.spacing, shm_dir)
-        results["cuda"] = bench_cuda(_sizes(args.cuda_sizes), args.repeats, disk_dir, shm_dir)
+        results["per_call"] = {
+            f"{mb:g}MB": bench_per_call(mb, args.per_call_tensors, args.per_call_repeats, shm_dir)
+            for mb in _mbs(args.per_call_sizes)
+        }
+        if not args.only_per_call:
+            for mib in sizes:
+                results[f"{mib}MiB"] = bench_size(mib, args.repeats, disk_dir, shm_dir)
+            results["spaced"] = bench_spaced(
+                args.spaced_size, args.spaced_saves, args.spacing, shm_dir
+            )
+            results["cuda"] = bench_cuda(_sizes(args.cuda_sizes), args.repeats, disk_dir, shm_dir)
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)

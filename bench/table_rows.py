@@ -238,8 +238,25 @@ def checkpoint_rows(res: dict[str, Any]) -> list[Row]:
                 verdict(x, False),
             )
         )
+    rows += per_call_rows(res.get("per_call"))
     rows += spaced_rows(res.get("spaced"))
     rows += cuda_checkpoint_rows(res.get("cuda"))
+    return rows
+
+
+def per_call_rows(res: Any) -> list[Row]:
+    """save() of small states of many tensors: against a copy of each tensor, and the goal."""
+    rows: list[Row] = []
+    for size, r in (res or {}).items():
+        if not isinstance(r, dict) or "per_call_save_s" not in r:
+            continue
+        metric = f"{size} state of {r['tensors']} tensors: save() blocking"
+        x = r["ratio_per_call_save_vs_copy"]
+        ours = cell(r["per_call_save_s"], fine_millis)
+        theirs = cell(r["per_call_copy_s"], fine_millis)
+        rows.append(Row("checkpoint", metric, ours, "plain copy", theirs, _x(x), verdict(x, True)))
+        goal = r["goal_per_call_save_s"]
+        rows.append(goal_row("checkpoint", metric, r["per_call_save_s"], goal, fine_millis))
     return rows
 
 

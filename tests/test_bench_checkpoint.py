@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # the bench package lives at the top of the repository
     sys.path.insert(0, str(REPO))
 
-from bench.checkpoint import NO_CUDA, SPACED_GOAL  # noqa: E402
+from bench.checkpoint import NO_CUDA, PER_CALL_GOAL_S, SPACED_GOAL  # noqa: E402
 from bench.table_rows import checkpoint_rows  # noqa: E402
 
 SPACED_SAVES = 3
@@ -39,7 +39,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     argv = [
         "--sizes", "8", "--repeats", "1",
         "--spaced-size", "8", "--spaced-saves", str(SPACED_SAVES), "--spacing", "0.05",
-        "--cuda-sizes", "8", "--out", str(out),
+        "--cuda-sizes", "8", "--per-call-sizes", "0.5", "--per-call-tensors", "12",
+        "--per-call-repeats", "2", "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "TMPDIR": str(tmp)}
     done = subprocess.run(
@@ -115,7 +116,7 @@ def test_the_table_has_the_spaced_rows_and_the_cuda_state(results: dict[str, Any
     rows = checkpoint_rows(results)
     metrics = [row.metric for row in rows]
     assert "8MiB: save() blocking" in metrics  # the rows it always had
-    goal = [row for row in rows if row.baseline == "goal"]
+    goal = [row for row in rows if row.baseline == "goal" and "spaced" in row.metric]
     assert len(goal) == 1 and goal[0].theirs == f"<= {SPACED_GOAL:.2f}x"
     assert any(m.startswith("8MiB: first save() blocking, no load_latest") for m in metrics)
     assert any(m.startswith("8MiB: later save() blocking, no load_latest") for m in metrics)
@@ -126,3 +127,17 @@ def test_the_table_has_the_spaced_rows_and_the_cuda_state(results: dict[str, Any
         ]
     else:
         assert any(r.verdict == "bit-identical" for r in cuda)
+
+
+def test_the_per_call_cost_of_a_state_of_many_tensors_is_measured(results: dict[str, Any]) -> None:
+    figures = results["per_call"]["0.5MB"]
+    assert figures["tensors"] == 12  # 3 parameters: each, its two moments and a step
+    assert 0.45e6 < figures["bytes"] < 0.55e6
+    for key in ("per_call_save_s", "per_call_copy_s"):
+        assert _positive_stats(figures[key]), key
+    assert figures["ratio_per_call_save_vs_copy"] == pytest.approx(
+        figures["per_call_save_s"]["median"] / figures["per_call_copy_s"]["median"]
+    )
+    assert figures["goal_per_call_save_s"] == PER_CALL_GOAL_S
+    rows = [r for r in checkpoint_rows(results) if r.metric.startswith("0.5MB state of 12 tensors")]
+    assert [r.baseline for r in rows] == ["plain copy", "goal"]

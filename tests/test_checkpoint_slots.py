@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from trainguard.checkpoint import Checkpointer, host_memory
+from trainguard.checkpoint.background import Prepare
 from trainguard.checkpoint.memory import MemoryTier
 
 
@@ -118,6 +119,19 @@ def test_first_save_prepares_the_other_slots_in_the_background(shm: str) -> None
             ckpt.save(step, state)
         ckpt.wait()
         assert ckpt.memory.shards().keys() == {2, 3, 4}
+
+
+def test_slot_preparation_in_the_background_waits_while_a_save_copies(shm: str) -> None:
+    """Pre-faulting, like the checksum, leaves the memory bandwidth to a save's copy."""
+    with Checkpointer(memory_dir=shm, job_id="job", environ={}, memory_keep=3) as ckpt:
+        background = ckpt._background
+        assert ckpt.memory.unready(1 << 20) == [0, 1, 2]
+        with background.copying():
+            background.submit(Prepare((1,), 1 << 20, False, None))
+            with pytest.raises(TimeoutError):
+                background.wait(timeout=0.5)
+        background.wait(timeout=60)
+        assert ckpt.memory.unready(1 << 20) == [0, 2]
 
 
 def test_non_blocking_save_of_cpu_state_commits_in_the_background(shm: str) -> None:

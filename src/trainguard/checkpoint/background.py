@@ -3,12 +3,14 @@
 ``save()`` hands each snapshot to :class:`Background` as a :class:`Snapshot` (checksum it,
 re-commit its meta with the checksum, write it to the durable tier when due; for a
 non-blocking CUDA save, commit it first once its copies are done) and, after a save of a
-new size, a :class:`Prepare` of the other slots. A task's slots stay *busy* until it is
-done, so a save never writes into a slot the thread still reads. Rank 0 also commits
-durable steps once every rank's shard is there. A failure is kept and raised from the
-next ``save()`` or ``wait()`` as :class:`CheckpointError`. The checksum runs in 16 MiB
-chunks and waits between them while a ``save()`` copies (:meth:`Background.copying`): the
-copy does not share the memory bandwidth, or a busy host's core, with it.
+new size, a :class:`Prepare` of each other slot (one task a slot: the next save waits for
+its own slot only). A task's slots stay *busy* until it is done, so a save never writes
+into a slot the thread still reads. Rank 0 also commits durable steps once every rank's
+shard is there. A failure is kept and raised from the next ``save()`` or ``wait()`` as
+:class:`CheckpointError`. The checksum runs in 16 MiB chunks, a slot's pre-faulting in
+64 MiB chunks, and both wait between chunks while a ``save()`` copies
+(:meth:`Background.copying`): the copy does not share the memory bandwidth, or a busy
+host's core, with them.
 """
 
 from __future__ import annotations
@@ -110,9 +112,9 @@ class Background:
 
     @contextlib.contextmanager
     def copying(self) -> Iterator[None]:
-        """While save() copies into a slot: the background checksum pauses between its
-        chunks, so the copy has the memory bandwidth (and, on a busy host, the core) to
-        itself."""
+        """While save() copies into a slot: the background checksum and slot preparation
+        pause between their chunks, so the copy has the memory bandwidth (and, on a busy
+        host, the core) to itself."""
         self._not_copying.clear()
         try:
             yield
@@ -200,7 +202,7 @@ class Background:
             with on_device(task.device):
                 for slot in task.slots:
                     try:
-                        self.memory.prepare_slot(slot, task.nbytes, task.pin)
+                        self.memory.prepare_slot(slot, task.nbytes, task.pin, self._pause)
                     except OSError as exc:
                         if not no_room(exc):
                             raise

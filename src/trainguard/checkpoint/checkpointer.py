@@ -20,11 +20,8 @@ import torch
 from trainguard.checkpoint.agreement import agree_on_step, worst_outcome
 from trainguard.checkpoint.background import Background, CheckpointError, Prepare, Snapshot
 from trainguard.checkpoint.config import CheckpointConfig, writer_attempt
-from trainguard.checkpoint.copying import (
-    copy_to_host,
-    has_cuda,
-    synchronize_devices,
-)
+from trainguard.checkpoint.copy_plan import CopyPlan, plan_for
+from trainguard.checkpoint.copying import copy_into, has_cuda, synchronize_devices
 from trainguard.checkpoint.gather import as_tensor, gather, node_steps, shard_sources
 from trainguard.checkpoint.memory import MemoryShard, MemoryTier, default_memory_dir
 from trainguard.checkpoint.room import MemoryRoom, no_room
@@ -133,6 +130,7 @@ class Checkpointer:
         self._background = Background(self.memory, cfg, self._durable_tier)
         self._closed = False
         self._cuda_device: int | None = None  # where the state's CUDA tensors are, once seen
+        self._plan: CopyPlan | None = None  # save()'s copy plan, while the structure holds
         seconds = cfg.durable_every_seconds
         self._durable_bucket = int(time.time() // seconds) if seconds else 0
 
@@ -170,8 +168,8 @@ class Checkpointer:
         if self._room.full:  # no room in the memory tier lately: not tried again yet
             return False
         started = time.perf_counter()
-        layout, tensors = flatten(capture(state))
-        cuda = has_cuda(tensors)
+        self._plan, layout, tensors = plan_for(capture(state), self._plan)
+        cuda = self._plan.cuda
         slot = self.memory.choose_slot(step)
         self._background.wait_for_slot(slot, step)
         with self._background.copying():
@@ -182,14 +180,14 @@ class Checkpointer:
                     raise
                 self._room.no_room(step, exc)  # training goes on (checkpoint/room.py)
                 return False
-            copy = copy_to_host(buffer, layout.entries, tensors)
+            copy = copy_into(self._plan.views(slot, buffer), tensors)
             if blocking:
                 copy.wait()
         self._cuda_device = copy.device if copy.device is not None else self._cuda_device
         cfg = self.config
         meta = make_meta(
             layout, job_id=cfg.job_id, step=step, rank=cfg.rank, world_size=cfg.world_size,
-            digest=None, attempt=writer_attempt(self._environ),
+            digest=None, attempt=writer_attempt(self._environ), entries=self._plan.entries_json,
         )  # fmt: skip
         durable = self._durable_due(step, force)
         if cfg.durable_writer == "agent":
@@ -210,9 +208,11 @@ class Checkpointer:
             self.memory.reserve(slot, step)
         self._background.submit(Snapshot(step, slot, meta, durable, None if blocking else copy))
         if prepared:  # a new size: ready the other slots before the saves that use them
-            others = tuple(s for s in self.memory.unready(layout.nbytes, cuda) if s != slot)
-            if others:
-                self._background.submit(Prepare(others, layout.nbytes, cuda, copy.device))
+            # One task a slot, in the order saves take free slots (choose_slot): the next
+            # save waits for its own slot only, never for the ones after it.
+            for other in self.memory.unready(layout.nbytes, cuda):
+                if other != slot:
+                    self._background.submit(Prepare((other,), layout.nbytes, cuda, copy.device))
         self._save_times.add(step, time.perf_counter() - started)
         self._room.fits(step)
         return True
@@ -255,6 +255,7 @@ class Checkpointer:
             self.wait(timeout)
         finally:
             self._closed = True
+            self._plan = None  # its views of the slots would keep them mapped
             self._background.stop(timeout)
             if self._cuda_device is not None:  # no copy may still write into a slot
                 torch.cuda.synchronize(self._cuda_device)

@@ -24,6 +24,7 @@ from trainguard.checkpoint.state import ALIGNMENT, TensorEntry
 __all__ = [
     "CopyDone",
     "PinnedStaging",
+    "copy_into",
     "copy_to_host",
     "has_cuda",
     "on_device",
@@ -73,25 +74,40 @@ def _side_stream(device: torch.device) -> Any:
 def copy_to_host(
     buffer: torch.Tensor, entries: Sequence[TensorEntry], tensors: Sequence[torch.Tensor]
 ) -> CopyDone:
-    """Copy each tensor into its entry's view of ``buffer``; CUDA ones asynchronously
-    (see the module doc). The returned :class:`CopyDone` says when all are there."""
+    """Copy each tensor into its entry's view of ``buffer`` (see :func:`copy_into`)."""
+    return copy_into([entry.view(buffer) for entry in entries], tensors)
+
+
+def copy_into(views: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> CopyDone:
+    """Copy each tensor into its view of a host buffer; CUDA ones asynchronously (see the
+    module doc). The returned :class:`CopyDone` says when all are there."""
+    if not has_cuda(tensors):  # one call for all: no per-tensor dispatch from Python
+        if tensors:  # (it refuses empty lists)
+            with torch.no_grad():
+                torch._foreach_copy_(list(views), list(tensors))
+        return CopyDone()
     events = []
-    by_device: dict[torch.device, list[tuple[TensorEntry, torch.Tensor]]] = {}
+    host_views: list[torch.Tensor] = []
+    host_tensors: list[torch.Tensor] = []
+    by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     with torch.no_grad():
-        for entry, tensor in zip(entries, tensors, strict=True):
-            if not entry.nbytes:
+        for view, tensor in zip(views, tensors, strict=True):
+            if not view.numel():
                 continue
             if tensor.is_cuda:
-                by_device.setdefault(tensor.device, []).append((entry, tensor))
+                by_device.setdefault(tensor.device, []).append((view, tensor))
             else:
-                entry.view(buffer).copy_(tensor)
+                host_views.append(view)
+                host_tensors.append(tensor)
+        if host_views:
+            torch._foreach_copy_(host_views, host_tensors)
         for device, pairs in by_device.items():
             caller = torch.cuda.current_stream(device)
             side = _side_stream(device)
             side.wait_stream(caller)
             with torch.cuda.stream(side):
-                for entry, tensor in pairs:
-                    entry.view(buffer).copy_(tensor, non_blocking=True)
+                for view, tensor in pairs:
+                    view.copy_(tensor, non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
             caller.wait_event(done)

@@ -20,7 +20,7 @@ import ctypes.util
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import torch
@@ -39,20 +39,33 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
 
 
-def populate(address: int, nbytes: int) -> bool:
+POPULATE_CHUNK: Final = 64 << 20
+"""With a ``pause``, :func:`populate` faults in this many bytes between two calls of it."""
+
+
+def populate(address: int, nbytes: int, pause: Callable[[], None] | None = None) -> bool:
     """Fault in ``nbytes`` of writable memory at ``address`` (a shared mapping, or a
     process's own anonymous memory; the contents are left as they are); False where the
     kernel cannot (before 5.14): the caller then maps with ``MAP_POPULATE``.
 
     ``address`` is rounded down to its page (``madvise`` needs a page-aligned start; the
-    page is in the same mapping)."""
+    page is in the same mapping). ``pause`` is called before each :data:`POPULATE_CHUNK`
+    bytes (it may block: a slot prepared in the background waits there while a save
+    copies)."""
     start = address - address % _PAGE
-    if _libc.madvise(start, nbytes + address - start, MADV_POPULATE_WRITE) == 0:
-        return True
-    errno = ctypes.get_errno()
-    if errno in (22, 38):  # EINVAL, ENOSYS: the advice is unknown to this kernel
-        return False
-    raise OSError(errno, f"madvise(MADV_POPULATE_WRITE) of {nbytes} bytes: {os.strerror(errno)}")
+    span = nbytes + address - start
+    chunk = span if pause is None else POPULATE_CHUNK
+    for offset in range(0, span, max(chunk, 1)):
+        if pause is not None:
+            pause()
+        size = min(chunk, span - offset)
+        if _libc.madvise(start + offset, size, MADV_POPULATE_WRITE) == 0:
+            continue
+        errno = ctypes.get_errno()
+        if errno in (22, 38):  # EINVAL, ENOSYS: the advice is unknown to this kernel
+            return False
+        raise OSError(errno, f"madvise(MADV_POPULATE_WRITE) of {size} bytes: {os.strerror(errno)}")
+    return True
 
 
 def register(address: int, nbytes: int) -> bool:

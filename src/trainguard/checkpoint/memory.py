@@ -50,7 +50,7 @@ import torch
 
 from trainguard.checkpoint import host_memory
 from trainguard.checkpoint.files import hold_from
-from trainguard.checkpoint.shard import ShardInvalid, check_identity, layout_of
+from trainguard.checkpoint.shard import ShardInvalid, check_identity, encode_meta, layout_of
 from trainguard.checkpoint.state import Layout
 from trainguard.checkpoint.tier_dir import open_private, private_dir, user_root
 
@@ -69,6 +69,9 @@ def default_memory_dir(environ: Mapping[str, str] | None = None) -> str:
     run_id = env.get("TORCHELASTIC_RUN_ID") or "local"
     return str(user_root() / run_id)
 
+
+Pause = Callable[[], None]
+"""Called between chunks of background work on a slot; blocks while a save copies."""
 
 Skipped = Callable[[str, "int | None", str], None]
 """Told of a shard :meth:`MemoryTier.shards` skips: its meta file, its step (None: not
@@ -107,9 +110,9 @@ class _Slot:
         locked = self.pinned or self.pin_failed or not pin
         return self.capacity >= nbytes and self.map is not None and locked
 
-    def ensure(self, nbytes: int, pin: bool = False) -> bool:
+    def ensure(self, nbytes: int, pin: bool = False, pause: Pause | None = None) -> bool:
         """Grow (and pre-fault) the slot to hold ``nbytes``, page-lock it if ``pin``;
-        returns whether it did anything."""
+        returns whether it did anything. ``pause``: see :func:`host_memory.populate`."""
         if self.ready(nbytes, pin):
             return False
         if self.capacity < nbytes or self.map is None:
@@ -122,16 +125,16 @@ class _Slot:
                     exc.errno, f"cannot allocate {size} bytes for memory slot {self.data_path}"
                 ) from exc
             self.capacity = size
-            self._map()
+            self._map(pause)
         if pin and not self.pinned and self.buffer is not None:
             self.pinned = host_memory.register(self.buffer.data_ptr(), self.capacity)
             self.pin_failed = not self.pinned
         return True
 
-    def _map(self) -> None:
+    def _map(self, pause: Pause | None = None) -> None:
         self.map = mmap.mmap(self.fd, self.capacity, flags=mmap.MAP_SHARED)
         self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
-        if not host_memory.populate(self.buffer.data_ptr(), self.capacity):
+        if not host_memory.populate(self.buffer.data_ptr(), self.capacity, pause):
             self.buffer = None  # older kernel: pre-fault at map time instead
             self.map.close()
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -346,9 +349,12 @@ class MemoryTier:
                 unready.append(slot)
         return unready
 
-    def prepare_slot(self, slot: int, nbytes: int, pin: bool = False) -> None:
-        """Allocate, pre-fault (and page-lock) one slot listed by :meth:`unready`."""
-        self._slots[slot].ensure(nbytes, pin)
+    def prepare_slot(
+        self, slot: int, nbytes: int, pin: bool = False, pause: Pause | None = None
+    ) -> None:
+        """Allocate, pre-fault (and page-lock) one slot listed by :meth:`unready`
+        (``pause``: see :func:`host_memory.populate`)."""
+        self._slots[slot].ensure(nbytes, pin, pause)
 
     def prepare(self, nbytes: int, pin: bool = False) -> None:
         """Allocate and pre-fault (and page-lock) every slot to ``nbytes`` now.
@@ -368,7 +374,7 @@ class MemoryTier:
         path = self.meta_path(slot)
         tmp = f"{path}.tmp"
         with open_private(tmp) as file:
-            file.write(json.dumps(meta, separators=(",", ":")).encode())
+            file.write(encode_meta(meta))
         os.replace(tmp, path)
         if self._steps is not None and isinstance(meta.get("step"), int):
             self._steps[slot] = meta["step"]

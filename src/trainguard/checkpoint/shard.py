@@ -16,6 +16,7 @@ unknown; its shards then need their checksum everywhere.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -25,8 +26,10 @@ from trainguard.checkpoint.state import Layout, TensorEntry
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "FORMAT",
+    "EncodedEntries",
     "ShardInvalid",
     "checksum",
+    "encode_meta",
     "layout_of",
     "make_meta",
     "unchecked_refusal",
@@ -49,9 +52,11 @@ def make_meta(
     world_size: int,
     digest: str | None,
     attempt: int | None = None,
+    entries: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The meta of a shard laid out by ``layout`` (``digest`` None: not yet checksummed),
-    written by ``rank`` in ``attempt`` (None: unknown)."""
+    written by ``rank`` in ``attempt`` (None: unknown); ``entries``: the JSON of
+    ``layout.entries`` when the caller has it already (save()'s copy plan)."""
     return {
         "format": FORMAT,
         "job_id": job_id,
@@ -59,12 +64,31 @@ def make_meta(
         "rank": rank,
         "world_size": world_size,
         "nbytes": layout.nbytes,
-        "tensors": [entry.to_json() for entry in layout.entries],
+        "tensors": [e.to_json() for e in layout.entries] if entries is None else entries,
         "plain": layout.tree,
         "checksum": digest,
         "created_at": time.time(),
         "writer": {"rank": rank, "attempt": attempt},
     }
+
+
+class EncodedEntries(list[dict[str, Any]]):
+    """A meta's ``"tensors"`` list together with its JSON, encoded once (save()'s copy
+    plan keeps one while the state's structure holds; never changed after that)."""
+
+    def __init__(self, entries: list[dict[str, Any]]) -> None:
+        super().__init__(entries)
+        self.json = json.dumps(entries, separators=(",", ":"))
+
+
+def encode_meta(meta: dict[str, Any]) -> bytes:
+    """``meta`` as compact JSON; its ``"tensors"`` from their cached JSON when they are
+    :class:`EncodedEntries` (then last: JSON objects are unordered)."""
+    tensors = meta.get("tensors")
+    if not isinstance(tensors, EncodedEntries):
+        return json.dumps(meta, separators=(",", ":")).encode()
+    rest = json.dumps({k: v for k, v in meta.items() if k != "tensors"}, separators=(",", ":"))
+    return f'{rest[:-1]}{"," if len(rest) > 2 else ""}"tensors":{tensors.json}}}'.encode()
 
 
 def layout_of(meta: dict[str, Any]) -> Layout:

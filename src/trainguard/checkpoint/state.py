@@ -49,7 +49,7 @@ ALIGNMENT = 64
 
 PathKey = str | int
 Path = tuple[PathKey, ...]
-_PLAIN = (int, float, str, bool, type(None))
+PLAIN = (int, float, str, bool, type(None))
 
 
 class StateMismatch(ValueError):
@@ -176,7 +176,7 @@ def flatten(state: Any) -> tuple[Layout, list[torch.Tensor]]:
             return {"l": [walk(v, (*path, i)) for i, v in enumerate(node)]}
         if isinstance(node, tuple):
             return {"u": [walk(v, (*path, i)) for i, v in enumerate(node)]}
-        if isinstance(node, _PLAIN):
+        if isinstance(node, PLAIN):
             return {"v": node}
         raise TypeError(
             f"{format_path(path)}: a {type(node).__name__} cannot be checkpointed; leaves must be "
