@@ -21,7 +21,13 @@ the first step past the last one completed before it: the stall plus the steps r
 ``step_s`` (median before the fault), and the targets of issue 37 as booleans: stall
 within 0.5 s + 2 steps + the state at half the link's bandwidth; the transfer at 0.8x
 the link or better (judged at 1.5 GB); checkpointless ``lost_s`` within 0.2x the
-relaunch's. The process-level path (the memory tier) is not measured here yet.
+relaunch's;
+
+  - ``process_level``: the same script under the real ``trainguard run`` with the memory
+    tier (snapshots every 5 steps), the same SIGKILL by ``--inject``; the agent restarts
+    the workers and they restore from the memory tier. Its figures, and each restarted
+    rank's start phases, are :mod:`bench.state_scale_process`'s; ``ratio_lost_process``
+    is its ``lost_s`` over the relaunch's.
 """
 
 from __future__ import annotations
@@ -58,9 +64,10 @@ KILL_STEP = 12  # two steps after the relaunch's snapshot at step 10
 STEPS = 16
 LINK_BYTES = 512 << 20
 QUICK_LINK_BYTES = 64 << 20
-MEMORY_PER_STATE = 5.0
-"""Bytes of free memory a size needs per byte of state: 3 processes (2 ranks and the
-spare) with state and gradients, and two snapshots in /dev/shm."""
+MEMORY_PER_STATE = 7.0
+"""Bytes of free memory a size needs per byte of state: the process-level run's 2 ranks
+with state and gradients and their 4 memory-tier slots in /dev/shm (the checkpointless
+run's 3 processes and the relaunch's snapshots need less)."""
 _TRANSFER = re.compile(
     r"state from peer rank \d+(?: with ranks [\d,]+)? at step \d+ "
     r"\(([\d.]+) MB in ([\d.]+) s: layout ([\d.]+) s, "
@@ -362,20 +369,21 @@ def measure(quick: bool, workdir: Path, log: Callable[[str], None]) -> dict[str,
         "skipped_sizes_gb": [gb for gb in wanted if gb not in sizes],
         "sizes": {},
     }
+    from bench.state_scale_process import process_level  # it imports this module
+
     for gb in sizes:
         size = {
             "checkpointless": checkpointless(workdir, gb, timeout),
+            "process_level": process_level(workdir, gb, timeout),
             "relaunch": relaunch(workdir, gb, timeout),
         }
         ours = size["checkpointless"]
         if ours.get("stall_s") is not None:
             ours["stall_s_per_gb"] = ours["stall_s"] / gb
         size["targets"] = targets(size, link, gb)
-        size["ratio_lost"] = (
-            ours["lost_s"] / size["relaunch"]["lost_s"]
-            if ours.get("lost_s") and size["relaunch"].get("lost_s")
-            else None
-        )
+        theirs = size["relaunch"].get("lost_s")
+        for key, side in (("ratio_lost", ours), ("ratio_lost_process", size["process_level"])):
+            size[key] = side["lost_s"] / theirs if side.get("lost_s") and theirs else None
         result["sizes"][str(gb)] = size
         log(f"state_scale {gb} GB: {json.dumps(size)}")
     return result

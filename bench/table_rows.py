@@ -559,6 +559,7 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
         "sharded",
         "group_start",
         "data_cache",
+        "state_scale",
     ):
         res = results.get(scenario)
         if not res:
@@ -591,6 +592,10 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
             from bench.data_cache import rows as data_cache_rows
 
             rows += data_cache_rows(res)
+        elif scenario == "state_scale":  # and these in bench/state_scale_rows.py
+            from bench.state_scale_rows import rows as state_scale_rows
+
+            rows += state_scale_rows(res)
         elif scenario in _FAULT_METRICS:
             rows += fault_rows(scenario, res)
         elif scenario == "checkpoint":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from bench.state_scale import _JOINED, _TRANSFER, targets
+from bench.state_scale_process import start_phases
+from bench.state_scale_rows import rows
 
 
 def test_the_targets_compare_the_stall_with_the_link_and_the_lost_time_with_a_relaunch() -> None:
@@ -40,3 +42,33 @@ def test_the_phases_are_read_from_the_workers_joined_line() -> None:
     assert joined is not None and joined.groups() == ("1.250", "0.200", "0.050", "1.000")
     assert transfer is not None
     assert transfer.groups() == ("1540.0", "0.950", "0.010", "0.900", "1.71", "0.040")
+
+
+def test_the_rows_compare_each_side_with_the_relaunch_and_the_transfer_with_the_link() -> None:
+    size = {
+        "checkpointless": {"stall_s": 1.0, "lost_s": 2.0, "transfer": {"gb_per_s": 1.5}},
+        "process_level": {"stall_s": 4.0, "lost_s": 8.0},
+        "relaunch": {"stall_s": 5.0, "lost_s": 4.0},
+    }
+    found = rows({"link_gb_per_s": 2.0, "sizes": {"0.4": size}})
+    table = {row.metric: (row.ours, row.theirs, row.ratio, row.verdict) for row in found}
+    assert table["0.4 GB/rank, checkpointless: stall: fault -> next step"][2] == "0.20x"
+    lost = table["0.4 GB/rank, process-level: lost: fault -> past the fault"]
+    assert lost == ("8.0 s", "4.0 s", "2.00x", "**trainguard worse**")
+    rate = table["0.4 GB/rank, checkpointless: state transfer rate"]
+    assert rate == ("1.5 GB/s", "2.0 GB/s", "0.75x", "**trainguard worse**")
+    del size["process_level"]  # an older harness's results
+    assert len(rows({"sizes": {"0.4": size}})) == 3
+
+
+def test_a_restarted_ranks_start_is_split_into_phases_from_the_fault() -> None:
+    record = {
+        "process_started": 101.0,
+        "phases": {"imports": 102.0, "group": 102.5, "model": 104.0, "load": 105.0, "ddp": 105.5},
+        "restored_step": 10,
+        "restore_s": 0.9,
+        "restore_tier": "memory",
+    }
+    phases = start_phases(record, fault_at=100.0)
+    assert phases["restart_s"] == 1.0 and phases["imports_s"] == 1.0
+    assert phases["model_s"] == 1.5 and phases["load_s"] == 1.0 and phases["ready_s"] == 5.5

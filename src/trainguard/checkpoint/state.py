@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from trainguard.checkpoint.host_memory import Prefault
 from trainguard.checkpoint.sharding import (
     NotCovered,
     Source,
@@ -212,7 +213,9 @@ def plan_restore(
 
     Tensors are ``copy_``-ed into the existing tensors (references stay valid); plain
     values, tuples and anything the state lacks are put into their containers (a new
-    tensor on ``buffer``'s device, or on ``devices[i]`` for the i-th entry when given).
+    tensor on ``buffer``'s device, or on ``devices[i]`` for the i-th entry when given,
+    allocated by the plan and faulted in ahead of its copy by a
+    :class:`~trainguard.checkpoint.host_memory.Prefault` thread).
     ``non_blocking`` copies asynchronously where the devices allow it: the caller then
     synchronises before it uses the state or changes the buffer. Every
     mismatch (shape, dtype, container type, list length, a tensor of ``state`` the
@@ -227,16 +230,19 @@ def plan_restore(
     if buffer.numel() < layout.nbytes:
         raise StateMismatch(f"data holds {buffer.numel()} bytes, the layout needs {layout.nbytes}")
     actions: list[Callable[[], None]] = []
+    fresh: list[tuple[torch.Tensor, torch.Tensor]] = []  # a new tensor, and its bytes
     entries = layout.entries
 
     def build(node: Any, path: Path) -> Any:
-        """A fresh object for ``node`` (no target to restore into)."""
+        """A fresh object for ``node`` (no target to restore into); a tensor is allocated
+        now and filled when the plan runs."""
         kind, value = _node(node, path)
         if kind == "t":
             view = entries[value].view(buffer)
-            if devices is None:
-                return view.clone()
-            return view.to(devices[value], copy=True)
+            device = buffer.device if devices is None else devices[value]
+            new = torch.empty(view.shape, dtype=view.dtype, device=device)
+            fresh.append((new, view))
+            return new
         if kind == "v":
             return value
         if kind == "d":
@@ -305,11 +311,17 @@ def plan_restore(
         return news if kind == "l" else tuple(news)
 
     plan(layout.tree, state, ())
+    # The fresh tensors' pages are faulted in from now on, on a thread of their own: the
+    # copies into existing tensors run first, then each fresh tensor's once it is ready.
+    prefault = Prefault([new for new, _ in fresh])
 
     def run() -> None:
         with torch.no_grad():
             for action in actions:
                 action()
+            for index, (new, view) in enumerate(fresh):
+                prefault.wait(index)
+                new.copy_(view, non_blocking=non_blocking)
 
     return run
 
