@@ -372,7 +372,7 @@ def measure(quick: bool, workdir: Path, log: Callable[[str], None]) -> dict[str,
     from bench.state_scale_process import process_level  # it imports this module
 
     for gb in sizes:
-        size = {
+        size: dict[str, Any] = {
             "checkpointless": checkpointless(workdir, gb, timeout),
             "process_level": process_level(workdir, gb, timeout),
             "relaunch": relaunch(workdir, gb, timeout),
