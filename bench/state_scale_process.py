@@ -10,7 +10,8 @@ Besides :func:`~bench.state_scale._figures`, :func:`process_level` gives each re
 rank's start (``start``): the fault to its process's start (the agent noticing the exit,
 stopping the others and starting the workers again), then each phase of the script's start
 (interpreter and imports, process group, model build, ``load_latest``, DDP), and the
-restore's own seconds as the Checkpointer reports them (``CheckpointRestored``).
+restore's own seconds and phases (plan, checksum, copy, slots readied) as the
+Checkpointer reports them (``Restore.phases``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def start_phases(record: dict[str, Any], fault_at: float) -> dict[str, Any]:
     result["restored_step"] = record.get("restored_step")
     result["restore_s"] = record.get("restore_s")
     result["restore_tier"] = record.get("restore_tier")
+    result["restore_phases"] = record.get("restore_phases")
     return result
 
 

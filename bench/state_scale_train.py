@@ -93,6 +93,7 @@ if checkpointer is not None:
         "restored_step": restored,
         "restore_s": last.seconds if last else None,
         "restore_tier": last.tier if last else None,
+        "restore_phases": last.phases if last else None,
     }
     path = args.out / f"start-{rank}-{os.getpid()}.json"
     path.write_text(json.dumps(start_record), encoding="utf-8")

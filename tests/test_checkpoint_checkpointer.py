@@ -75,6 +75,8 @@ def test_memory_round_trip_and_cadence(shm: str, capsys: pytest.CaptureFixture[s
     _assert_restored(state, 7)
     assert state["w"] is w
     assert "Restored step 7 from memory in" in capsys.readouterr().out
+    assert ckpt.last_restore is not None
+    assert {"plan_s", "verify_s", "copy_s", "prepare_s"} <= set(ckpt.last_restore.phases)
 
 
 def test_keeps_the_newest_snapshots(shm: str) -> None:
@@ -121,6 +123,19 @@ def _uncheck(memory_dir: str, step: int, writer: dict[str, Any] | None = None) -
     elif writer is not None:
         meta["writer"] = writer
     meta_path.write_text(json.dumps(meta))
+
+
+def test_a_corrupt_shard_is_skipped_before_its_fit_is_judged(shm: str) -> None:
+    # The plan of a restore is made before the shard's checksum is checked; a shard that
+    # does not fit the state is still skipped, not reported, when its data is corrupt.
+    with _ckpt(shm) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.save(2, {**_state(2), "w": torch.zeros(3)})
+    _corrupt(shm, 2)
+    state = _blank()
+    with _ckpt(shm) as ckpt:
+        assert ckpt.load_latest(state) == 1
+    _assert_restored(state, 1)
 
 
 def _corrupt(memory_dir: str, step: int) -> None:

@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +31,7 @@ from trainguard.checkpoint.shard import (
     make_meta,
     unchecked_refusal,
     verify,
+    verify_data,
 )
 from trainguard.checkpoint.sharding import NotCovered, init_optimizer_state
 from trainguard.checkpoint.state import Layout, StateMismatch, flatten, plan_restore
@@ -69,6 +70,10 @@ class Restore:
     step: int
     tier: str  # "memory" or "durable"
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+    """Where the seconds went: ``plan_s`` (the plan of the restore), ``verify_s`` (the
+    shard's checksum), ``copy_s`` (the copy into the state), ``prepare_s`` (the memory
+    slots readied for the next saves); the rest is finding and agreeing on the step."""
 
 
 class Checkpointer:
@@ -125,6 +130,7 @@ class Checkpointer:
         )
         self._room = MemoryRoom(cfg.memory_dir, cfg.rank)  # a full tier is skipped a while
         self.last_restore: Restore | None = None
+        self._timing: dict[str, float] = {}  # the restore under way: its phases (Restore)
         self._save_times = SaveTimes(enabled=cfg.rank == 0)
         self._durable: DurableTier | None = None
         self._background = Background(self.memory, cfg, self._durable_tier)
@@ -287,6 +293,7 @@ class Checkpointer:
         if self._background.started:
             self.wait()
         started = time.perf_counter()
+        self._timing = {}
         cfg = self.config
         attempt = writer_attempt(self._environ)
         memory = self._trusted(
@@ -333,23 +340,33 @@ class Checkpointer:
         tier, target = ready.tier, captured[0]
         if ready.cuda and ready.slot is not None:  # page-locked: host-to-device at DMA speed
             self.memory.prepare_slot(ready.slot, ready.nbytes, pin=True)
+        copying = time.perf_counter()
         ready.run()
         own, tensors = flatten(target)  # with what the restore added (a fresh optimizer's)
         cuda = has_cuda(tensors)
         synchronize_devices(tensors)
         apply(state, target)
         del ready
-        seconds = time.perf_counter() - started
-        self.last_restore = Restore(step, tier, seconds)
+        preparing = time.perf_counter()
+        self._timing["copy_s"] = preparing - copying
         self.memory.drop_newer_than(step)
         self._prepare(own.nbytes, pin=cuda)
-        log.info("rank %d restored step %d from %s in %.3f s", cfg.rank, step, tier, seconds)
+        ended = time.perf_counter()
+        self._timing["prepare_s"] = ended - preparing
+        seconds = ended - started
+        phases = dict(self._timing)
+        self.last_restore = Restore(step, tier, seconds, phases)
+        told = ", ".join(f"{key.removesuffix('_s')} {value:.3f} s" for key, value in phases.items())
+        log.info(
+            "rank %d restored step %d from %s in %.3f s (%s)", cfg.rank, step, tier, seconds, told
+        )
         worker_events.emit(
             "CheckpointRestored",
-            f"rank {cfg.rank} restored step {step} from {tier} in {seconds:.3f} s",
+            f"rank {cfg.rank} restored step {step} from {tier} in {seconds:.3f} s ({told})",
             step=step,
             tier=tier,
             seconds=seconds,
+            phases=phases,
         )
         if cfg.rank == 0:
             print(f"Restored step {step} from {tier} in {seconds:.3f} s", flush=True)
@@ -414,19 +431,21 @@ class Checkpointer:
         ``captured``.
         """
         cfg = self.config
-        fetched = self._fetch(step, memory, durable, attempt)
         if not captured:
             captured.append(capture(state, prepare=init_optimizer_state))
         target = captured[0]
         cuda = has_cuda(flatten(target)[1])
+
+        def plan(layout: Layout, buffer: torch.Tensor) -> Callable[[], None]:
+            return plan_restore(target, layout, buffer, non_blocking=cuda)
+
+        fetched = self._fetch(step, memory, durable, attempt, plan)
         if fetched is not None:
-            tier, layout, buffer = fetched
-            try:
-                run = plan_restore(target, layout, buffer, non_blocking=cuda)
+            tier, layout, planned = fetched
+            if not isinstance(planned, NotCovered):
                 slot = memory.slot if tier == "memory" and memory is not None else None
-                return _Ready(tier, layout.nbytes, slot, cuda, run)
-            except NotCovered as exc:
-                log.info("rank %d: step %d needs resharding (%s)", cfg.rank, step, exc)
+                return _Ready(tier, layout.nbytes, slot, cuda, planned)
+            log.info("rank %d: step %d needs resharding (%s)", cfg.rank, step, planned)
         read = self._durable_tier().read_shard if cfg.durable and durable else None
         try:
             world = cfg.world_size if fetched is not None else None  # else: as saved
@@ -449,10 +468,17 @@ class Checkpointer:
         return _Ready(tier, 0, None, cuda, run)
 
     def _fetch(
-        self, step: int, memory: MemoryShard | None, durable: bool, attempt: int | None
-    ) -> tuple[str, Layout, torch.Tensor] | None:
-        """This rank's verified shard of ``step`` from the fastest tier; None if none
-        (quietly for a step saved with another world size: it is resharded)."""
+        self,
+        step: int,
+        memory: MemoryShard | None,
+        durable: bool,
+        attempt: int | None,
+        plan: Callable[[Layout, torch.Tensor], Callable[[], None]],
+    ) -> tuple[str, Layout, Callable[[], None] | NotCovered] | None:
+        """This rank's verified shard of ``step`` from the fastest tier, and ``plan`` of
+        its restore (or why it must be resharded); None if none (quietly for a step saved
+        with another world size: it is resharded). :class:`StateMismatch` if the state
+        does not fit a shard whose data is sound."""
         cfg = self.config
         check = functools.partial(
             verify, job_id=cfg.job_id, world_size=cfg.world_size, rank=cfg.rank, step=step
@@ -461,8 +487,12 @@ class Checkpointer:
             try:
                 nbytes = int(memory.meta["nbytes"])
                 with self.memory.data(memory.slot, nbytes) as data:
-                    layout = check(data, memory.meta, attempt=attempt)
-                return "memory", layout, self.memory.buffer(memory.slot)[:nbytes]
+                    layout = check(data, memory.meta, attempt=attempt, data_too=False)
+                    buffer = self.memory.buffer(memory.slot)[:nbytes]
+                    planned = self._plan_verified(plan, layout, buffer, data, memory.meta)
+                return "memory", layout, planned
+            except StateMismatch:
+                raise
             except (ShardInvalid, OSError, ValueError) as exc:
                 self._skipped("memory", step, self.memory.meta_path(memory.slot), exc)
                 self.memory.drop(memory.slot)
@@ -471,11 +501,43 @@ class Checkpointer:
                 data_bytes, meta = self._durable_tier().read_shard(step, cfg.rank)
                 if meta.get("world_size") != cfg.world_size:
                     return None
-                layout = check(data_bytes, meta)
-                return "durable", layout, as_tensor(data_bytes)
+                layout = check(data_bytes, meta, data_too=False)
+                planned = self._plan_verified(plan, layout, as_tensor(data_bytes), data_bytes, meta)
+                return "durable", layout, planned
+            except StateMismatch:
+                raise
             except Exception as exc:
                 self._skipped("durable", step, str(cfg.durable_url), exc)
         return None
+
+    def _plan_verified(
+        self,
+        plan: Callable[[Layout, torch.Tensor], Callable[[], None]],
+        layout: Layout,
+        buffer: torch.Tensor,
+        data: memoryview | bytes,
+        meta: dict[str, Any],
+    ) -> Callable[[], None] | NotCovered:
+        """``plan`` of a shard whose meta has passed :func:`verify`, then its checksum.
+
+        Planning reads no data and changes nothing (a restore's fresh tensors are only
+        allocated, and faulted in meanwhile by a thread of their own), so it goes first and
+        the checksum overlaps those faults; the plan is returned only once the data has
+        matched, and a shard that does not match is skipped whether or not it fits.
+        """
+        began = time.perf_counter()
+        try:
+            planned: Callable[[], None] | NotCovered = plan(layout, buffer)
+        except NotCovered as exc:
+            planned = exc
+        except StateMismatch:
+            verify_data(data, meta, layout)
+            raise
+        checked = time.perf_counter()
+        verify_data(data, meta, layout)
+        self._timing["plan_s"] = checked - began
+        self._timing["verify_s"] = time.perf_counter() - checked
+        return planned
 
     def _durable_tier(self) -> DurableTier:
         if self._durable is None:

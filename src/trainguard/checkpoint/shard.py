@@ -34,6 +34,7 @@ __all__ = [
     "make_meta",
     "unchecked_refusal",
     "verify",
+    "verify_data",
 ]
 
 FORMAT = 1
@@ -133,13 +134,15 @@ def verify(
     rank: int,
     step: int | None = None,
     attempt: int | None = None,
+    data_too: bool = True,
 ) -> Layout:
     """Check a shard before it is loaded; returns its layout or raises :class:`ShardInvalid`.
 
     Checks the format, job id, world size, rank, step, the data size and the checksum
     whenever the meta has one. A meta without a checksum passes only when ``rank``
     wrote it within ``attempt`` (the loader's attempt; None: never), see
-    :func:`unchecked_refusal`.
+    :func:`unchecked_refusal`. ``data_too=False`` leaves the checksum to a later
+    :func:`verify_data` (the caller then loads nothing before that has passed).
     """
     check_identity(meta, job_id=job_id, world_size=world_size, step=step, rank=rank)
     layout = layout_of(meta)
@@ -153,10 +156,20 @@ def verify(
         return layout
     if not isinstance(expected, str) or not expected.startswith(f"{CHECKSUM_ALGORITHM}:"):
         raise ShardInvalid(f"unsupported checksum {expected!r}")
+    if data_too:
+        verify_data(data, meta, layout)
+    return layout
+
+
+def verify_data(data: memoryview | bytes, meta: dict[str, Any], layout: Layout) -> None:
+    """:class:`ShardInvalid` unless ``data`` matches the meta's checksum (if it has one);
+    the rest of the meta checked by :func:`verify` first."""
+    expected = meta.get("checksum")
+    if expected is None:
+        return
     actual = checksum(memoryview(data)[: layout.nbytes])
     if actual != expected:
         raise ShardInvalid(f"checksum mismatch: data {actual}, meta {expected}")
-    return layout
 
 
 def unchecked_refusal(meta: dict[str, Any], *, rank: int, attempt: int | None) -> str | None:
