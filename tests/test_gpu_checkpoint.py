@@ -78,6 +78,7 @@ def test_cuda_state_saves_to_pinned_slots_and_restores_bit_identical(
     target = _snapshot(fresh, fresh_optimizer)
     with Checkpointer(memory_dir=shm, job_id="gpu", environ={}) as ckpt:
         assert ckpt.load_latest(target) == 3
+        ckpt.wait()  # the other slots are readied in the background
         assert all(ckpt.memory.buffer(s).is_pinned() for s in range(ckpt.memory.slots))
     got = _flat(target)
     assert len(got) == len(want)

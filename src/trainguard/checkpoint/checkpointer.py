@@ -73,7 +73,8 @@ class Restore:
     phases: dict[str, float] = field(default_factory=dict)
     """Where the seconds went: ``plan_s`` (the plan of the restore), ``verify_s`` (the
     shard's checksum), ``copy_s`` (the copy into the state), ``prepare_s`` (the memory
-    slots readied for the next saves); the rest is finding and agreeing on the step."""
+    slots handed to the background to be readied for the next saves); the rest is finding
+    and agreeing on the step."""
 
 
 class Checkpointer:
@@ -287,8 +288,8 @@ class Checkpointer:
         missing shard is logged and skipped, and the ranks fall back to an older step.
         A memory shard whose checksum the writer never added is loaded only by its writer
         (this rank, within this attempt); for any other it is skipped the same way.
-        Also pre-faults (for CUDA state, page-locks) the memory slots for ``state``, so the
-        first save() runs at copy speed too.
+        Also pre-faults (for CUDA state, page-locks) the memory slots for ``state`` in the
+        background, so the first save() runs at copy speed too.
         """
         if self._background.started:
             self.wait()
@@ -335,7 +336,7 @@ class Checkpointer:
         if step is None or ready is None:
             log.info("no checkpoint to restore (rank %d offered %s)", cfg.rank, sorted(offer))
             own, tensors = flatten(captured[0] if captured else capture(state))
-            self._prepare(own.nbytes, pin=has_cuda(tensors))
+            self._prepare(tensors, own.nbytes)
             return None
         tier, target = ready.tier, captured[0]
         if ready.cuda and ready.slot is not None:  # page-locked: host-to-device at DMA speed
@@ -343,14 +344,13 @@ class Checkpointer:
         copying = time.perf_counter()
         ready.run()
         own, tensors = flatten(target)  # with what the restore added (a fresh optimizer's)
-        cuda = has_cuda(tensors)
         synchronize_devices(tensors)
         apply(state, target)
         del ready
         preparing = time.perf_counter()
         self._timing["copy_s"] = preparing - copying
         self.memory.drop_newer_than(step)
-        self._prepare(own.nbytes, pin=cuda)
+        self._prepare(tensors, own.nbytes)
         ended = time.perf_counter()
         self._timing["prepare_s"] = ended - preparing
         seconds = ended - started
@@ -372,14 +372,20 @@ class Checkpointer:
             print(f"Restored step {step} from {tier} in {seconds:.3f} s", flush=True)
         return step
 
-    def _prepare(self, nbytes: int, pin: bool) -> None:
-        """Ready the memory slots for ``nbytes``; a tier with no room is not an error."""
+    def _prepare(self, tensors: list[torch.Tensor], nbytes: int) -> None:
+        """Ready the memory slots for a state of ``nbytes`` (``tensors``: page-locked if
+        any is on a GPU) in the background, off the restore's path: a save waits for the
+        slot it needs. Slots that must grow are uncommitted now."""
+        cuda = next((t.device.index for t in tensors if t.is_cuda), None)
         try:
-            self.memory.prepare(nbytes, pin=pin)
+            slots = tuple(self.memory.unready(nbytes, pin=cuda is not None))
         except OSError as exc:
             if not no_room(exc):
                 raise
             self._room.no_room(None, exc)
+            return
+        for slot in slots:  # a task each: a save waits only for the slot it needs
+            self._background.submit(Prepare((slot,), nbytes, cuda is not None, cuda))
 
     def _trusted(
         self, shards: dict[int, MemoryShard], attempt: int | None

@@ -88,8 +88,11 @@ class MemoryShard:
 
 
 class _Slot:
-    """One slot file, mapped read-write for the life of the tier.
+    """One slot file, mapped read-write (once first used) for the life of the tier.
 
+    An existing file is mapped by the first :meth:`open` or :meth:`ensure`, not when the
+    slot is looked at: a restarted rank maps the slot it restores from at once, and leaves
+    the others to be mapped (and pre-faulted) in the background.
     ``pinned``: the mapping is page-locked for CUDA copies (:mod:`.host_memory`); it is
     unregistered before it is unmapped, and a slot that grows is registered again.
     """
@@ -102,8 +105,11 @@ class _Slot:
         self.buffer: torch.Tensor | None = None
         self.pinned = False
         self.pin_failed = False  # page-locking this mapping failed: not tried again
-        if self.capacity:
-            self._map()
+
+    def open(self, pause: Pause | None = None) -> None:
+        """Map (and pre-fault) the file as it is, if it is not yet mapped."""
+        if self.map is None and self.capacity:
+            self._map(pause)
 
     def ready(self, nbytes: int, pin: bool) -> bool:
         """Whether the slot holds ``nbytes`` pre-faulted (and page-locked, if ``pin``)."""
@@ -115,6 +121,8 @@ class _Slot:
         returns whether it did anything. ``pause``: see :func:`host_memory.populate`."""
         if self.ready(nbytes, pin):
             return False
+        if self.capacity >= nbytes:
+            self.open(pause)
         if self.capacity < nbytes or self.map is None:
             size = max(MIN_SLOT_BYTES, int(nbytes * GROWTH) // 4096 * 4096 + 4096)
             self._unmap()
@@ -277,6 +285,7 @@ class MemoryTier:
     def data(self, slot: int, nbytes: int) -> memoryview:
         """The first ``nbytes`` of ``slot``'s data (a view of the mapping)."""
         mapped = self._slot(slot)
+        mapped.open()
         if mapped.map is None or mapped.capacity < nbytes:
             raise ShardInvalid(
                 f"{self.data_path(slot)} holds {mapped.capacity} bytes, not {nbytes}"
@@ -286,6 +295,7 @@ class MemoryTier:
     def buffer(self, slot: int) -> torch.Tensor:
         """``slot``'s data as a flat uint8 tensor sharing the mapping."""
         mapped = self._slot(slot)
+        mapped.open()
         if mapped.buffer is None:
             raise ShardInvalid(f"{self.data_path(slot)} is empty")
         return mapped.buffer
@@ -344,7 +354,7 @@ class MemoryTier:
         for slot in range(self.slots):
             mapped = self._slot(slot)
             if not mapped.ready(nbytes, pin):
-                if mapped.capacity < nbytes or mapped.map is None:
+                if mapped.capacity < nbytes:
                     self.drop(slot)
                 unready.append(slot)
         return unready
