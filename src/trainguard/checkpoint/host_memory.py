@@ -102,16 +102,21 @@ class Prefault:
     def _run(self) -> None:
         page = mmap.PAGESIZE
         working = True
-        for index, tensor in enumerate(self._tensors):
-            if working and self._wanted(tensor):
-                start = tensor.data_ptr() // page * page  # madvise wants a page boundary
-                try:
-                    working = populate(start, tensor.data_ptr() + tensor.nbytes - start)
-                except OSError as exc:  # the copy faults the pages in itself
-                    log.debug("prefault of a restored tensor failed: %s", exc)
-                    working = False
+        try:
+            for index, tensor in enumerate(self._tensors):
+                if working and self._wanted(tensor):
+                    start = tensor.data_ptr() // page * page  # madvise wants a page boundary
+                    try:
+                        working = populate(start, tensor.data_ptr() + tensor.nbytes - start)
+                    except OSError as exc:  # the copy faults the pages in itself
+                        log.debug("prefault of a restored tensor failed: %s", exc)
+                        working = False
+                with self._done:
+                    self._next = index + 1
+                    self._done.notify_all()
+        finally:  # whatever happens, no copy waits for ever
             with self._done:
-                self._next = index + 1
+                self._next = len(self._tensors)
                 self._done.notify_all()
 
     def wait(self, index: int) -> None:
