@@ -2,12 +2,12 @@
 CUDA copies.
 
 Both run without the GIL, so a background thread can prepare the next slots while the
-training loop runs (and :class:`Prefault` fault in a restore's fresh tensors while it
-copies into the ones before them): :func:`populate` calls ``madvise(MADV_POPULATE_WRITE)`` through
+training loop runs: :func:`populate` calls ``madvise(MADV_POPULATE_WRITE)`` through
 ctypes (Python's ``mmap.madvise`` holds the GIL), and :func:`register` calls
 ``cudaHostRegister`` through torch's binding of the CUDA runtime, which releases it.
 :class:`Prefault` runs :func:`populate` in a thread ahead of data arriving in fresh memory
-(a replacement's tensors receiving a peer's state).
+(a replacement's tensors receiving a peer's state; a restore's tensors the state lacked,
+copied from the memory tier).
 
 Measured on an H100 machine (torch 2.11, 4 GiB in a ``/dev/shm`` mapping): faulting in
 took 1.7 s, registering 0.17 s; a device-to-host copy into the registered mapping ran at
@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -70,61 +69,6 @@ def populate(address: int, nbytes: int, pause: Callable[[], None] | None = None)
     return True
 
 
-PREFAULT_MIN_BYTES: Final = 1 << 20
-"""Tensors smaller than this are left to fault in as they are copied into."""
-
-
-class Prefault:
-    """Fault in fresh CPU tensors, in order, on a thread of its own (GIL-free).
-
-    A restore that copies a checkpoint into tensors it has just allocated spends most of
-    its time in page faults (the kernel zeroing each page as the copy first touches it);
-    with this, the faults of tensor ``i + 1`` are taken while tensor ``i`` is copied.
-    :meth:`wait` returns once tensor ``i`` is faulted in (or was skipped: not on the CPU,
-    small, or the kernel cannot); the tensors' contents are never changed.
-    """
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self._tensors = list(tensors)
-        self._done = threading.Condition()
-        self._next = 0  # tensors before this index are faulted in (or skipped)
-        self._thread: threading.Thread | None = None
-        if any(self._wanted(t) for t in self._tensors):
-            self._thread = threading.Thread(target=self._run, name="prefault", daemon=True)
-            self._thread.start()
-        else:
-            self._next = len(self._tensors)
-
-    @staticmethod
-    def _wanted(tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu" and int(tensor.nbytes) >= PREFAULT_MIN_BYTES
-
-    def _run(self) -> None:
-        page = mmap.PAGESIZE
-        working = True
-        try:
-            for index, tensor in enumerate(self._tensors):
-                if working and self._wanted(tensor):
-                    start = tensor.data_ptr() // page * page  # madvise wants a page boundary
-                    try:
-                        working = populate(start, tensor.data_ptr() + tensor.nbytes - start)
-                    except OSError as exc:  # the copy faults the pages in itself
-                        log.debug("prefault of a restored tensor failed: %s", exc)
-                        working = False
-                with self._done:
-                    self._next = index + 1
-                    self._done.notify_all()
-        finally:  # whatever happens, no copy waits for ever
-            with self._done:
-                self._next = len(self._tensors)
-                self._done.notify_all()
-
-    def wait(self, index: int) -> None:
-        """Until tensor ``index`` is faulted in (or skipped)."""
-        with self._done:
-            self._done.wait_for(lambda: self._next > index)
-
-
 def register(address: int, nbytes: int) -> bool:
     """Page-lock ``nbytes`` at ``address`` for CUDA copies; False (logged) where it cannot."""
     if not torch.cuda.is_available():
@@ -167,11 +111,20 @@ class Prefault:
         self._thread = threading.Thread(target=self._run, name="trainguard-prefault", daemon=True)
 
     def __enter__(self) -> Prefault:
-        if self._steps:
-            self._thread.start()
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start faulting in (what ``with`` does on entry), for a caller whose copies come
+        later than it can wait in a ``with``."""
+        if self._steps:
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop, and wait for the thread (what ``with`` does on exit)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()

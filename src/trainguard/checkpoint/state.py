@@ -16,6 +16,7 @@ Nothing is pickled, so loading a shard never runs code from it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -312,17 +313,23 @@ def plan_restore(
 
     plan(layout.tree, state, ())
     # The fresh tensors' pages are faulted in from now on, on a thread of their own: the
-    # copies into existing tensors run first, then each fresh tensor's once it is ready.
-    prefault = Prefault([new for new, _ in fresh])
+    # copies into existing tensors run first, then the fresh tensors', behind the thread.
+    # The thread knows only addresses: it is stopped when the plan has run, or is dropped
+    # (before the tensors go).
+    prefault = Prefault([[(t.data_ptr(), t.nbytes) for t, _ in fresh if t.device.type == "cpu"]])
+    prefault.start()
 
     def run() -> None:
-        with torch.no_grad():
-            for action in actions:
-                action()
-            for index, (new, view) in enumerate(fresh):
-                prefault.wait(index)
-                new.copy_(view, non_blocking=non_blocking)
+        try:
+            with torch.no_grad():
+                for action in actions:
+                    action()
+                for new, view in fresh:
+                    new.copy_(view, non_blocking=non_blocking)
+        finally:
+            prefault.stop()
 
+    weakref.finalize(run, prefault.stop)
     return run
 
 
