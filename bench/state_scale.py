@@ -192,8 +192,10 @@ def _steps(out: Path) -> list[dict[str, Any]]:
 def _wait_step(out: Path, step: int, procs: Procs, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not any(s["step"] >= step for s in _steps(out)):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"step {step} not reached in {timeout:.0f} s: {procs.log('rank-0')}")
+        ended = [name for name, proc in procs.procs.items() if proc.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            why = f"{', '.join(ended)} ended" if ended else f"not reached in {timeout:.0f} s"
+            raise RuntimeError(f"step {step} {why}: {procs.log('rank-0')[-3000:]}")
         time.sleep(0.05)
 
 
@@ -371,12 +373,19 @@ def measure(quick: bool, workdir: Path, log: Callable[[str], None]) -> dict[str,
     }
     from bench.state_scale_process import process_level  # it imports this module
 
+    sides: dict[str, Callable[[Path, float, float], dict[str, Any]]] = {
+        "checkpointless": checkpointless,
+        "process_level": process_level,
+        "relaunch": relaunch,
+    }
     for gb in sizes:
-        size: dict[str, Any] = {
-            "checkpointless": checkpointless(workdir, gb, timeout),
-            "process_level": process_level(workdir, gb, timeout),
-            "relaunch": relaunch(workdir, gb, timeout),
-        }
+        size: dict[str, Any] = {}
+        for name, run in sides.items():
+            try:
+                size[name] = run(workdir, gb, timeout)
+            except RuntimeError as exc:  # one side's failure (out of memory) ends only it
+                log(f"state_scale {gb} GB {name} failed: {str(exc)[:2000]}")
+                size[name] = {"error": str(exc)[-2000:]}
         ours = size["checkpointless"]
         if ours.get("stall_s") is not None:
             ours["stall_s_per_gb"] = ours["stall_s"] / gb
