@@ -44,6 +44,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -107,6 +108,7 @@ class FleetNode:
         self.incarnation = incarnation
         self.last_pids: tuple[int, ...] = ()
         self.address = "127.0.0.1"
+        self.hostname = socket.gethostname()  # every fleet process runs on this machine
         self.fleet: FleetProcess | None = None  # once the launcher spawned it
 
     @property

@@ -51,7 +51,7 @@ class Stall:
 
     def message(self, now: float, elapsed: float) -> str:
         pace = f"{self.per_step:.2f}s a step" if self.per_step is not None else "one step so far"
-        who = f"rank {self.rank}" if self.rank is not None else "no rank"
+        who = f"rank {self.rank}" if self.rank is not None else "the job"
         return (
             f"NoProgress: {who} completed no step after step {self.step} for {elapsed:.0f}s "
             f"(bound {self.bound:g}s: {STEP_FACTOR:g} steps at {pace}, at least "
