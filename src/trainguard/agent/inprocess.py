@@ -38,6 +38,7 @@ from pathlib import Path
 from trainguard.agent.logs import LogLayout
 from trainguard.agent.warm import Spawner
 from trainguard.agent.workers import Spawned, WorkerGroup, WorkerProcess, signal_group, worker_envs
+from trainguard.control.events import EventKind
 from trainguard.wire.control_files import (
     ATTEMPT_ENV,
     CONTROL_DIR_ENV,
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 # Set for spares in place of a rank: they learn theirs from spare-<k>.json.
 _SPARE_UNSET = ("RANK", "LOCAL_RANK", "ROLE_RANK")
-LEFT_EVENT = "InProcessRestart"
+LEFT_EVENT = EventKind.IN_PROCESS_RESTART
 """The worker event a resilient worker emits when it leaves a failed attempt."""
 
 Replaced = dict[int, tuple[int, dict[str, Path], str]]

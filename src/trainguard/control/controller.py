@@ -45,7 +45,7 @@ from trainguard.control.config import ControlConfig
 from trainguard.control.contact import launch_verdict, settled
 from trainguard.control.detect import AttemptWatch, finished, refusal_faults, stop_faults
 from trainguard.control.elastic import ElasticWatch
-from trainguard.control.events import Event, Fault, FaultType
+from trainguard.control.events import Event, EventKind, Fault, FaultType
 from trainguard.control.health import HealthBook, HealthNote
 from trainguard.control.persist import CheckpointNote, CheckpointPlanner, PersistCheckpoint
 from trainguard.control.policy import RestartRecord, RestartScope
@@ -142,7 +142,7 @@ class JobController:
             raise RuntimeError(f"job already started (phase {self.phase})")
         self.started_at = now
         self.checkpoints = CheckpointPlanner(self.config.durable, self.config.world_size, now)
-        self._event(now, "JobStarted", f"job {self.config.job_id} started")
+        self._event(now, EventKind.JOB_STARTED, f"job {self.config.job_id} started")
         return self._new_attempt(now, RestartScope.PROCESS.value, launch=self.nodes, reports={})
 
     def cancel(self, now: float, reason: str, phase: JobPhase = JobPhase.STOPPED) -> list[Action]:
@@ -150,7 +150,7 @@ class JobController:
         if self.phase.terminal or self._cancel is not None:
             return []
         self._cancel = (phase, reason)
-        self._event(now, "StopRequested", reason)
+        self._event(now, EventKind.STOP_REQUESTED, reason)
         attempt = self.current
         if attempt is None:
             return self._finish(now, phase, reason)
@@ -263,7 +263,7 @@ class JobController:
             actions.append(LaunchNodes(tuple(launch), number, self.avoid_hosts))
             self._event(
                 now,
-                "NodesLaunching",
+                EventKind.NODES_LAUNCHING,
                 f"attempt {number}: bringing up {len(launch)} node agents",
                 attempt=number,
                 data={"nodes": list(launch), "avoid_hosts": list(self.avoid_hosts)},
@@ -339,7 +339,7 @@ class JobController:
         attempt.watch = self._watch(attempt.number, now)  # hang timers start with the workers
         self._event(
             now,
-            "AttemptStarted",
+            EventKind.ATTEMPT_STARTED,
             f"attempt {attempt.number}: {len(attempt.nodes)} nodes x {cfg.nproc_per_node} ranks "
             f"({attempt.scope} scope), rendezvous {endpoint.addr}:{endpoint.port}",
             attempt=attempt.number,
@@ -443,7 +443,9 @@ class JobController:
         """Record each new straggler; with ``stragglerAction: restart``, each is a fault."""
         found = self.stragglers.observe_statuses(attempt.number, current)
         for s in found:
-            self._event(now, "Straggler", s.message, attempt.number, s.node, s.rank, s.to_json())
+            self._event(
+                now, EventKind.STRAGGLER, s.message, attempt.number, s.node, s.rank, s.to_json()
+            )
         if self.config.straggler_action != "restart":
             return []
         progress = attempt.watch.progress
@@ -463,7 +465,9 @@ class JobController:
         if not found.hung:
             node, rank = found.one()
             data = {"ranks": [r for _, r in found.busy], "bound": found.bound}
-            self._event(now, "Lingering", found.message(now), attempt.number, node, rank, data)
+            self._event(
+                now, EventKind.LINGERING, found.message(now), attempt.number, node, rank, data
+            )
             return []
         return [found.fault(now, attempt.number, watch.progress.step if watch.progress else None)]
 
@@ -566,7 +570,7 @@ class JobController:
         attempt.stop_allowance = notice + grace + self.config.stop_slack_seconds
         self._event(
             now,
-            "StoppingAll",
+            EventKind.STOPPING_ALL,
             f"stopping all ranks of attempt {attempt.number} ({mode}): {attempt.reason}",
             attempt=attempt.number,
             data={"mode": mode, "capture_stacks": capture},
@@ -589,7 +593,7 @@ class JobController:
         attempt.reason = attempt.reason or reason
         self._event(
             now,
-            "AttemptEnded",
+            EventKind.ATTEMPT_ENDED,
             f"attempt {attempt.number} {phase.value.lower()}: {attempt.reason}",
             attempt=attempt.number,
             data={"outcome": str(phase)},
@@ -599,13 +603,13 @@ class JobController:
         self.phase = phase
         self.reason = reason
         self.finished_at = now
-        self._event(now, f"Job{phase.value}", reason)
+        self._event(now, EventKind(f"Job{phase.value}"), reason)
         return [Finish(phase, reason)]
 
     def _event(
         self,
         now: float,
-        kind: str,
+        kind: EventKind,
         message: str,
         attempt: int | None = None,
         node: str | None = None,

@@ -16,7 +16,7 @@ from trainguard.control.actions import Action, AttemptPhase, JobPhase, RejoinNod
 from trainguard.control.attempt import Attempt
 from trainguard.control.detect import barrier_fault
 from trainguard.control.elastic import Scale
-from trainguard.control.events import Fault, FaultType
+from trainguard.control.events import EventKind, Fault, FaultType
 from trainguard.control.hosts import hosts_to_avoid
 from trainguard.control.inprocess import Rejoin
 from trainguard.control.policy import GiveUp, RestartRecord, RestartScope, decide_restart
@@ -56,7 +56,7 @@ def scale_up_failed(
     c._end_attempt(now, attempt, AttemptPhase.FAILED, f"{', '.join(lost)} did not come up")
     c._event(
         now,
-        "ElasticScalingFailed",
+        EventKind.ELASTIC_SCALING_FAILED,
         f"scale up failed: {', '.join(lost)} did not come up; going on with {len(c.nodes)} nodes",
         attempt=attempt.number,
         data={"lost": list(lost), "failures": c.elastic.failures},
@@ -81,7 +81,7 @@ def rescale(
     c.phase = JobPhase.RESTARTING
     c._event(
         now,
-        "ElasticScaling",
+        EventKind.ELASTIC_SCALING,
         f"{scale.reason}; the job restarts at WORLD_SIZE "
         f"{len(c.nodes) * c.config.nproc_per_node} (not counted as a restart)",
         attempt=attempt.number + 1,
@@ -106,7 +106,7 @@ def after_failure(
     if bug is not None:
         c._event(
             now,
-            "ScriptError",
+            EventKind.SCRIPT_ERROR,
             bug.reason,
             data={"error": bug.error, "ranks": list(bug.ranks), "traceback": bug.traceback},
         )
@@ -136,7 +136,7 @@ def after_failure(
     c.phase = JobPhase.RESTARTING
     c._event(
         now,
-        "RestartScheduled",
+        EventKind.RESTART_SCHEDULED,
         f"{decision.scope.value}-level restart "
         f"{c.restarts} of {c.config.max_restarts}: {decision.reason}",
         attempt=attempt.number + 1,
@@ -186,7 +186,7 @@ def faulty_scale_down(
     c._end_attempt(now, attempt, AttemptPhase.FAILED, reason)
     c._event(
         now,
-        "ElasticScaling",
+        EventKind.ELASTIC_SCALING,
         f"scale down {before} -> {size} nodes: {reason} (faultyScaleDownTimeoutInSeconds; "
         "not counted as a restart)",
         attempt=attempt.number + 1,
@@ -232,7 +232,7 @@ def replace_at_launch(
     swaps += [f"{n} -> a fresh {n} elsewhere" for n in fresh]
     c._event(
         now,
-        "NodesReplaced",
+        EventKind.NODES_REPLACED,
         f"replacing {', '.join(swaps)} before any rank started (failed on-start health "
         "checks; not counted as a restart)",
         attempt=attempt.number + 1,
@@ -277,7 +277,7 @@ def restart_in_place(
     c.phase = JobPhase.RESTARTING
     c._event(
         now,
-        "RestartScheduled",
+        EventKind.RESTART_SCHEDULED,
         f"in-process restart {c.restarts} of {c.config.max_restarts}: {reason}; "
         "survivors keep their processes, dead ranks are replaced",
         attempt=attempt.number + 1,
@@ -323,7 +323,7 @@ def watch_rejoin(
         actions.append(ReplaceRanks(attempt.number, node_id, ranks))
         c._event(
             now,
-            "StuckRanksReplaced",
+            EventKind.STUCK_RANKS_REPLACED,
             f"{', '.join(f'rank {r}' for r in ranks)} did not leave attempt "
             f"{attempt.number - 1} within {cfg.stuck_rank_timeout:g} s (deadlocked in a "
             "collective); giving each a new process",

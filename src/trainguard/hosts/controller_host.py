@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.control.events import Event, FaultType
+from trainguard.control.events import Event, EventKind, FaultType
 from trainguard.hosts.addresses import Endpoint, LocalAddress
 from trainguard.hosts.roster import Roster
 from trainguard.hosts.service import HostsService
@@ -97,7 +97,7 @@ class ControllerHost:
         if self.service is None:
             return
         self.service.publish(event_line(event))
-        if event.kind != "Fault" or event.node is None:
+        if event.kind != EventKind.FAULT or event.node is None:
             return
         kind = event.data.get("type")
         if kind in {t.value for t in FaultType if t.loses_node}:

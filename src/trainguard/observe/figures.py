@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from trainguard.control.events import EventKind
 from trainguard.observe.account import OTHER, STARTUP, Accounting
 from trainguard.observe.history import PACE_INTERVAL, JobHistory, Sample
 
@@ -349,7 +350,7 @@ def _commits(history: JobHistory) -> list[tuple[float, int]]:
     seen: dict[int, float] = {}
     for e in history.events:
         step = e.data.get("step")
-        if e.kind == "CheckpointCommitted" and isinstance(step, int) and step not in seen:
+        if e.kind == EventKind.CHECKPOINT_COMMITTED and isinstance(step, int) and step not in seen:
             seen[step] = e.time
     return sorted((t, s) for s, t in seen.items())
 

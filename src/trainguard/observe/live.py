@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TextIO
 
-from trainguard.control.events import Event
+from trainguard.control.events import Event, EventKind
 from trainguard.observe.terminal import safe_text
 
 if TYPE_CHECKING:
@@ -220,7 +220,7 @@ class LiveLine:
         """Take the controller's news of this turn (``events``: the turn's), and redraw."""
         faulted = False
         for event in events:
-            if event.kind == "Fault":
+            if event.kind == EventKind.FAULT:
                 kind = str(event.data.get("type", "fault"))
                 self._last_fault = LastFault(kind, event.time, event.rank, event.node)
                 faulted = True

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainguard.collectives import backend_string, resolve_choice
+from trainguard.control.events import EventKind
 from trainguard.monitor import worker_events
 from trainguard.resilient import mesh
 from trainguard.resilient.config import ResilientConfig
@@ -127,7 +128,7 @@ class Supervisor:
                 "waiting for the next attempt"
             )
             worker_events.emit(
-                "InProcessRestart",
+                EventKind.IN_PROCESS_RESTART,
                 f"rank {self.rank} left attempt {attempt.attempt}: {reason}",
                 attempt=attempt.attempt,
                 step=self.progress.steps,
@@ -235,7 +236,7 @@ class Supervisor:
             f"{state_seconds:.3f} s){since_fault}; state from {detail}"
         )
         worker_events.emit(
-            "AttemptJoined",
+            EventKind.ATTEMPT_JOINED,
             f"rank {self.rank} joined attempt {attempt.attempt}; state from {detail}",
             attempt=attempt.attempt,
             step=self.progress.steps,
@@ -276,7 +277,7 @@ class Supervisor:
             return
         reason = f"rank {self.rank} left attempt {attempt} with a broken CUDA context: {problem}"
         _say(f"{reason}; exiting with {EXIT_CUDA_UNHEALTHY} for a process restart")
-        worker_events.emit("CudaUnhealthy", reason, attempt=attempt)
+        worker_events.emit(EventKind.CUDA_UNHEALTHY, reason, attempt=attempt)
         sys.stdout.flush()
         os._exit(EXIT_CUDA_UNHEALTHY)  # no atexit: CUDA and NCCL teardown can hang
 
@@ -315,6 +316,6 @@ def _short(exc: BaseException) -> str:
 def _give_up(reason: str) -> NoReturn:
     """Exit at once with ``EXIT_BARRIER_TIMEOUT`` (the agent restarts the process)."""
     _say(f"giving up: {reason}; exiting with {EXIT_BARRIER_TIMEOUT}")
-    worker_events.emit("BarrierTimeout", reason)
+    worker_events.emit(EventKind.BARRIER_TIMEOUT, reason)
     sys.stdout.flush()
     os._exit(EXIT_BARRIER_TIMEOUT)  # no atexit: gloo teardown can hang with dead peers

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from trainguard.cli import run_flags_taking_a_value
-from trainguard.control.events import Event, FaultType
+from trainguard.control.events import Event, EventKind, FaultType
 from trainguard.hosts.addresses import Endpoint, LocalAddress, resolve, route_to
 from trainguard.hosts.controller_host import ControllerHost
 from trainguard.hosts.security import TOKEN_ENV, TokenError, client_tls, server_tls
@@ -176,7 +176,7 @@ def _drainer(hosts: ControllerHost, say: Say) -> Callable[[Event], None]:
     warned: list[bool] = []
 
     def on_event(event: Event) -> None:
-        if event.kind != "Fault" or event.node is None or hosts.service is None:
+        if event.kind != EventKind.FAULT or event.node is None or hosts.service is None:
             return
         kind = event.data.get("type")
         if kind not in {t.value for t in DRAINED_FAULTS}:
