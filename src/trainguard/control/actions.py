@@ -78,7 +78,7 @@ class StartNodes:
 
     attempt: int
     assignments: tuple[NodeAssignment, ...]
-    scope: str = RestartScope.PROCESS.value
+    scope: RestartScope = RestartScope.PROCESS
 
 
 @dataclass(frozen=True)

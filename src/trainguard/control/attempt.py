@@ -22,7 +22,7 @@ class Attempt:
     started_at: float
     nodes: tuple[str, ...]
     watch: AttemptWatch
-    scope: str = RestartScope.PROCESS.value
+    scope: RestartScope = RestartScope.PROCESS
     phase: AttemptPhase = AttemptPhase.LAUNCHING
     # Set once every node is up and the attempt starts.
     endpoint: Endpoint | None = None

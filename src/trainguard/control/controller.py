@@ -143,7 +143,7 @@ class JobController:
         self.started_at = now
         self.checkpoints = CheckpointPlanner(self.config.durable, self.config.world_size, now)
         self._event(now, EventKind.JOB_STARTED, f"job {self.config.job_id} started")
-        return self._new_attempt(now, RestartScope.PROCESS.value, launch=self.nodes, reports={})
+        return self._new_attempt(now, RestartScope.PROCESS, launch=self.nodes, reports={})
 
     def cancel(self, now: float, reason: str, phase: JobPhase = JobPhase.STOPPED) -> list[Action]:
         """Stop the job from outside (user delete, Ctrl-C, deadline). Idempotent."""
@@ -242,7 +242,7 @@ class JobController:
     def _new_attempt(
         self,
         now: float,
-        scope: str,
+        scope: RestartScope,
         launch: Sequence[str],
         reports: Mapping[str, NodeReport],
         retire: Sequence[str] = (),
@@ -346,7 +346,7 @@ class JobController:
             data={
                 "master_addr": endpoint.addr,
                 "master_port": endpoint.port,
-                "scope": attempt.scope,
+                "scope": attempt.scope.value,
                 "nodes": list(attempt.nodes),
             },
         )
@@ -356,7 +356,7 @@ class JobController:
         for a lost node, swapped at a restart or at launch), and whose: their ranks restore
         from that node's memory-tier replicas. Empty in place: there the ranks a spare takes
         get their state from a peer (control/replace.py), and no checkpoint is read."""
-        if attempt.scope == RestartScope.IN_PROCESS.value:
+        if attempt.scope is RestartScope.IN_PROCESS:
             return {}
         ran = next(
             (a for a in reversed(self.attempts) if a.number < attempt.number and a.assignments),

@@ -88,8 +88,9 @@ def rescale(
         data={"from": before, "to": len(c.nodes), "dropped": list(scale.drop),
               "added": list(added)},
     )  # fmt: skip
-    scope = RestartScope.PROCESS.value
-    return c._new_attempt(now, scope, fresh, reports, retire=scale.drop, growing=added)
+    return c._new_attempt(
+        now, RestartScope.PROCESS, fresh, reports, retire=scale.drop, growing=added
+    )
 
 
 def after_failure(
@@ -143,7 +144,7 @@ def after_failure(
         data={"scope": decision.scope.value, "replaced": dict(decision.replaced)},
     )
     if decision.scope is not RestartScope.JOB:
-        return c._new_attempt(now, decision.scope.value, (), reports)
+        return c._new_attempt(now, decision.scope, (), reports)
     lost = [f.node for f in attempt.faults if f.node is not None and f.type.loses_node]
     c.avoid_hosts = hosts_to_avoid(
         c.avoid_hosts,
@@ -151,9 +152,7 @@ def after_failure(
         c._hosts,
         c.config.policy.max_num_repeat_offenders_to_avoid,
     )
-    actions = c._new_attempt(
-        now, decision.scope.value, launch=c.nodes, reports=reports, retire=retired
-    )
+    actions = c._new_attempt(now, decision.scope, launch=c.nodes, reports=reports, retire=retired)
     timeout = c.config.elastic.faulty_scale_down_timeout if c.config.elastic else None
     fresh = tuple(n for n in lost if n in c.nodes)  # no spare took its place
     if timeout is not None and fresh:
@@ -284,7 +283,7 @@ def restart_in_place(
         data={"scope": scope.value, "replaced": {}},
     )
     new = Attempt(len(c.attempts), now, c.nodes, c._watch(len(c.attempts), now))
-    new.scope = scope.value
+    new.scope = scope
     new.rejoin = Rejoin(now, survivors)
     c.attempts.append(new)
     host = attempt.endpoint if 0 in survivors and new.nodes[0] == attempt.nodes[0] else None

@@ -299,7 +299,7 @@ def reform(
     c.nodes = nodes
     c.phase = JobPhase.RESTARTING
     number = len(c.attempts)
-    new = Attempt(number, now, nodes, c._watch(number, now), RestartScope.IN_PROCESS.value)
+    new = Attempt(number, now, nodes, c._watch(number, now), RestartScope.IN_PROCESS)
     new.rejoin = Rejoin(now, ())  # every rank must join; none is replaced as stuck
     c.attempts.append(new)
     # Every rank of the nodes kept runs: rank 0 keeps its process where node 0 stays.

@@ -104,7 +104,7 @@ def restart(c: JobController, now: float, recorded: Recorded, why: str) -> list[
         f"controller resumed: {why}; restarting from the newest checkpoint",
         data={"mode": "restart", "why": why},
     )
-    return c._new_attempt(now, RestartScope.JOB.value, launch=c.nodes, reports={})
+    return c._new_attempt(now, RestartScope.JOB, launch=c.nodes, reports={})
 
 
 def _restore(
