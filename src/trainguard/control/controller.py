@@ -37,6 +37,7 @@ from trainguard.control.actions import (
     ReplaceRanks,
     RetireNodes,
     StartNodes,
+    StopMode,
     StopNodes,
 )
 from trainguard.control.assignment import Endpoint, assign_attempt, replica_sources
@@ -160,7 +161,7 @@ class JobController:
         if attempt.phase is not AttemptPhase.RUNNING:
             return []
         self.phase = JobPhase.STOPPING
-        return [self._stop(now, attempt, "graceful", reason)]
+        return [self._stop(now, attempt, StopMode.GRACEFUL, reason)]
 
     def set_capacity(
         self, capacity: int | None, preempted: Sequence[str] = (), taken_as: str = "preempted"
@@ -418,7 +419,7 @@ class JobController:
             if recovery.can_restart_in_place(self, attempt, reports):
                 return [*actions, recovery.restart_in_place(self, now, attempt, reports)]
             capture = any(f.type.is_hang for f in faults)
-            mode = "graceful" if self.config.graceful_fault_stops else "process"
+            mode = StopMode.GRACEFUL if self.config.graceful_fault_stops else StopMode.PROCESS
             return [*actions, self._stop(now, attempt, mode, faults[0].message, capture)]
         actions += self._plan_checkpoints(now, attempt, reports)
         if len(current) == len(attempt.assignments) and all(
@@ -558,12 +559,12 @@ class JobController:
         return [*actions, *recovery.after_failure(self, now, attempt, reports)]
 
     def _stop(
-        self, now: float, attempt: Attempt, mode: str, reason: str, capture: bool = False
+        self, now: float, attempt: Attempt, mode: StopMode, reason: str, capture: bool = False
     ) -> StopNodes:
         attempt.phase = AttemptPhase.STOPPING
         attempt.reason = attempt.reason or reason
         attempt.watch.pause(now)
-        grace = self.config.stop_grace_seconds if mode == "graceful" else 0.0
+        grace = self.config.stop_grace_seconds if mode is StopMode.GRACEFUL else 0.0
         notice = 0.0  # an elastic scaling: ranks that read requests save and exit first
         if attempt.scale is not None and self.config.elastic is not None:
             notice = self.config.elastic.graceful_shutdown_timeout
@@ -573,7 +574,7 @@ class JobController:
             EventKind.STOPPING_ALL,
             f"stopping all ranks of attempt {attempt.number} ({mode}): {attempt.reason}",
             attempt=attempt.number,
-            data={"mode": mode, "capture_stacks": capture},
+            data={"mode": mode.value, "capture_stacks": capture},
         )
         return StopNodes(attempt.number, attempt.nodes, mode, grace, capture, notice)
 

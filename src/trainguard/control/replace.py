@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from trainguard.control.actions import Action, AttemptPhase, LaunchNodes
+from trainguard.control.actions import Action, AttemptPhase, LaunchNodes, StopMode
 from trainguard.control.attempt import Attempt
 from trainguard.control.events import EventKind, Fault, FaultType
 from trainguard.control.policy import RestartRecord, RestartScope
@@ -99,7 +99,7 @@ def watch(
     failed, up = standby_up(c, now, attempt, reports)
     if failed:
         why = "; ".join(w for _, w in failed)
-        return [c._stop(now, attempt, "process", f"replacing in place failed: {why}")]
+        return [c._stop(now, attempt, StopMode.PROCESS, f"replacing in place failed: {why}")]
     if not up:
         return []
     swap = dict(attempt.replacing_in_place)

@@ -40,6 +40,7 @@ from trainguard.control.actions import (
     RejoinNodes,
     RetireNodes,
     StartNodes,
+    StopMode,
 )
 from trainguard.control.attempt import Attempt
 from trainguard.control.contact import Contact, contact, launch_verdict
@@ -129,7 +130,7 @@ def _stop_for(
     attempt.scale = scale
     if announce:
         c._event(now, EventKind.SCALING_REQUESTED, scale.reason, attempt=attempt.number)
-    return [c._stop(now, attempt, "graceful", scale.reason)]
+    return [c._stop(now, attempt, StopMode.GRACEFUL, scale.reason)]
 
 
 def abandon_growth(c: JobController, now: float, attempt: Attempt, why: str) -> list[Action]:
