@@ -62,7 +62,7 @@ from trainguard.wire.status import NodeState, NodeStatus, WorkerState, WorkerSta
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AgentTimings", "Refused", "StartRefused", "Supervisor"]
+__all__ = ["AgentSupervisor", "AgentTimings", "Refused", "StartRefused"]
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class _Wake:
 _Command = _Start | _Rejoin | _Replace | _Stop | _Shutdown | _Wake
 
 
-class Supervisor:
+class AgentSupervisor:
     """Runs attempts on this node as commanded, and keeps the status."""
 
     def __init__(

@@ -30,7 +30,7 @@ from trainguard.resilient.group import end_default_group
 from trainguard.resilient.protocol import ATTEMPT_ENV, CONTROL_DIR_ENV
 from trainguard.resilient.run import Fallback, Progress, Run, TrainFunction
 from trainguard.resilient.state import State
-from trainguard.resilient.supervisor import Supervisor
+from trainguard.resilient.supervisor import ResilientSupervisor
 from trainguard.resilient.sync import synchronise
 
 __all__ = ["Fallback", "TrainFunction", "restartable", "run_resilient"]
@@ -84,7 +84,7 @@ def run_resilient(
             "call trainguard.resilient.init_process_group() in place of "
             "torch.distributed.init_process_group()"
         )
-    supervisor = Supervisor(Path(control_dir), config)
+    supervisor = ResilientSupervisor(Path(control_dir), config)
     supervisor.start()
     try:
         supervisor.run(train, state, fallback)

@@ -1,11 +1,11 @@
 """The attempts of one resilient worker under trainguard: join, run, fail, rejoin.
 
-A :class:`Supervisor` is made once per process. :meth:`Supervisor.start` learns the
-worker's rank (a hot spare waits here for the rank it takes over) and joins the first
-attempt it may; :meth:`Supervisor.run` then runs a training function in that attempt and,
-each time the function fails because of a peer (a collective failure, or a newer attempt
-announced), leaves the attempt, joins the next one and calls the function again, its
-state synced from a peer (:mod:`trainguard.resilient.sync`). ``@restartable`` does all
+A :class:`ResilientSupervisor` is made once per process. :meth:`ResilientSupervisor.start`
+learns the worker's rank (a hot spare waits here for the rank it takes over) and joins the
+first attempt it may; :meth:`ResilientSupervisor.run` then runs a training function in
+that attempt and, each time the function fails because of a peer (a collective failure, or
+a newer attempt announced), leaves the attempt, joins the next one and calls the function
+again, its state synced from a peer (:mod:`trainguard.resilient.sync`). ``@restartable`` does all
 three at once and leaves the last attempt's group at the end;
 :func:`trainguard.resilient.init_process_group` starts at the script's
 ``init_process_group`` line, so that the code between it and the training loop runs in
@@ -52,10 +52,10 @@ from trainguard.resilient.state import State
 from trainguard.resilient.sync import synchronise
 from trainguard.resilient.watcher import AttemptWatcher
 
-__all__ = ["Supervisor"]
+__all__ = ["ResilientSupervisor"]
 
 
-class Supervisor:
+class ResilientSupervisor:
     """One worker's attempts: :meth:`start` joins the first, :meth:`run` runs a training
     function across attempts until it returns (see the module doc)."""
 
