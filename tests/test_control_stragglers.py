@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 import pytest
 
 import control_helpers as h
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.config import ControlConfig
 from trainguard.control.controller import (
     Action,
@@ -256,7 +256,7 @@ def controller(action: StragglerAction = "report") -> JobController:
         straggler_window=10,
         straggler_action=action,
     )
-    return JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    return JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
 
 
 def running(step: int, attempt: int = 0, slow_rank: int = 3) -> dict[str, NodeReport]:

@@ -40,7 +40,7 @@ from trainguard.control.actions import (
     StopMode,
     StopNodes,
 )
-from trainguard.control.assignment import Endpoint, assign_attempt, replica_sources
+from trainguard.control.assignment import StoreEndpoint, assign_attempt, replica_sources
 from trainguard.control.attempt import Attempt
 from trainguard.control.config import ControlConfig
 from trainguard.control.contact import launch_verdict, settled
@@ -73,7 +73,7 @@ __all__ = [
     "StopNodes",
 ]
 
-EndpointFor = Callable[[int, str], Endpoint]
+EndpointFor = Callable[[int, str], StoreEndpoint]
 """``endpoint_for(attempt, node_id)``: where the attempt's rendezvous store is (the job's
 store service's, ``hosted``, or rank 0's on ``node_id``); asked once the node is up."""
 
@@ -317,7 +317,7 @@ class JobController:
         return [self._start_attempt(now, attempt)]
 
     def _start_attempt(
-        self, now: float, attempt: Attempt, host: Endpoint | None = None
+        self, now: float, attempt: Attempt, host: StoreEndpoint | None = None
     ) -> StartNodes:
         """Start ``attempt`` on its nodes; ``host``: the rendezvous to keep (an attempt in
         place whose rank 0 keeps its process keeps serving its store: a new port would
@@ -329,7 +329,9 @@ class JobController:
         self.phase = JobPhase.RUNNING
         return StartNodes(attempt.number, attempt.assignments, attempt.scope)
 
-    def _fill_assignments(self, now: float, attempt: Attempt, host: Endpoint | None = None) -> None:
+    def _fill_assignments(
+        self, now: float, attempt: Attempt, host: StoreEndpoint | None = None
+    ) -> None:
         cfg = self.config
         endpoint = self._endpoint_for(attempt.number, attempt.nodes[0])
         if host is not None and not endpoint.hosted:

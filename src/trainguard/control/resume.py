@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainguard.control.actions import Action, AttemptPhase
-from trainguard.control.assignment import Endpoint, assign_attempt
+from trainguard.control.assignment import StoreEndpoint, assign_attempt
 from trainguard.control.attempt import Attempt
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.control.events import EventKind, Fault, FaultType
@@ -39,7 +39,7 @@ class RecordedAttempt:
     started_at: float
     ended_at: float | None = None
     reason: str | None = None
-    endpoint: Endpoint | None = None
+    endpoint: StoreEndpoint | None = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.control.events import Event, EventKind, FaultType
-from trainguard.hosts.addresses import Endpoint, LocalAddress
+from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.roster import Roster
 from trainguard.hosts.service import HostsService
 from trainguard.observe.summary import event_line
@@ -52,7 +52,7 @@ def interface_env(local: LocalAddress, user_env: Mapping[str, str]) -> dict[str,
 class ControllerHost:
     """See the module doc."""
 
-    endpoint: Endpoint
+    endpoint: JobEndpoint
     local: LocalAddress
     token: str
     join_timeout: float

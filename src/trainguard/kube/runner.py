@@ -27,7 +27,7 @@ from typing import Any
 
 from trainguard.control import resume
 from trainguard.control.actions import Action
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.controller import JobController
 from trainguard.kube import adopt
 from trainguard.kube.api import KubeApi, KubeError, NotFound
@@ -299,6 +299,6 @@ class KubeJob:
         self.api.create_secret(self.namespace, token_secret(self.job, self.body, token))
         return token
 
-    def _endpoint(self, attempt: int, node_id: str) -> Endpoint:
+    def _endpoint(self, attempt: int, node_id: str) -> StoreEndpoint:
         assert self.platform is not None, "the controller starts attempts inside run()"
         return self.platform.endpoint(attempt, node_id)

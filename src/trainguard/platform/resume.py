@@ -24,7 +24,7 @@ from trainguard.agent.client import AgentClient, AgentError
 from trainguard.agent.controller_watch import start_ticks
 from trainguard.control import resume as control
 from trainguard.control.actions import Action
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.control.events import EventKind
 from trainguard.control.policy import RestartRecord, RestartScope
@@ -61,7 +61,7 @@ def recorded(store: Store, job: JobRow) -> Recorded:
             a["started_at"],
             a["ended_at"],
             a["reason"],
-            Endpoint(a["master_addr"], a["master_port"])
+            StoreEndpoint(a["master_addr"], a["master_port"])
             if a["master_addr"] and a["master_port"]
             else None,
         )
