@@ -43,8 +43,8 @@ from trainguard.wire.control_files import (
     ATTEMPT_ENV,
     CONTROL_DIR_ENV,
     SPARE_ID_ENV,
-    Attempt,
     ProtocolError,
+    ResilientAttempt,
     SpareAssignment,
     read_ack,
     write_attempt,
@@ -216,8 +216,8 @@ class ResilientGroup(WorkerGroup):
                 logger.info("started hot spare %d (attempt %d)", k, a.attempt)
 
     @staticmethod
-    def _attempt_file(a: NodeAssignment) -> Attempt:
-        return Attempt(
+    def _attempt_file(a: NodeAssignment) -> ResilientAttempt:
+        return ResilientAttempt(
             attempt=a.attempt,
             master_addr=a.master_addr,
             master_port=a.master_port,

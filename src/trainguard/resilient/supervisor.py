@@ -42,7 +42,7 @@ from trainguard.resilient.protocol import (
     EXIT_BARRIER_TIMEOUT,
     SPARE_ID_ENV,
     Ack,
-    Attempt,
+    ResilientAttempt,
     read_attempt,
     write_ack,
 )
@@ -76,7 +76,7 @@ class ResilientSupervisor:
         self.local_rank = 0
         self.spare = False
         """Whether this worker started as a hot spare (it takes its state from a peer)."""
-        self.attempt: Attempt | None = None
+        self.attempt: ResilientAttempt | None = None
         """The attempt whose process group is up (None before the first join)."""
         self._last = -1  # the newest attempt joined or given up on
         self._wait_deadline = 0.0
@@ -180,7 +180,11 @@ class ResilientSupervisor:
             return
 
     def _run_until_fault(
-        self, attempt: Attempt, train: TrainFunction, state: State, fallback: Fallback | None
+        self,
+        attempt: ResilientAttempt,
+        train: TrainFunction,
+        state: State,
+        fallback: Fallback | None,
     ) -> tuple[float, float, str] | None:
         """Run ``attempt``: None when train() returns, else when (monotonic and wall-clock
         time) and why it failed.
@@ -206,7 +210,11 @@ class ResilientSupervisor:
         return None
 
     def _run_attempt(
-        self, attempt: Attempt, train: TrainFunction, state: State, fallback: Fallback | None
+        self,
+        attempt: ResilientAttempt,
+        train: TrainFunction,
+        state: State,
+        fallback: Fallback | None,
     ) -> None:
         synchronising = time.monotonic()
         mesh.rebind()  # the meshes (and fully_shard states) made in an earlier attempt
@@ -259,7 +267,7 @@ class ResilientSupervisor:
             )
         )
 
-    def _take_rank(self, attempt: Attempt) -> None:
+    def _take_rank(self, attempt: ResilientAttempt) -> None:
         """This process's rank in ``attempt``: an elastic scaling in place renumbers the
         ranks after a node that left (the attempt file names each local rank's)."""
         if self.local_rank >= len(attempt.ranks) or attempt.ranks[self.local_rank] == self.rank:
@@ -281,7 +289,7 @@ class ResilientSupervisor:
         sys.stdout.flush()
         os._exit(EXIT_CUDA_UNHEALTHY)  # no atexit: CUDA and NCCL teardown can hang
 
-    def _await_attempt(self, last: int, deadline: float) -> Attempt:
+    def _await_attempt(self, last: int, deadline: float) -> ResilientAttempt:
         """The first attempt newer than ``last``; gives up at ``deadline``."""
         while True:
             attempt = read_attempt(self.control_dir)
