@@ -28,7 +28,7 @@ from trainguard.resilient.protocol import (
     write_attempt,
     write_spare,
 )
-from trainguard.resilient.run import Progress
+from trainguard.resilient.run import StateProgress
 from trainguard.resilient.sync import (
     Offer,
     SyncPlan,
@@ -194,7 +194,7 @@ def test_gloo_errors_are_collective_failures_and_user_errors_are_not() -> None:
 
 
 def test_run_counts_steps_and_stops_at_a_newer_attempt() -> None:
-    progress = Progress(has_state=True, steps=4)
+    progress = StateProgress(has_state=True, steps=4)
     newer = False
     run = Run(
         rank=0,
@@ -248,7 +248,7 @@ raise RuntimeError("boom")
 
 def test_run_splits_the_global_batch_and_deals_the_rest_of_the_epoch() -> None:
     def run(rank: int, world: int, steps: int) -> Run:
-        progress = Progress(has_state=True, steps=steps)
+        progress = StateProgress(has_state=True, steps=steps)
         return Run(rank=rank, local_rank=0, world_size=world, attempt=1,
                    state_source="self", progress=progress, interrupted=lambda: False)  # fmt: skip
 

@@ -46,7 +46,7 @@ from trainguard.resilient.protocol import (
     read_attempt,
     write_ack,
 )
-from trainguard.resilient.run import Fallback, Progress, Run, TrainFunction
+from trainguard.resilient.run import Fallback, Run, StateProgress, TrainFunction
 from trainguard.resilient.spare_init import warm_up
 from trainguard.resilient.state import State
 from trainguard.resilient.sync import synchronise
@@ -71,7 +71,7 @@ class ResilientSupervisor:
             config.collective_timeout,
             backend_string(resolve_choice(config.backend)),
         )
-        self.progress = Progress()
+        self.progress = StateProgress()
         self.rank = -1
         self.local_rank = 0
         self.spare = False
