@@ -23,7 +23,7 @@ from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport
 from trainguard.control.stragglers import (
     MAX_SAMPLES,
-    Sample,
+    StepSample,
     Straggler,
     StragglerAction,
     StragglerWatch,
@@ -44,10 +44,10 @@ class Job:
         self.step = dict.fromkeys(range(ranks), 0)
         self.time = {r: (start or {}).get(r, 0.0) for r in range(ranks)}
 
-    def advance(self, rank: int) -> Sample:
+    def advance(self, rank: int) -> StepSample:
         self.step[rank] += 1
         self.time[rank] += self.pace(rank, self.step[rank])
-        return Sample(self.step[rank], self.time[rank])
+        return StepSample(self.step[rank], self.time[rank])
 
     def run(self, watch: StragglerWatch, steps: int, attempt: int = 0) -> list[Straggler]:
         """Every rank advances ``steps`` steps; the watch sees every sample."""
