@@ -39,7 +39,7 @@ from trainguard.hosts.security import (
 )
 from trainguard.netlimits import raise_nofile
 from trainguard.observe.terminal import safe_cell
-from trainguard.platform.config import control_config, fence_after
+from trainguard.platform.control_config import control_config, fence_after
 from trainguard.platform.inbox import ListenError
 from trainguard.platform.inject import Injection
 from trainguard.platform.local import (

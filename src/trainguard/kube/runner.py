@@ -49,7 +49,7 @@ from trainguard.kube.record import ClusterRecord
 from trainguard.observe.job import JobObserver
 from trainguard.observe.metrics import Metrics
 from trainguard.platform.book import ReportBook
-from trainguard.platform.config import control_config
+from trainguard.platform.control_config import control_config
 from trainguard.platform.drive import drive
 from trainguard.platform.inbox import Inbox
 from trainguard.platform.resume import attach_all
