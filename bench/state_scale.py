@@ -50,7 +50,7 @@ from typing import Any
 from trainguard.resilient.protocol import (
     CONTROL_DIR_ENV,
     SPARE_ID_ENV,
-    Attempt,
+    ResilientAttempt,
     SpareAssignment,
     write_attempt,
     write_spare,
@@ -227,7 +227,7 @@ def checkpointless(workdir: Path, state_gb: float, timeout: float) -> dict[str, 
     port = free_port()
     write_attempt(
         control,
-        Attempt(
+        ResilientAttempt(
             attempt=0,
             master_addr="127.0.0.1",
             master_port=port,
@@ -246,7 +246,7 @@ def checkpointless(workdir: Path, state_gb: float, timeout: float) -> dict[str, 
         fault_at = time.time()
         write_attempt(
             control,
-            Attempt(
+            ResilientAttempt(
                 attempt=1,
                 master_addr="127.0.0.1",
                 master_port=free_port(),

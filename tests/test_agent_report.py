@@ -88,10 +88,10 @@ def test_a_dead_worker_is_pushed_before_the_controller_asks(
 
 
 def test_a_new_attempt_never_reports_the_previous_attempts_log_findings(tmp_path: Path) -> None:
-    from trainguard.agent.board import Board
+    from trainguard.agent.board import NodeBoard
     from trainguard.monitor.rules import LogRuleSpec, NodeLogMonitor
 
-    board = Board("node-0")
+    board = NodeBoard("node-0")
     monitor = NodeLogMonitor([LogRuleSpec("oops", ".*oops.*", fault_on_match=True)])
     monitor.on_line(0, "stdout", "oops", 1.0)
     with board.lock:

@@ -3,13 +3,13 @@
 import pytest
 
 from trainguard.control.assignment import (
-    Endpoint,
     NodeAssignment,
+    StoreEndpoint,
     assign_ranks,
     replica_sources,
 )
 
-EP = Endpoint("10.0.0.1", 29500)
+EP = StoreEndpoint("10.0.0.1", 29500)
 
 
 def test_ranks_are_contiguous_per_node_and_cover_the_world() -> None:
@@ -50,7 +50,7 @@ def test_each_attempt_has_its_own_rendezvous_namespace() -> None:
         ["a"],
         1,
         attempt=1,
-        endpoint=Endpoint("10.0.0.1", 29501),
+        endpoint=StoreEndpoint("10.0.0.1", 29501),
         restart_count=1,
         max_restarts=1,
     )

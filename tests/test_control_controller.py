@@ -1,7 +1,7 @@
 """The job controller's state machine, driven by plain reports: no processes, no clock."""
 
 import control_helpers as h
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.controller import (
     ControlConfig,
     Finish,
@@ -27,7 +27,7 @@ def make(max_restarts: int = 0, **kw: object) -> JobController:
         stop_slack_seconds=10,
         **kw,
     )  # type: ignore[arg-type]
-    return JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    return JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
 
 
 def reports(state: NodeState, attempt: int = 0, **per_node: NodeReport) -> dict[str, NodeReport]:

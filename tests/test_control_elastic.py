@@ -13,7 +13,7 @@ from trainguard.control.actions import (
     StartNodes,
     StopNodes,
 )
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.config import ControlConfig
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.control.elastic import ElasticConfig, ElasticWatch
@@ -81,7 +81,7 @@ def make(capacity: int = 2, *, begin: bool = True) -> JobController:
         elastic_node_ids=("node-2",),
         stop_grace_seconds=5,
     )
-    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    c = JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
     if begin:
         h.begin(c)
         c.set_capacity(capacity)
@@ -192,7 +192,7 @@ def test_a_lost_node_not_back_within_the_faulty_timeout_is_scaled_away() -> None
         stop_grace_seconds=5,
         node_start_timeout=120.0,
     )
-    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    c = JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
     h.begin(c)
     lost = {
         "node-0": h.report("node-0", NodeState.RUNNING, 0, workers=h.workers(0)),

@@ -7,7 +7,7 @@ from typing import Any
 import control_helpers as h
 from test_control_recovery import NODES, running, stopped
 from trainguard.control.actions import Finish, LaunchNodes, RetireNodes, StartNodes, StopNodes
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.config import ControlConfig
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.control.events import FaultType
@@ -48,7 +48,7 @@ def controller(
         stop_grace_seconds=5,
         fresh_node_moves=moves,
     )
-    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    c = JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
     [launch] = c.start(0.0)
     assert isinstance(launch, LaunchNodes)
     return c

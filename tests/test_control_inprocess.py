@@ -4,7 +4,7 @@ stuck survivors and the restart barrier, decided from the ranks' reported joins.
 from __future__ import annotations
 
 import control_helpers as h
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.controller import (
     ControlConfig,
     JobController,
@@ -36,7 +36,7 @@ def make(max_restarts: int = 3, hot_spares: int = 1, **kw: object) -> JobControl
         stuck_rank_timeout=3.0,
         **kw,
     )  # type: ignore[arg-type]
-    return JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    return JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
 
 
 def joined(attempt: int, node: str, left: int | None = None, **replace: int) -> NodeReport:
@@ -224,7 +224,7 @@ def test_without_budget_a_crash_stops_the_job() -> None:
 
 def test_off_by_default() -> None:
     config = ControlConfig("job", NODES, 2, policy=PolicyConfig.from_spec(None, 3))
-    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    c = JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
     start = h.begin(c)
     assert not start.assignments[0].in_process
     [stop] = c.observe(1.0, {"node-0": running(0), "node-1": crashed(0)})

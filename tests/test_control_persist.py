@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import control_helpers as h
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.controller import (
     ControlConfig,
     Finish,
@@ -227,7 +227,7 @@ def controller(**cadence: object) -> JobController:
     config = ControlConfig(
         "job", NODES, 2, durable=DurableCadence(**cadence), final_persist_timeout=30.0
     )  # type: ignore[arg-type]
-    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    c = JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
     h.begin(c)
     return c
 

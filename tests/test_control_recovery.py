@@ -3,7 +3,7 @@
 from math import nan
 
 import control_helpers as h
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.controller import (
     ControlConfig,
     Finish,
@@ -42,7 +42,7 @@ def make(max_restarts: int = 3, spares: tuple[str, ...] = (), **kw: object) -> J
         stop_slack_seconds=10,
         **kw,
     )  # type: ignore[arg-type]
-    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    c = JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
     h.begin(c)
     return c
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import control_helpers as h
 from trainguard.control.actions import LaunchNodes, RejoinNodes, RetireNodes, StartNodes
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.controller import ControlConfig, JobController, StopNodes
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport, NodeState
@@ -24,7 +24,7 @@ def make(in_process: bool = True, spares: tuple[str, ...] = ("node-2",)) -> JobC
         barrier_timeout=30.0,
         stuck_rank_timeout=3.0,
     )
-    return JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    return JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
 
 
 def running(attempt: int, node: str, node_rank: int) -> NodeReport:

@@ -14,7 +14,7 @@ from trainguard.control.actions import (
     StartNodes,
     StopNodes,
 )
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.config import ControlConfig
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.control.elastic import ElasticConfig
@@ -37,7 +37,7 @@ def make(capacity: int = 3, *, in_process: bool = True) -> JobController:
         node_start_timeout=30.0,
         policy=PolicyConfig.from_spec(None, 3),
     )
-    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    c = JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
     h.begin(c)
     c.set_capacity(capacity)
     return c

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from test_control_recovery import NODES, crash, running, stopped
 from trainguard.control.actions import AttemptPhase, Finish, LaunchNodes
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.config import ControlConfig
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.control.policy import RestartRecord, RestartScope
@@ -18,8 +18,8 @@ FAULT = {
 RECORDED = Recorded(
     started_at=0.5,
     attempts=(
-        RecordedAttempt(0, "Failed", 0.6, 3.0, "rank 3 died", Endpoint("127.0.0.1", 1000)),
-        RecordedAttempt(1, "Running", 3.1, None, None, Endpoint("127.0.0.1", 2000)),
+        RecordedAttempt(0, "Failed", 0.6, 3.0, "rank 3 died", StoreEndpoint("127.0.0.1", 1000)),
+        RecordedAttempt(1, "Running", 3.1, None, None, StoreEndpoint("127.0.0.1", 2000)),
     ),
     restarts=(RestartRecord(3.0, RestartScope.PROCESS),),
     faults=(FAULT,),
@@ -29,7 +29,7 @@ RECORDED = Recorded(
 def make() -> JobController:
     """A controller that has not started (as ``trainguard resume`` builds one)."""
     config = ControlConfig("job", NODES, 2, stop_grace_seconds=5, stop_slack_seconds=10)
-    return JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    return JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
 
 
 def test_adopt_takes_the_running_attempt_over_as_it_was() -> None:
@@ -38,7 +38,7 @@ def test_adopt_takes_the_running_attempt_over_as_it_was() -> None:
     assert c.phase is JobPhase.RUNNING and c.started_at == 0.5
     assert [a.phase for a in c.attempts] == [AttemptPhase.FAILED, AttemptPhase.RUNNING]
     current = c.attempts[-1]
-    assert current.number == 1 and current.endpoint == Endpoint("127.0.0.1", 2000)
+    assert current.number == 1 and current.endpoint == StoreEndpoint("127.0.0.1", 2000)
     assert [list(a.global_ranks) for a in current.assignments] == [[0, 1], [2, 3]]
     assert all(a.master_port == 2000 for a in current.assignments)
     assert c.restarts == 1  # the budget spent so far is kept

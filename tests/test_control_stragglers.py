@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 import pytest
 
 import control_helpers as h
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.config import ControlConfig
 from trainguard.control.controller import (
     Action,
@@ -23,7 +23,7 @@ from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport
 from trainguard.control.stragglers import (
     MAX_SAMPLES,
-    Sample,
+    StepSample,
     Straggler,
     StragglerAction,
     StragglerWatch,
@@ -44,10 +44,10 @@ class Job:
         self.step = dict.fromkeys(range(ranks), 0)
         self.time = {r: (start or {}).get(r, 0.0) for r in range(ranks)}
 
-    def advance(self, rank: int) -> Sample:
+    def advance(self, rank: int) -> StepSample:
         self.step[rank] += 1
         self.time[rank] += self.pace(rank, self.step[rank])
-        return Sample(self.step[rank], self.time[rank])
+        return StepSample(self.step[rank], self.time[rank])
 
     def run(self, watch: StragglerWatch, steps: int, attempt: int = 0) -> list[Straggler]:
         """Every rank advances ``steps`` steps; the watch sees every sample."""
@@ -256,7 +256,7 @@ def controller(action: StragglerAction = "report") -> JobController:
         straggler_window=10,
         straggler_action=action,
     )
-    return JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    return JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
 
 
 def running(step: int, attempt: int = 0, slow_rank: int = 3) -> dict[str, NodeReport]:

@@ -23,7 +23,7 @@ import torch
 
 from trainguard.elastic import batch_split
 from trainguard.monitor.progress import ProgressMatcher
-from trainguard.resilient.run import Progress, Run
+from trainguard.resilient.run import Run, StateProgress
 from trainguard.spec.load import load_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def attempt(world_size: int, rank: int, start_step: int = 0) -> Run:
         world_size=world_size,
         attempt=0,
         state_source="self" if start_step else "none",
-        progress=Progress(has_state=start_step > 0, steps=start_step),
+        progress=StateProgress(has_state=start_step > 0, steps=start_step),
         interrupted=lambda: False,
     )
 

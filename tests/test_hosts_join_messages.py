@@ -12,7 +12,7 @@ import pytest
 
 import trainguard.hosts.daemon as daemon_module
 from conftest import FAKE_WORKER, Trainguard
-from trainguard.hosts.addresses import Endpoint, LocalAddress
+from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.daemon import HostDaemon, JoinError
 from trainguard.hosts.run import loopback_endpoint
 from trainguard.platform.procs import free_port
@@ -26,7 +26,7 @@ def test_a_join_that_nobody_answers_is_said_then_said_again(
     said: list[str] = []
     port = free_port("127.0.0.1")  # nothing listens there
     daemon = HostDaemon(
-        Endpoint("127.0.0.1", port),
+        JobEndpoint("127.0.0.1", port),
         "token",
         LocalAddress("127.0.0.1", "lo"),
         {},
@@ -46,10 +46,10 @@ def test_a_join_that_nobody_answers_is_said_then_said_again(
 
 
 def test_an_endpoint_served_on_a_loopback_address_is_named_as_such() -> None:
-    why = loopback_endpoint(Endpoint("host0", 29500), LocalAddress("127.0.1.1", "lo"))
+    why = loopback_endpoint(JobEndpoint("host0", 29500), LocalAddress("127.0.1.1", "lo"))
     assert why is not None
     assert "127.0.1.1" in why and "loopback" in why and "127.0.1.1 host0" in why
-    assert loopback_endpoint(Endpoint("host0", 29500), LocalAddress("10.0.0.1", "eth0")) is None
+    assert loopback_endpoint(JobEndpoint("host0", 29500), LocalAddress("10.0.0.1", "eth0")) is None
 
 
 def test_one_sigterm_ends_the_wait_for_hosts_and_the_job_is_stopped(tmp_path: Path) -> None:

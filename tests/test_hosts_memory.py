@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainguard.hosts.addresses import Endpoint, LocalAddress
+from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.daemon import HostDaemon
 from trainguard.hosts.run import free_memory_tiers
 from trainguard.wire.hosts import JoinReply, LaunchRequest
@@ -59,7 +59,7 @@ def test_a_node_ids_first_launch_since_the_join_is_announced_not_its_relaunches(
         return _FakeNode()
 
     daemon = HostDaemon(
-        Endpoint("127.0.0.1", 1),
+        JobEndpoint("127.0.0.1", 1),
         "token",
         LocalAddress("127.0.0.1", "lo"),
         {},

@@ -11,7 +11,7 @@ import pytest
 from trainguard.agent.lease import ControllerLease
 from trainguard.control.contact import Contact, ContactRule, contact
 from trainguard.control.reports import NodeReport
-from trainguard.hosts.addresses import Endpoint, is_local, parse_endpoint, route_to
+from trainguard.hosts.addresses import JobEndpoint, is_local, parse_endpoint, route_to
 from trainguard.hosts.roster import JoinRefused, Roster, spec_differences
 from trainguard.hosts.security import TOKEN_ENV, TokenError, job_token
 from trainguard.wire.hosts import JoinRequest
@@ -118,9 +118,9 @@ def test_a_host_declared_lost_is_fenced_and_comes_back_only_as_a_new_spare() -> 
 
 
 def test_endpoints_parse_as_torchrun_s() -> None:
-    assert parse_endpoint("10.1.2.3:29400") == Endpoint("10.1.2.3", 29400)
-    assert parse_endpoint("host-a") == Endpoint("host-a", 29500)
-    assert parse_endpoint("[fd00::1]:5") == Endpoint("fd00::1", 5)
+    assert parse_endpoint("10.1.2.3:29400") == JobEndpoint("10.1.2.3", 29400)
+    assert parse_endpoint("host-a") == JobEndpoint("host-a", 29500)
+    assert parse_endpoint("[fd00::1]:5") == JobEndpoint("fd00::1", 5)
     for bad in ("", ":80", "h:0", "h:99999", "h:x"):
         with pytest.raises(ValueError):
             parse_endpoint(bad)

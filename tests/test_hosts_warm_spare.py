@@ -14,7 +14,7 @@ import pytest
 from agent_harness import make_assignment, spawn_agent, start
 from conftest import FAKE_WORKER, pid_alive, wait_for
 from trainguard.agent.client import AgentClient, AgentError
-from trainguard.hosts.addresses import Endpoint, LocalAddress
+from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.daemon import HostDaemon
 from trainguard.platform.node import AgentLauncher
 from trainguard.spec.health import HealthOptions
@@ -35,7 +35,7 @@ def spare(tmp_path: Path) -> Iterator[HostDaemon]:
     }
     launcher = AgentLauncher(tmp_path, tmp_path / "token", groups, {})
     daemon = HostDaemon(
-        Endpoint("127.0.0.1", 1), TOKEN, LocalAddress("127.0.0.1", "lo"), {},
+        JobEndpoint("127.0.0.1", 1), TOKEN, LocalAddress("127.0.0.1", "lo"), {},
         lambda reply: launcher,
     )  # fmt: skip
     reply = JoinReply(

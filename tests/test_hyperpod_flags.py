@@ -12,7 +12,7 @@ import pytest
 
 from conftest import Trainguard, write_job
 from trainguard.agent.train_scripts import TrainScripts, parse_script_flag, run_train_script
-from trainguard.platform.config import control_config
+from trainguard.platform.control_config import control_config
 from trainguard.spec import SpecError, TrainingJob, parse_job, resolve_plan
 from trainguard.spec.launcher import LauncherError, parse_launcher
 

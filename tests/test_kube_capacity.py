@@ -22,7 +22,7 @@ from trainguard.kube.node_health import NodeHealthLabels
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.record import ClusterRecord
 from trainguard.platform.book import ReportBook
-from trainguard.platform.config import control_config
+from trainguard.platform.control_config import control_config
 from trainguard.platform.transport import AgentTransport
 from trainguard.spec import parse_job
 

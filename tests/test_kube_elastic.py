@@ -19,7 +19,7 @@ import control_helpers as h
 from conftest import SCRIPTS, wait_for
 from kube_cluster import JOB_TIMEOUT, Cluster, fake, record, running_cluster
 from test_run_elastic_inplace import records
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.config import ControlConfig
 from trainguard.control.contact import ContactRule
 from trainguard.control.controller import JobController
@@ -179,7 +179,7 @@ def elastic_controller() -> JobController:
         elastic_node_ids=("node-2",),
         stop_grace_seconds=5,
     )
-    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    c = JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
     h.begin(c)
     c.set_capacity(2)
     return c
@@ -229,7 +229,7 @@ def test_elastic_scaling_status_follows_a_scale_down() -> None:
 
 def test_a_job_without_elastic_policy_has_no_elastic_scaling_status() -> None:
     config = ControlConfig("job", ("node-0",), 1)
-    c = JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000))
+    c = JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000))
     assert ScalingStatus().to_json(c, 1.0) is None
     assert "elasticScalingStatus" not in job_status(
         c, Conditions(), [], FaultyPods(), 1.0, ScalingStatus()

@@ -13,7 +13,7 @@ import pytest
 
 import control_helpers as h
 from kube_harness import ApiServer
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.controller import ControlConfig, JobController, StopNodes
 from trainguard.control.events import Event
 from trainguard.control.policy import PolicyConfig
@@ -50,7 +50,7 @@ def controller(in_process: bool) -> JobController:
         barrier_timeout=30.0,
         stuck_rank_timeout=3.0,
     )
-    return JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    return JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
 
 
 def pods(generation: int) -> dict[str, PodNode]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import control_helpers as h
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.controller import ControlConfig, JobController
 from trainguard.control.reports import NodeState
 from trainguard.monitor import worker_events
@@ -50,7 +50,7 @@ def test_emit_is_a_no_op_outside_trainguard(
 
 
 def test_controller_adds_each_worker_event_once() -> None:
-    c = JobController(ControlConfig("job", ("n0",), 1), lambda a, n: Endpoint("127.0.0.1", 1))
+    c = JobController(ControlConfig("job", ("n0",), 1), lambda a, n: StoreEndpoint("127.0.0.1", 1))
     h.begin(c)
     event = worker_events.WorkerEvent(
         rank=0, seq=1, time=0.5, kind="CheckpointRestored", message="restored", data={"step": 3}

@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from trainguard.bounded_http import BoundedHTTPServer
-from trainguard.hosts.addresses import Endpoint, LocalAddress
+from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.daemon import PARTITION_ENV, HostDaemon
 from trainguard.kube.probes import serve_probes
 from trainguard.netlimits import ConnLimits, ConnTable, QuietLog
@@ -225,7 +225,7 @@ def test_the_partition_route_exists_only_when_asked_for_and_needs_its_seconds(
             raise AssertionError("not launched")
 
         return HostDaemon(
-            Endpoint("127.0.0.1", 1), TOKEN, LocalAddress("127.0.0.1", "lo"), {}, no_launcher
+            JobEndpoint("127.0.0.1", 1), TOKEN, LocalAddress("127.0.0.1", "lo"), {}, no_launcher
         )
 
     def post(url: str, body: object) -> int:

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from trainguard.control.events import Event
 from trainguard.observe.account import account
-from trainguard.observe.history import JOB, SAMPLE_INTERVAL, JobHistory, Sample, Trace
+from trainguard.observe.history import JOB, SAMPLE_INTERVAL, JobHistory, SeriesSample, Trace
 from trainguard.observe.job import JobState
 from trainguard.observe.metrics import Metrics
 
@@ -30,7 +30,7 @@ def history(
         started_at=start,
         finished_at=end,
         faults=tuple(faults),
-        samples=tuple(Sample(t, attempt, JOB, step) for t, attempt, step in samples),
+        samples=tuple(SeriesSample(t, attempt, JOB, step) for t, attempt, step in samples),
     )
 
 

@@ -29,7 +29,7 @@ from trainguard.control.events import Event
 from trainguard.observe.account import account
 from trainguard.observe.durable import DurableState, durable_state
 from trainguard.observe.figures import FAULT_COLOR, Png, pace_figure, progress_figure
-from trainguard.observe.history import JOB, AttemptSpan, JobHistory, Sample
+from trainguard.observe.history import JOB, AttemptSpan, JobHistory, SeriesSample
 from trainguard.observe.report import png_path, render, why_failed
 
 T0 = 1_700_000_000.0
@@ -37,10 +37,12 @@ EVIL = '<script>alert("x")</script> & co'
 GOODPUT = re.compile(r'<span id="goodput" data-value="([^"]*)">([^<]*)</span>')
 
 
-def _progress(attempt: int, start: float, first: int, last: int, every: int = 10) -> list[Sample]:
+def _progress(
+    attempt: int, start: float, first: int, last: int, every: int = 10
+) -> list[SeriesSample]:
     """An attempt's progress: a step every 0.1 s from ``first`` to ``last``."""
     steps = [*range(first, last, every), last]
-    return [Sample(start + (s - first) * 0.1, attempt, JOB, float(s)) for s in steps]
+    return [SeriesSample(start + (s - first) * 0.1, attempt, JOB, float(s)) for s in steps]
 
 
 def _fault(t: float, attempt: int, step: int, **extra: Any) -> dict[str, Any]:
@@ -70,7 +72,7 @@ def _history(**changes: Any) -> JobHistory:
     51 and runs to 300; a hang in attempt 1 is recovered in-process."""
     samples = _progress(0, T0 + 2.0, 1, 100) + _progress(1, T0 + 16.0, 51, 300)
     paces = [
-        Sample(T0 + t, a, rank, 0.1 * (1.6 if rank == 3 else 1.0))
+        SeriesSample(T0 + t, a, rank, 0.1 * (1.6 if rank == 3 else 1.0))
         for t, a in ((5.0, 0), (20.0, 1), (30.0, 1))
         for rank in range(4)
     ]
@@ -372,7 +374,7 @@ def test_many_ranks_are_a_heatmap_with_the_straggler_hot() -> None:
     twice as slow, rank 30 has no recording at 20 s, and none is made between 20 s and
     40 s (the job was down)."""
     paces = [
-        Sample(T0 + t, 0, rank, 0.2 if rank == 7 else 0.1)
+        SeriesSample(T0 + t, 0, rank, 0.2 if rank == 7 else 0.1)
         for t in (10.0, 20.0, 40.0, 50.0)
         for rank in range(32)
         if (rank, t) != (30, 20.0)

@@ -12,7 +12,7 @@ from typing import Any
 import control_helpers as h
 from agent_harness import request_json
 from trainguard.control.actions import JobPhase, LaunchNodes
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.contact import (
     Contact,
     ContactRule,
@@ -188,7 +188,7 @@ class FakePlatform:
 
 def controller(**kw: Any) -> JobController:
     config = ControlConfig("job", NODES, 2, **kw)
-    return JobController(config, lambda attempt, node: Endpoint("127.0.0.1", 30000 + attempt))
+    return JobController(config, lambda attempt, node: StoreEndpoint("127.0.0.1", 30000 + attempt))
 
 
 def test_drive_launches_starts_and_ends_with_the_job() -> None:

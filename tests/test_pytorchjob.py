@@ -19,7 +19,7 @@ from trainguard.kube.config import OperatorConfig
 from trainguard.kube.crd import crd
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.pods import node_pod
-from trainguard.platform.config import control_config
+from trainguard.platform.control_config import control_config
 from trainguard.spec import SpecError, load_job, parse_job, resolve_plan
 from trainguard.spec.scripts import check_scripts
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.control.assignment import Endpoint, assign_ranks
+from trainguard.control.assignment import StoreEndpoint, assign_ranks
 from trainguard.rendezvous.client import (
     MODE_ENV,
     StoreServiceHandle,
@@ -94,7 +94,7 @@ def test_a_service_stopped_while_it_starts_is_ended_not_waited_for(tmp_path: Pat
 def test_a_hosted_endpoint_makes_every_rank_a_client() -> None:
     """torchrun's convention: TORCHELASTIC_USE_AGENT_STORE=True, MASTER_* the store's."""
     for hosted in (True, False):
-        nodes = assign_ranks("job", ["a", "b"], 2, 3, Endpoint("10.0.0.1", 4000, hosted), 3, 5)
+        nodes = assign_ranks("job", ["a", "b"], 2, 3, StoreEndpoint("10.0.0.1", 4000, hosted), 3, 5)
         for node in nodes:
             for local in range(2):
                 env = node.worker_env(local)

@@ -29,7 +29,7 @@ import trainguard.resilient as resilient
 from conftest import SCRIPTS, Trainguard, write_job
 from trainguard.checkpoint import Checkpointer, RNGState
 from trainguard.resilient.loop import _Loop
-from trainguard.resilient.run import Progress, Run
+from trainguard.resilient.run import Run, StateProgress
 
 PLAIN = SCRIPTS / "ddp_plain.py"
 CHECKPOINTLESS = SCRIPTS / "ddp_checkpointless.py"
@@ -160,7 +160,7 @@ def test_without_trainguard_the_loop_runs_its_steps_and_resumes_from_a_checkpoin
         assert torch.equal(resumed.state_dict()[key], value), key
 
 
-def _attempt(progress: Progress) -> Run:
+def _attempt(progress: StateProgress) -> Run:
     return Run(
         rank=0,
         local_rank=0,
@@ -185,7 +185,7 @@ def test_a_step_is_complete_once_its_optimizer_stepped() -> None:
             raise RuntimeError("Connection reset by peer")  # after it
 
     loop = _Loop(train_step, range(1, 6), {"model": model, "optim": adam}, None)
-    progress = Progress(has_state=True)
+    progress = StateProgress(has_state=True)
     with pytest.raises(RuntimeError):
         loop(_attempt(progress))
     assert progress.steps == 2, "steps 1 and 2 are complete"

@@ -18,8 +18,8 @@ from trainguard.resilient.protocol import (
     CONTROL_DIR_ENV,
     EXIT_BARRIER_TIMEOUT,
     Ack,
-    Attempt,
     ProtocolError,
+    ResilientAttempt,
     SpareAssignment,
     read_ack,
     read_attempt,
@@ -28,7 +28,7 @@ from trainguard.resilient.protocol import (
     write_attempt,
     write_spare,
 )
-from trainguard.resilient.run import Progress
+from trainguard.resilient.run import StateProgress
 from trainguard.resilient.sync import (
     Offer,
     SyncPlan,
@@ -43,7 +43,7 @@ def test_control_files_round_trip(tmp_path: Path) -> None:
     assert read_attempt(tmp_path) is None
     assert read_spare(tmp_path, 0) is None
     assert read_ack(tmp_path, 3) is None
-    attempt = Attempt(
+    attempt = ResilientAttempt(
         attempt=2, master_addr="127.0.0.1", master_port=29500, world_size=4,
         barrier_timeout_seconds=30.0,
     )  # fmt: skip
@@ -194,7 +194,7 @@ def test_gloo_errors_are_collective_failures_and_user_errors_are_not() -> None:
 
 
 def test_run_counts_steps_and_stops_at_a_newer_attempt() -> None:
-    progress = Progress(has_state=True, steps=4)
+    progress = StateProgress(has_state=True, steps=4)
     newer = False
     run = Run(
         rank=0,
@@ -221,7 +221,7 @@ def test_rejoining_keeps_one_rank_prefix_on_uncaught_errors(tmp_path: Path) -> N
     script = """
 import socket, sys, time
 from trainguard.resilient.group import AttemptGroup
-from trainguard.resilient.protocol import Attempt
+from trainguard.resilient.protocol import ResilientAttempt
 
 def port():
     with socket.socket() as s:
@@ -230,7 +230,7 @@ def port():
 
 group = AttemptGroup(0.02, 60.0)
 for n in range(3):
-    attempt = Attempt(
+    attempt = ResilientAttempt(
         attempt=n, master_addr="127.0.0.1", master_port=port(), world_size=1,
         barrier_timeout_seconds=60.0,
     )
@@ -248,7 +248,7 @@ raise RuntimeError("boom")
 
 def test_run_splits_the_global_batch_and_deals_the_rest_of_the_epoch() -> None:
     def run(rank: int, world: int, steps: int) -> Run:
-        progress = Progress(has_state=True, steps=steps)
+        progress = StateProgress(has_state=True, steps=steps)
         return Run(rank=rank, local_rank=0, world_size=world, attempt=1,
                    state_source="self", progress=progress, interrupted=lambda: False)  # fmt: skip
 
@@ -262,7 +262,7 @@ def test_run_splits_the_global_batch_and_deals_the_rest_of_the_epoch() -> None:
 
 
 def test_an_attempt_file_may_renumber_the_node_ranks(tmp_path: Path) -> None:
-    attempt = Attempt(attempt=3, master_addr="h", master_port=1, world_size=4,
+    attempt = ResilientAttempt(attempt=3, master_addr="h", master_port=1, world_size=4,
                       barrier_timeout_seconds=5.0, ranks=(2, 3))  # fmt: skip
     write_attempt(tmp_path, attempt)
     assert read_attempt(tmp_path) == attempt
@@ -292,7 +292,7 @@ train()
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        attempt = Attempt(attempt=0, master_addr="127.0.0.1", master_port=port,
+        attempt = ResilientAttempt(attempt=0, master_addr="127.0.0.1", master_port=port,
                           world_size=2, barrier_timeout_seconds=600.0)  # fmt: skip
         write_attempt(tmp_path, attempt)
         env = {**os.environ, CONTROL_DIR_ENV: str(tmp_path), "RANK": "0", "LOCAL_RANK": "0"}

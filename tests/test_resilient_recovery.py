@@ -23,7 +23,7 @@ from trainguard.resilient.protocol import (
     CONTROL_DIR_ENV,
     EXIT_BARRIER_TIMEOUT,
     SPARE_ID_ENV,
-    Attempt,
+    ResilientAttempt,
     SpareAssignment,
     read_ack,
     write_attempt,
@@ -58,9 +58,9 @@ class Job:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.spares: dict[int, subprocess.Popen[bytes]] = {}
 
-    def next_attempt(self) -> Attempt:
+    def next_attempt(self) -> ResilientAttempt:
         self.attempt += 1
-        attempt = Attempt(
+        attempt = ResilientAttempt(
             attempt=self.attempt,
             master_addr="127.0.0.1",
             master_port=free_port(),
@@ -93,7 +93,7 @@ class Job:
             cwd=REPO,
         )
 
-    def start_rank(self, rank: int, attempt: Attempt, *args: str) -> None:
+    def start_rank(self, rank: int, attempt: ResilientAttempt, *args: str) -> None:
         env = self._env(
             {
                 "RANK": str(rank),
@@ -106,7 +106,7 @@ class Job:
         )
         self.procs[rank] = self._popen(f"rank-{rank}", env, list(args))
 
-    def start_all(self, *args: str) -> Attempt:
+    def start_all(self, *args: str) -> ResilientAttempt:
         attempt = self.next_attempt()
         for rank in range(self.world):
             self.start_rank(rank, attempt, *args)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import trainguard.resilient as resilient
 from trainguard.resilient import spare_init
-from trainguard.resilient.run import Progress
+from trainguard.resilient.run import StateProgress
 from trainguard.resilient.sync import synchronise
 
 
@@ -62,8 +62,8 @@ def test_a_spare_without_a_peer_or_a_checkpoint_refuses_to_train() -> None:
     with resilient.no_init_on_spare(True):
         model = _linear()
     with pytest.raises(resilient.UninitialisedState):
-        synchronise({"model": model}, Progress(), None)
+        synchronise({"model": model}, StateProgress(), None)
     # A checkpoint that restores the state is fine.
-    progress = Progress()
+    progress = StateProgress()
     synchronise({"model": model}, progress, lambda: 7)
     assert progress.steps == 7

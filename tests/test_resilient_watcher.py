@@ -15,7 +15,7 @@ from trainguard.resilient.identity import resolve_identity
 from trainguard.resilient.protocol import (
     ATTEMPT_ENV,
     SPARE_ID_ENV,
-    Attempt,
+    ResilientAttempt,
     SpareAssignment,
     write_attempt,
     write_spare,
@@ -26,8 +26,8 @@ NEVER = 120.0  # a poll interval no test waits out: only the inotify wake can be
 PATIENCE = 30.0  # generous: shared, noisy machines
 
 
-def _attempt(number: int) -> Attempt:
-    return Attempt(
+def _attempt(number: int) -> ResilientAttempt:
+    return ResilientAttempt(
         attempt=number,
         master_addr="127.0.0.1",
         master_port=29500,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Trainguard
-from trainguard.hosts.addresses import Endpoint, LocalAddress
+from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.daemon import HostDaemon
 from trainguard.observe.live import ERASE, LiveLine
 from trainguard.observe.terminal import safe_bytes, safe_cell, safe_text
@@ -116,7 +116,7 @@ def test_another_hosts_daemon_shows_its_ranks_lines_escaped_and_survives_its_con
     """On a host that joined a job, the daemon copies its agents' consoles to its own."""
     shown = io.BytesIO()
     daemon = HostDaemon(
-        Endpoint("127.0.0.1", 1), "token", LocalAddress("127.0.0.1", "lo"), {},
+        JobEndpoint("127.0.0.1", 1), "token", LocalAddress("127.0.0.1", "lo"), {},
         lambda reply: None,  # type: ignore[arg-type,return-value]
         out=shown,
     )  # fmt: skip

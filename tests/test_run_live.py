@@ -23,7 +23,7 @@ from trainguard.observe.live import (
     LastFault,
     LiveLine,
     LiveView,
-    Sample,
+    StepSeen,
     live_text,
     live_wanted,
     steps_per_second,
@@ -92,12 +92,12 @@ def test_last_fault_of_a_node_or_of_the_job() -> None:
 
 def test_rate_over_the_samples() -> None:
     assert steps_per_second([], NOW) is None
-    assert steps_per_second([Sample(NOW, 5)], NOW) is None
-    samples = [Sample(NOW - 10, 0), Sample(NOW - 5, 20), Sample(NOW - 1, 45)]
+    assert steps_per_second([StepSeen(NOW, 5)], NOW) is None
+    samples = [StepSeen(NOW - 10, 0), StepSeen(NOW - 5, 20), StepSeen(NOW - 1, 45)]
     assert steps_per_second(samples, NOW) == pytest.approx(5.0)
     # No new step for longer than the stall time: 0 (a hang shows as one).
     assert steps_per_second(samples, NOW + 30, stall=10) == 0.0
-    assert steps_per_second([Sample(NOW, 9), Sample(NOW, 9)], NOW) is None
+    assert steps_per_second([StepSeen(NOW, 9), StepSeen(NOW, 9)], NOW) is None
 
 
 def test_live_wanted_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:

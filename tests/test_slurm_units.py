@@ -12,7 +12,7 @@ import pytest
 import trainguard.slurm.allocation as allocation
 from conftest import SCRIPTS, write_job
 from trainguard.cli import _parser, main, parse_command_line, run_flags_taking_a_value
-from trainguard.hosts.addresses import Endpoint
+from trainguard.hosts.addresses import JobEndpoint
 from trainguard.slurm.allocation import Allocation, SlurmError, spare_count
 from trainguard.slurm.run import daemon_argv
 from trainguard.slurm.submit import batch_script
@@ -56,7 +56,7 @@ def test_the_nodes_beyond_the_job_are_spares() -> None:
 
 
 def test_the_other_nodes_run_the_same_command_joined_to_the_controller() -> None:
-    endpoint = Endpoint("10.0.0.1", 4242)
+    endpoint = JobEndpoint("10.0.0.1", 4242)
     spec_form = ["run", "-f", "job.yaml", "--inject", "kill:rank=1@step=5", "--metrics-port=9"]
     assert daemon_argv(spec_form, endpoint) == [
         "run", "-f", "job.yaml", "--rdzv-endpoint", "10.0.0.1:4242"
@@ -72,7 +72,7 @@ def test_the_other_nodes_run_the_same_command_joined_to_the_controller() -> None
 def test_every_run_flag_that_takes_a_value_keeps_the_script_and_its_arguments(flag: str) -> None:
     # `--shutdown-timeout 30 train.py` once lost the script: the flags came from a list
     # kept by hand, which had fallen behind the parser.
-    endpoint = Endpoint("10.0.0.1", 4242)
+    endpoint = JobEndpoint("10.0.0.1", 4242)
     argv = ["run", "--nproc-per-node", "1", flag, "V", "train.py", "--lr", "1"]
     other = daemon_argv(argv, endpoint)
     assert other[-5:] == ["--rdzv-endpoint", "10.0.0.1:4242", "train.py", "--lr", "1"]

@@ -11,7 +11,7 @@ import pytest
 
 from trainguard.control.events import Fault, FaultType
 from trainguard.control.policy import GiveUp, decide_restart
-from trainguard.platform.config import control_config
+from trainguard.platform.control_config import control_config
 from trainguard.spec import (
     JobPlan,
     SpecError,

@@ -21,7 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainguard.resilient.group import AttemptGroup
-from trainguard.resilient.protocol import Attempt
+from trainguard.resilient.protocol import ResilientAttempt
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
@@ -32,7 +32,7 @@ parser.add_argument("--no-abort", action="store_true")
 args = parser.parse_args()
 
 group = AttemptGroup(join_poll_interval=0.02, collective_timeout=600.0)
-attempt = Attempt(
+attempt = ResilientAttempt(
     attempt=0,
     master_addr="127.0.0.1",
     master_port=args.port,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import trainguard.resilient as resilient
 from trainguard.resilient import transfer
 from trainguard.resilient.ddp import mark_in_sync
-from trainguard.resilient.run import Progress
+from trainguard.resilient.run import StateProgress
 from trainguard.resilient.sync import synchronise
 
 parser = argparse.ArgumentParser()
@@ -108,7 +108,7 @@ for n in range(1, 5):
         moments = {
             i: {k: v.clone() for k, v in s.items()} for i, s in optim.state_dict()["state"].items()
         }
-progress = Progress(has_state=True, steps=4)
+progress = StateProgress(has_state=True, steps=4)
 if rank == 3:
     model.load_state_dict(snapshot)
     for p, (_, saved) in zip(model.parameters(), sorted(moments.items()), strict=True):
@@ -117,7 +117,7 @@ if rank == 3:
     progress.steps = 3
 if rank == 2:
     model, optim = build(skip_init=True)
-    progress = Progress()
+    progress = StateProgress()
 # A non-contiguous tensor (sent from a contiguous copy, in slices), the holders' only.
 extra = torch.arange(300 * 700, dtype=torch.float64).reshape(300, 700)
 if rank in (2, 3):

@@ -301,7 +301,7 @@ def _serve(
     from trainguard.agent.persist import MEMORY_DIR_ENV
     from trainguard.agent.replicas import ReplicaStore
     from trainguard.agent.server import AgentHTTPServer
-    from trainguard.agent.supervisor import AgentTimings, Supervisor
+    from trainguard.agent.supervisor import AgentSupervisor, AgentTimings
     from trainguard.agent.train_scripts import TrainScripts
     from trainguard.agent.warm import StartOptions
     from trainguard.agent.workers import reserved_env_keys
@@ -312,7 +312,7 @@ def _serve(
 
     timings = AgentTimings()
     lease = ControllerLease(args.fence_after)
-    supervisor = Supervisor(
+    supervisor = AgentSupervisor(
         args.node_id,
         worker_argv,
         LogLayout(args.log_dir.resolve()),

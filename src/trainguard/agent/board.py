@@ -1,11 +1,11 @@
 """The node's status as the agent keeps it: state, workers, and what it saw of them.
 
-One :class:`Board` per agent, guarded by its ``lock`` (request threads read and check
+One :class:`NodeBoard` per agent, guarded by its ``lock`` (request threads read and check
 it, the supervisor thread changes it). Every change bumps ``seq``; a change the
 controller did not ask for and must act on (the node turned ``faulted`` or
 ``completed``) calls ``on_news`` (the reporter's nudge: report first). What the
 controller caused itself (a start, a stop) it learns at its next poll: thousands of
-agents pushing every acknowledgement would only slow it down. :meth:`Board.snapshot`
+agents pushing every acknowledgement would only slow it down. :meth:`NodeBoard.snapshot`
 assembles the :class:`~trainguard.wire.status.NodeStatus` the agent serves and pushes.
 """
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from trainguard.agent.persist import DurablePersister
     from trainguard.agent.workers import WorkerGroup
 
-__all__ = ["Board", "StartRefused"]
+__all__ = ["NodeBoard", "StartRefused"]
 
 
 class StartRefused(Refused):
@@ -58,7 +58,7 @@ NEWS = frozenset({NodeState.FAULTED, NodeState.COMPLETED})
 """States the agent reports at once: the controller decides on them."""
 
 
-class Board:
+class NodeBoard:
     """The node's status (see the module docstring). Change it with ``lock`` held."""
 
     def __init__(self, node_id: str, incarnation: str = "") -> None:

@@ -38,12 +38,13 @@ from pathlib import Path
 from trainguard.agent.logs import LogLayout
 from trainguard.agent.warm import Spawner
 from trainguard.agent.workers import Spawned, WorkerGroup, WorkerProcess, signal_group, worker_envs
+from trainguard.control.events import EventKind
 from trainguard.wire.control_files import (
     ATTEMPT_ENV,
     CONTROL_DIR_ENV,
     SPARE_ID_ENV,
-    Attempt,
     ProtocolError,
+    ResilientAttempt,
     SpareAssignment,
     read_ack,
     write_attempt,
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 # Set for spares in place of a rank: they learn theirs from spare-<k>.json.
 _SPARE_UNSET = ("RANK", "LOCAL_RANK", "ROLE_RANK")
-LEFT_EVENT = "InProcessRestart"
+LEFT_EVENT = EventKind.IN_PROCESS_RESTART
 """The worker event a resilient worker emits when it leaves a failed attempt."""
 
 Replaced = dict[int, tuple[int, dict[str, Path], str]]
@@ -215,8 +216,8 @@ class ResilientGroup(WorkerGroup):
                 logger.info("started hot spare %d (attempt %d)", k, a.attempt)
 
     @staticmethod
-    def _attempt_file(a: NodeAssignment) -> Attempt:
-        return Attempt(
+    def _attempt_file(a: NodeAssignment) -> ResilientAttempt:
+        return ResilientAttempt(
             attempt=a.attempt,
             master_addr=a.master_addr,
             master_port=a.master_port,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainguard.agent.api import Refused
-from trainguard.agent.board import Board, StartRefused
+from trainguard.agent.board import NodeBoard, StartRefused
 from trainguard.agent.controller_watch import ControllerWatch
 from trainguard.agent.exits import ExitWatcher
 from trainguard.agent.inject import FAST_TAIL_INTERVAL, StepInjector
@@ -62,7 +62,7 @@ from trainguard.wire.status import NodeState, NodeStatus, WorkerState, WorkerSta
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AgentTimings", "Refused", "StartRefused", "Supervisor"]
+__all__ = ["AgentSupervisor", "AgentTimings", "Refused", "StartRefused"]
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class _Wake:
 _Command = _Start | _Rejoin | _Replace | _Stop | _Shutdown | _Wake
 
 
-class Supervisor:
+class AgentSupervisor:
     """Runs attempts on this node as commanded, and keeps the status."""
 
     def __init__(
@@ -146,7 +146,7 @@ class Supervisor:
         self._timings = timings
         self._token = token  # the job's: pushes to the controller, replicas to peers
         self._commands: queue.Queue[_Command] = queue.Queue()
-        self.board = Board(node_id, incarnation)
+        self.board = NodeBoard(node_id, incarnation)
         self._reporter = Reporter(self.snapshot, token, tls=tls)
         self.board.on_news = self._reporter.nudge
         self._exits = ExitWatcher(lambda: self._commands.put(_Wake()))

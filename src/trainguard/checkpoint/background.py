@@ -30,6 +30,7 @@ from trainguard.checkpoint.copying import CopyDone, on_device
 from trainguard.checkpoint.memory import MemoryTier
 from trainguard.checkpoint.room import no_room
 from trainguard.checkpoint.shard import checksum
+from trainguard.control.events import EventKind
 from trainguard.monitor import worker_events
 
 if TYPE_CHECKING:
@@ -253,7 +254,7 @@ class Background:
                 if committed:
                     log.info("checkpoint step %d committed to %s", step, self.config.durable_url)
                     worker_events.emit(
-                        "CheckpointCommitted",
+                        EventKind.CHECKPOINT_COMMITTED,
                         f"step {step} committed to durable storage",
                         step=step,
                         url=self.config.durable_url,

@@ -36,6 +36,7 @@ from trainguard.checkpoint.shard import (
 from trainguard.checkpoint.sharding import NotCovered, init_optimizer_state
 from trainguard.checkpoint.state import Layout, StateMismatch, flatten, plan_restore
 from trainguard.checkpoint.stateful import apply, capture
+from trainguard.control.events import EventKind
 from trainguard.monitor import worker_events
 
 if TYPE_CHECKING:
@@ -361,7 +362,7 @@ class Checkpointer:
             "rank %d restored step %d from %s in %.3f s (%s)", cfg.rank, step, tier, seconds, told
         )
         worker_events.emit(
-            "CheckpointRestored",
+            EventKind.CHECKPOINT_RESTORED,
             f"rank {cfg.rank} restored step {step} from {tier} in {seconds:.3f} s ({told})",
             step=step,
             tier=tier,
@@ -410,7 +411,7 @@ class Checkpointer:
         which = "a shard" if step is None else f"step {step}"
         log.warning("%s tier: skipping %s (%s, rank %d): %s", tier, where, which, rank, why)
         worker_events.emit(
-            "CheckpointSkipped",
+            EventKind.CHECKPOINT_SKIPPED,
             f"rank {rank} skipped {which} in {tier}: {why} ({where})",
             step=step,
             tier=tier,

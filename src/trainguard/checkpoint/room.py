@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from trainguard.control.events import EventKind
 from trainguard.monitor import worker_events
 
 __all__ = ["RETRY_SECONDS", "MemoryRoom", "no_room"]
@@ -79,7 +80,7 @@ class MemoryRoom:
         )
         log.error("%s", message)
         worker_events.emit(
-            "CheckpointMemoryFull",
+            EventKind.CHECKPOINT_MEMORY_FULL,
             message,
             step=step,
             directory=self.directory,

@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from trainguard.control.events import EventKind
 from trainguard.monitor import worker_events
 
 __all__ = ["REPORT_EVERY", "SaveTimes"]
@@ -50,7 +51,7 @@ class SaveTimes:
             return
         times, saves, self._seconds, self._saves = self._seconds, self._saves, [], 0
         worker_events.emit(
-            "CheckpointSaved",
+            EventKind.CHECKPOINT_SAVED,
             f"{saves} {self.tier} checkpoint saves up to step {self._step}: training blocked "
             f"{statistics.median(times):.3f} s (median), {max(times):.3f} s at most",
             tier=self.tier,

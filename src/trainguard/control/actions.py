@@ -25,6 +25,7 @@ __all__ = [
     "ReplaceRanks",
     "RetireNodes",
     "StartNodes",
+    "StopMode",
     "StopNodes",
 ]
 
@@ -78,7 +79,7 @@ class StartNodes:
 
     attempt: int
     assignments: tuple[NodeAssignment, ...]
-    scope: str = RestartScope.PROCESS.value
+    scope: RestartScope = RestartScope.PROCESS
 
 
 @dataclass(frozen=True)
@@ -98,11 +99,18 @@ class ReplaceRanks:
     ranks: tuple[int, ...]
 
 
+class StopMode(StrEnum):
+    """How an attempt's ranks are stopped."""
+
+    PROCESS = "process"  # kill now
+    GRACEFUL = "graceful"  # SIGTERM, then SIGKILL after the grace
+
+
 @dataclass(frozen=True)
 class StopNodes:
     attempt: int
     node_ids: tuple[str, ...]
-    mode: str  # "process" (kill now) or "graceful" (SIGTERM, then SIGKILL)
+    mode: StopMode
     timeout: float
     capture_stacks: bool = False
     notice: float = 0.0  # elastic scaling: ranks that read requests get this to save and exit

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from trainguard.control.config import ControlConfig
 
 __all__ = [
-    "Endpoint",
     "NodeAssignment",
+    "StoreEndpoint",
     "assign_attempt",
     "assign_ranks",
     "replica_peers",
@@ -41,7 +41,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Endpoint:
+class StoreEndpoint:
     """Where an attempt's rendezvous store lives: served by the job's store service
     (``hosted``: every rank is a client) or by rank 0."""
 
@@ -73,7 +73,7 @@ def assign_ranks(
     node_ids: Sequence[str],
     nproc_per_node: int,
     attempt: int,
-    endpoint: Endpoint,
+    endpoint: StoreEndpoint,
     restart_count: int,
     max_restarts: int,
     extra_env: dict[str, str] | None = None,
@@ -132,7 +132,7 @@ def assign_attempt(
     config: ControlConfig,
     node_ids: Sequence[str],
     attempt: int,
-    endpoint: Endpoint,
+    endpoint: StoreEndpoint,
     sources: Mapping[str, str] | None = None,
 ) -> tuple[NodeAssignment, ...]:
     """Every node's assignment for ``attempt`` of the job ``config`` describes

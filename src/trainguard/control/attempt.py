@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainguard.control.actions import AttemptPhase
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.detect import AttemptWatch
 from trainguard.control.elastic import Scale
 from trainguard.control.events import Fault
@@ -22,10 +22,10 @@ class Attempt:
     started_at: float
     nodes: tuple[str, ...]
     watch: AttemptWatch
-    scope: str = RestartScope.PROCESS.value
+    scope: RestartScope = RestartScope.PROCESS
     phase: AttemptPhase = AttemptPhase.LAUNCHING
     # Set once every node is up and the attempt starts.
-    endpoint: Endpoint | None = None
+    endpoint: StoreEndpoint | None = None
     assignments: tuple[NodeAssignment, ...] = ()
     launch_deadline: float | None = None
     ended_at: float | None = None

@@ -1,7 +1,7 @@
 """Everything the controller knows about a job, with every threshold it decides by.
 
 The platform builds a :class:`ControlConfig` from the job plan
-(:func:`trainguard.platform.config.control_config`); the controller and the pure
+(:func:`trainguard.platform.control_config.control_config`); the controller and the pure
 decision functions of this package read their parameters from it and nowhere else.
 """
 

@@ -37,15 +37,16 @@ from trainguard.control.actions import (
     ReplaceRanks,
     RetireNodes,
     StartNodes,
+    StopMode,
     StopNodes,
 )
-from trainguard.control.assignment import Endpoint, assign_attempt, replica_sources
+from trainguard.control.assignment import StoreEndpoint, assign_attempt, replica_sources
 from trainguard.control.attempt import Attempt
 from trainguard.control.config import ControlConfig
 from trainguard.control.contact import launch_verdict, settled
 from trainguard.control.detect import AttemptWatch, finished, refusal_faults, stop_faults
 from trainguard.control.elastic import ElasticWatch
-from trainguard.control.events import Event, Fault, FaultType
+from trainguard.control.events import Event, EventKind, Fault, FaultType
 from trainguard.control.health import HealthBook, HealthNote
 from trainguard.control.persist import CheckpointNote, CheckpointPlanner, PersistCheckpoint
 from trainguard.control.policy import RestartRecord, RestartScope
@@ -72,7 +73,7 @@ __all__ = [
     "StopNodes",
 ]
 
-EndpointFor = Callable[[int, str], Endpoint]
+EndpointFor = Callable[[int, str], StoreEndpoint]
 """``endpoint_for(attempt, node_id)``: where the attempt's rendezvous store is (the job's
 store service's, ``hosted``, or rank 0's on ``node_id``); asked once the node is up."""
 
@@ -142,15 +143,15 @@ class JobController:
             raise RuntimeError(f"job already started (phase {self.phase})")
         self.started_at = now
         self.checkpoints = CheckpointPlanner(self.config.durable, self.config.world_size, now)
-        self._event(now, "JobStarted", f"job {self.config.job_id} started")
-        return self._new_attempt(now, RestartScope.PROCESS.value, launch=self.nodes, reports={})
+        self._event(now, EventKind.JOB_STARTED, f"job {self.config.job_id} started")
+        return self._new_attempt(now, RestartScope.PROCESS, launch=self.nodes, reports={})
 
     def cancel(self, now: float, reason: str, phase: JobPhase = JobPhase.STOPPED) -> list[Action]:
         """Stop the job from outside (user delete, Ctrl-C, deadline). Idempotent."""
         if self.phase.terminal or self._cancel is not None:
             return []
         self._cancel = (phase, reason)
-        self._event(now, "StopRequested", reason)
+        self._event(now, EventKind.STOP_REQUESTED, reason)
         attempt = self.current
         if attempt is None:
             return self._finish(now, phase, reason)
@@ -160,7 +161,7 @@ class JobController:
         if attempt.phase is not AttemptPhase.RUNNING:
             return []
         self.phase = JobPhase.STOPPING
-        return [self._stop(now, attempt, "graceful", reason)]
+        return [self._stop(now, attempt, StopMode.GRACEFUL, reason)]
 
     def set_capacity(
         self, capacity: int | None, preempted: Sequence[str] = (), taken_as: str = "preempted"
@@ -242,7 +243,7 @@ class JobController:
     def _new_attempt(
         self,
         now: float,
-        scope: str,
+        scope: RestartScope,
         launch: Sequence[str],
         reports: Mapping[str, NodeReport],
         retire: Sequence[str] = (),
@@ -263,7 +264,7 @@ class JobController:
             actions.append(LaunchNodes(tuple(launch), number, self.avoid_hosts))
             self._event(
                 now,
-                "NodesLaunching",
+                EventKind.NODES_LAUNCHING,
                 f"attempt {number}: bringing up {len(launch)} node agents",
                 attempt=number,
                 data={"nodes": list(launch), "avoid_hosts": list(self.avoid_hosts)},
@@ -316,7 +317,7 @@ class JobController:
         return [self._start_attempt(now, attempt)]
 
     def _start_attempt(
-        self, now: float, attempt: Attempt, host: Endpoint | None = None
+        self, now: float, attempt: Attempt, host: StoreEndpoint | None = None
     ) -> StartNodes:
         """Start ``attempt`` on its nodes; ``host``: the rendezvous to keep (an attempt in
         place whose rank 0 keeps its process keeps serving its store: a new port would
@@ -328,7 +329,9 @@ class JobController:
         self.phase = JobPhase.RUNNING
         return StartNodes(attempt.number, attempt.assignments, attempt.scope)
 
-    def _fill_assignments(self, now: float, attempt: Attempt, host: Endpoint | None = None) -> None:
+    def _fill_assignments(
+        self, now: float, attempt: Attempt, host: StoreEndpoint | None = None
+    ) -> None:
         cfg = self.config
         endpoint = self._endpoint_for(attempt.number, attempt.nodes[0])
         if host is not None and not endpoint.hosted:
@@ -339,14 +342,14 @@ class JobController:
         attempt.watch = self._watch(attempt.number, now)  # hang timers start with the workers
         self._event(
             now,
-            "AttemptStarted",
+            EventKind.ATTEMPT_STARTED,
             f"attempt {attempt.number}: {len(attempt.nodes)} nodes x {cfg.nproc_per_node} ranks "
             f"({attempt.scope} scope), rendezvous {endpoint.addr}:{endpoint.port}",
             attempt=attempt.number,
             data={
                 "master_addr": endpoint.addr,
                 "master_port": endpoint.port,
-                "scope": attempt.scope,
+                "scope": attempt.scope.value,
                 "nodes": list(attempt.nodes),
             },
         )
@@ -356,7 +359,7 @@ class JobController:
         for a lost node, swapped at a restart or at launch), and whose: their ranks restore
         from that node's memory-tier replicas. Empty in place: there the ranks a spare takes
         get their state from a peer (control/replace.py), and no checkpoint is read."""
-        if attempt.scope == RestartScope.IN_PROCESS.value:
+        if attempt.scope is RestartScope.IN_PROCESS:
             return {}
         ran = next(
             (a for a in reversed(self.attempts) if a.number < attempt.number and a.assignments),
@@ -418,7 +421,7 @@ class JobController:
             if recovery.can_restart_in_place(self, attempt, reports):
                 return [*actions, recovery.restart_in_place(self, now, attempt, reports)]
             capture = any(f.type.is_hang for f in faults)
-            mode = "graceful" if self.config.graceful_fault_stops else "process"
+            mode = StopMode.GRACEFUL if self.config.graceful_fault_stops else StopMode.PROCESS
             return [*actions, self._stop(now, attempt, mode, faults[0].message, capture)]
         actions += self._plan_checkpoints(now, attempt, reports)
         if len(current) == len(attempt.assignments) and all(
@@ -443,7 +446,9 @@ class JobController:
         """Record each new straggler; with ``stragglerAction: restart``, each is a fault."""
         found = self.stragglers.observe_statuses(attempt.number, current)
         for s in found:
-            self._event(now, "Straggler", s.message, attempt.number, s.node, s.rank, s.to_json())
+            self._event(
+                now, EventKind.STRAGGLER, s.message, attempt.number, s.node, s.rank, s.to_json()
+            )
         if self.config.straggler_action != "restart":
             return []
         progress = attempt.watch.progress
@@ -463,7 +468,9 @@ class JobController:
         if not found.hung:
             node, rank = found.one()
             data = {"ranks": [r for _, r in found.busy], "bound": found.bound}
-            self._event(now, "Lingering", found.message(now), attempt.number, node, rank, data)
+            self._event(
+                now, EventKind.LINGERING, found.message(now), attempt.number, node, rank, data
+            )
             return []
         return [found.fault(now, attempt.number, watch.progress.step if watch.progress else None)]
 
@@ -554,22 +561,22 @@ class JobController:
         return [*actions, *recovery.after_failure(self, now, attempt, reports)]
 
     def _stop(
-        self, now: float, attempt: Attempt, mode: str, reason: str, capture: bool = False
+        self, now: float, attempt: Attempt, mode: StopMode, reason: str, capture: bool = False
     ) -> StopNodes:
         attempt.phase = AttemptPhase.STOPPING
         attempt.reason = attempt.reason or reason
         attempt.watch.pause(now)
-        grace = self.config.stop_grace_seconds if mode == "graceful" else 0.0
+        grace = self.config.stop_grace_seconds if mode is StopMode.GRACEFUL else 0.0
         notice = 0.0  # an elastic scaling: ranks that read requests save and exit first
         if attempt.scale is not None and self.config.elastic is not None:
             notice = self.config.elastic.graceful_shutdown_timeout
         attempt.stop_allowance = notice + grace + self.config.stop_slack_seconds
         self._event(
             now,
-            "StoppingAll",
+            EventKind.STOPPING_ALL,
             f"stopping all ranks of attempt {attempt.number} ({mode}): {attempt.reason}",
             attempt=attempt.number,
-            data={"mode": mode, "capture_stacks": capture},
+            data={"mode": mode.value, "capture_stacks": capture},
         )
         return StopNodes(attempt.number, attempt.nodes, mode, grace, capture, notice)
 
@@ -589,7 +596,7 @@ class JobController:
         attempt.reason = attempt.reason or reason
         self._event(
             now,
-            "AttemptEnded",
+            EventKind.ATTEMPT_ENDED,
             f"attempt {attempt.number} {phase.value.lower()}: {attempt.reason}",
             attempt=attempt.number,
             data={"outcome": str(phase)},
@@ -599,13 +606,13 @@ class JobController:
         self.phase = phase
         self.reason = reason
         self.finished_at = now
-        self._event(now, f"Job{phase.value}", reason)
+        self._event(now, EventKind(f"Job{phase.value}"), reason)
         return [Finish(phase, reason)]
 
     def _event(
         self,
         now: float,
-        kind: str,
+        kind: EventKind,
         message: str,
         attempt: int | None = None,
         node: str | None = None,

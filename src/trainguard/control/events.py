@@ -62,6 +62,57 @@ class FaultType(StrEnum):
         )
 
 
+class EventKind(StrEnum):
+    """What a timeline entry records. The values are the kinds written to the store, the
+    wire, metrics labels and Kubernetes Event reasons: never change one."""
+
+    # The controller's
+    JOB_STARTED = "JobStarted"
+    JOB_SUCCEEDED = "JobSucceeded"
+    JOB_FAILED = "JobFailed"
+    JOB_STOPPED = "JobStopped"
+    STOP_REQUESTED = "StopRequested"
+    STOPPING_ALL = "StoppingAll"
+    NODES_LAUNCHING = "NodesLaunching"
+    ATTEMPT_STARTED = "AttemptStarted"
+    ATTEMPT_ENDED = "AttemptEnded"
+    FAULT = "Fault"
+    FAULT_INJECTED = "FaultInjected"
+    RESTART_SCHEDULED = "RestartScheduled"
+    RECOVERED = "Recovered"
+    RESUMED = "Resumed"
+    SCRIPT_ERROR = "ScriptError"
+    STRAGGLER = "Straggler"
+    LINGERING = "Lingering"
+    NODE_REPLACING = "NodeReplacing"
+    NODES_REPLACED = "NodesReplaced"
+    STUCK_RANKS_REPLACED = "StuckRanksReplaced"
+    NODE_PREEMPTED = "NodePreempted"
+    SCALING_REQUESTED = "ScalingRequested"
+    SCALE_UP_PREPARING = "ScaleUpPreparing"
+    ELASTIC_SCALING = "ElasticScaling"
+    ELASTIC_SCALING_FAILED = "ElasticScalingFailed"
+    CHECKPOINT_PERSISTING = "CheckpointPersisting"
+    CHECKPOINT_NOT_DURABLE = "CheckpointNotDurable"
+    CHECKPOINT_PERSIST_FAILED = "CheckpointPersistFailed"
+    NODE_HEALTH = "NodeHealth"
+    HEALTH_CHECK = "HealthCheck"
+    HEALTH_FINDING = "HealthFinding"
+    # Named by the Kubernetes status's warnings; nothing records it today.
+    POD_LOST = "PodLost"
+    # A worker's (monitor/worker_events.py WORKER_KINDS); the controller also records
+    # CheckpointSaved and CheckpointCommitted of its own.
+    CHECKPOINT_RESTORED = "CheckpointRestored"
+    CHECKPOINT_SKIPPED = "CheckpointSkipped"
+    CHECKPOINT_SAVED = "CheckpointSaved"
+    CHECKPOINT_COMMITTED = "CheckpointCommitted"
+    CHECKPOINT_MEMORY_FULL = "CheckpointMemoryFull"
+    IN_PROCESS_RESTART = "InProcessRestart"
+    ATTEMPT_JOINED = "AttemptJoined"
+    CUDA_UNHEALTHY = "CudaUnhealthy"
+    BARRIER_TIMEOUT = "BarrierTimeout"
+
+
 @dataclass(frozen=True)
 class Fault:
     """One observed fault: a value, not a string."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from trainguard.control.events import Fault, FaultType
+from trainguard.control.events import EventKind, Fault, FaultType
 from trainguard.control.reports import NodeReport
 
 __all__ = ["DeepHealth", "HealthBook", "HealthNote", "HealthStatus", "NodeHealth"]
@@ -62,7 +62,7 @@ class NodeHealth:
 class HealthNote:
     """An event to record: ``HealthCheck``, ``HealthFinding`` or ``NodeHealth``."""
 
-    kind: str
+    kind: EventKind
     node: str
     message: str
     data: dict[str, Any]
@@ -101,7 +101,7 @@ class HealthBook:
             return None
         self._seen.pop(node_id, None)
         return HealthNote(
-            "NodeHealth",
+            EventKind.NODE_HEALTH,
             node_id,
             f"{node_id} restarts fresh on another machine (was {health.status.value})",
             NodeHealth().to_json(),
@@ -147,7 +147,7 @@ class HealthBook:
                 node.deep = DeepHealth(health.deep)
                 notes.append(
                     HealthNote(
-                        "NodeHealth",
+                        EventKind.NODE_HEALTH,
                         node_id,
                         f"{node_id}: deep health checks {node.deep.value}",
                         node.to_json(),
@@ -179,7 +179,7 @@ class HealthBook:
                 data = finding.to_json()
                 notes.append(
                     HealthNote(
-                        "HealthFinding",
+                        EventKind.HEALTH_FINDING,
                         node_id,
                         f"{node_id}: {finding.kind}: {finding.message}",
                         data,
@@ -206,7 +206,7 @@ class HealthBook:
 
     def _check_note(self, node_id: str, check: dict[str, Any]) -> HealthNote:
         return HealthNote(
-            "HealthCheck",
+            EventKind.HEALTH_CHECK,
             node_id,
             f"{node_id}: health check {check['name']} {check['outcome']} "
             f"in {check['seconds']:.2f} s: {check['message']}",
@@ -217,5 +217,8 @@ class HealthBook:
         health = self.of(node_id)
         health.status, health.reason = status, reason
         return HealthNote(
-            "NodeHealth", node_id, f"{node_id} is now {status.value}: {reason}", health.to_json()
+            EventKind.NODE_HEALTH,
+            node_id,
+            f"{node_id} is now {status.value}: {reason}",
+            health.to_json(),
         )

@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.control.events import EventKind
 from trainguard.control.reports import NodeReport
 
 
@@ -77,7 +78,7 @@ class PersistCheckpoint:
 class CheckpointNote:
     """Something worth an event (the controller records it)."""
 
-    kind: str
+    kind: EventKind
     message: str
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -142,7 +143,7 @@ class CheckpointPlanner:
         request = self._request(now, step, node_ids, reports)
         again = " again, after a failure" if retry else ""
         persisting = CheckpointNote(
-            "CheckpointPersisting",
+            EventKind.CHECKPOINT_PERSISTING,
             f"persisting step {step} from node memory to durable storage{again}",
             {"step": step, "retry": retry},
         )
@@ -163,7 +164,7 @@ class CheckpointPlanner:
         if max(self.committed, default=-1) >= newest or newest in self._failed:
             return None
         note = CheckpointNote(
-            "CheckpointPersisting",
+            EventKind.CHECKPOINT_PERSISTING,
             f"persisting the final step {newest} to durable storage",
             {"step": newest, "final": True},
         )
@@ -206,7 +207,7 @@ class CheckpointPlanner:
             return None
         newest = "none" if durable is None else str(durable)
         return CheckpointNote(
-            "CheckpointNotDurable",
+            EventKind.CHECKPOINT_NOT_DURABLE,
             f"warning: step {self._asked}, the newest the schedule asked to persist, is not "
             f"in durable storage; the newest durable step is {newest}",
             {"step": self._asked, "durable_step": durable},
@@ -282,7 +283,7 @@ class CheckpointPlanner:
         self._owed_since, self._last_failed = now, inflight.step
         self._failures_in_a_row += 1
         return CheckpointNote(
-            "CheckpointPersistFailed",
+            EventKind.CHECKPOINT_PERSIST_FAILED,
             f"step {inflight.step} was not persisted: {reason}",
             {"step": inflight.step, "reason": reason, "retry": retry},
         )
@@ -298,7 +299,7 @@ class CheckpointPlanner:
             self._last_requested = max(self._last_requested, step)
             notes.append(
                 CheckpointNote(
-                    "CheckpointCommitted",
+                    EventKind.CHECKPOINT_COMMITTED,
                     f"step {step} committed to durable storage ({self.world_size} shards)",
                     {"step": step, "tier": "durable"},
                 )
@@ -315,7 +316,7 @@ class CheckpointPlanner:
         self._memory_noted, self._memory_noted_at = step, now
         return [
             CheckpointNote(
-                "CheckpointSaved",
+                EventKind.CHECKPOINT_SAVED,
                 f"step {step} saved in node memory by all {self.world_size} ranks",
                 {"step": step, "tier": "memory"},
             )

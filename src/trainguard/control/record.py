@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from trainguard.control.attempt import Attempt
-from trainguard.control.events import Event, Fault
+from trainguard.control.events import Event, EventKind, Fault
 from trainguard.control.reports import NodeReport
 from trainguard.control.timeline import Timeline, left_at, resume_point, with_evidence
 
@@ -42,14 +42,14 @@ class JobRecord:
     def event(
         self,
         now: float,
-        kind: str,
+        kind: EventKind,
         message: str,
         attempt: int | None,
         node: str | None = None,
         rank: int | None = None,
         data: dict[str, Any] | None = None,
     ) -> None:
-        self._events.append(Event(now, kind, message, attempt, node, rank, dict(data or {})))
+        self._events.append(Event(now, str(kind), message, attempt, node, rank, dict(data or {})))
 
     def injection(self, now: float, spec: str, rank: int | None, node: str | None,
                   attempt: int | None, step: int | None = None) -> None:  # fmt: skip
@@ -60,7 +60,7 @@ class JobRecord:
         if step is not None:
             data["step"] = step
             message += f" (at step {step})"
-        noted = Event(now, "FaultInjected", message, attempt, node, rank, data)
+        noted = Event(now, str(EventKind.FAULT_INJECTED), message, attempt, node, rank, data)
         if not self._mark_seen(noted, spec):
             self._injections.append(spec)
             self._events.append(noted)
@@ -82,7 +82,7 @@ class JobRecord:
                 marked = with_evidence(fault, injected=spec)
                 self.timeline.update_fault(fault, marked)
                 for i, event in enumerate(self._events):
-                    if event.kind == "Fault" and event.data == fault.to_json():
+                    if event.kind == EventKind.FAULT and event.data == fault.to_json():
                         self._events[i] = replace(event, data=marked.to_json())
                         self._events.insert(i, noted)
                         return True
@@ -99,7 +99,7 @@ class JobRecord:
         self.timeline.add(fault, progress.step if progress else None)
         self.event(
             now,
-            "Fault",
+            EventKind.FAULT,
             fault.message,
             attempt.number,
             fault.node,
@@ -179,7 +179,7 @@ class JobRecord:
         ):
             self.event(
                 now,
-                "Recovered",
+                EventKind.RECOVERED,
                 f"{record.fault.type} of attempt {record.fault.attempt}{record.at_step()} "
                 f"recovered in {record.recovery_seconds:.1f}s ({record.scope} restart); "
                 f"resumed from step {record.resumed_step}, {record.lost_steps} steps lost",

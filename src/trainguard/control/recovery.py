@@ -16,7 +16,7 @@ from trainguard.control.actions import Action, AttemptPhase, JobPhase, RejoinNod
 from trainguard.control.attempt import Attempt
 from trainguard.control.detect import barrier_fault
 from trainguard.control.elastic import Scale
-from trainguard.control.events import Fault, FaultType
+from trainguard.control.events import EventKind, Fault, FaultType
 from trainguard.control.hosts import hosts_to_avoid
 from trainguard.control.inprocess import Rejoin
 from trainguard.control.policy import GiveUp, RestartRecord, RestartScope, decide_restart
@@ -56,7 +56,7 @@ def scale_up_failed(
     c._end_attempt(now, attempt, AttemptPhase.FAILED, f"{', '.join(lost)} did not come up")
     c._event(
         now,
-        "ElasticScalingFailed",
+        EventKind.ELASTIC_SCALING_FAILED,
         f"scale up failed: {', '.join(lost)} did not come up; going on with {len(c.nodes)} nodes",
         attempt=attempt.number,
         data={"lost": list(lost), "failures": c.elastic.failures},
@@ -81,15 +81,16 @@ def rescale(
     c.phase = JobPhase.RESTARTING
     c._event(
         now,
-        "ElasticScaling",
+        EventKind.ELASTIC_SCALING,
         f"{scale.reason}; the job restarts at WORLD_SIZE "
         f"{len(c.nodes) * c.config.nproc_per_node} (not counted as a restart)",
         attempt=attempt.number + 1,
         data={"from": before, "to": len(c.nodes), "dropped": list(scale.drop),
               "added": list(added)},
     )  # fmt: skip
-    scope = RestartScope.PROCESS.value
-    return c._new_attempt(now, scope, fresh, reports, retire=scale.drop, growing=added)
+    return c._new_attempt(
+        now, RestartScope.PROCESS, fresh, reports, retire=scale.drop, growing=added
+    )
 
 
 def after_failure(
@@ -106,7 +107,7 @@ def after_failure(
     if bug is not None:
         c._event(
             now,
-            "ScriptError",
+            EventKind.SCRIPT_ERROR,
             bug.reason,
             data={"error": bug.error, "ranks": list(bug.ranks), "traceback": bug.traceback},
         )
@@ -136,14 +137,14 @@ def after_failure(
     c.phase = JobPhase.RESTARTING
     c._event(
         now,
-        "RestartScheduled",
+        EventKind.RESTART_SCHEDULED,
         f"{decision.scope.value}-level restart "
         f"{c.restarts} of {c.config.max_restarts}: {decision.reason}",
         attempt=attempt.number + 1,
         data={"scope": decision.scope.value, "replaced": dict(decision.replaced)},
     )
     if decision.scope is not RestartScope.JOB:
-        return c._new_attempt(now, decision.scope.value, (), reports)
+        return c._new_attempt(now, decision.scope, (), reports)
     lost = [f.node for f in attempt.faults if f.node is not None and f.type.loses_node]
     c.avoid_hosts = hosts_to_avoid(
         c.avoid_hosts,
@@ -151,9 +152,7 @@ def after_failure(
         c._hosts,
         c.config.policy.max_num_repeat_offenders_to_avoid,
     )
-    actions = c._new_attempt(
-        now, decision.scope.value, launch=c.nodes, reports=reports, retire=retired
-    )
+    actions = c._new_attempt(now, decision.scope, launch=c.nodes, reports=reports, retire=retired)
     timeout = c.config.elastic.faulty_scale_down_timeout if c.config.elastic else None
     fresh = tuple(n for n in lost if n in c.nodes)  # no spare took its place
     if timeout is not None and fresh:
@@ -186,7 +185,7 @@ def faulty_scale_down(
     c._end_attempt(now, attempt, AttemptPhase.FAILED, reason)
     c._event(
         now,
-        "ElasticScaling",
+        EventKind.ELASTIC_SCALING,
         f"scale down {before} -> {size} nodes: {reason} (faultyScaleDownTimeoutInSeconds; "
         "not counted as a restart)",
         attempt=attempt.number + 1,
@@ -232,7 +231,7 @@ def replace_at_launch(
     swaps += [f"{n} -> a fresh {n} elsewhere" for n in fresh]
     c._event(
         now,
-        "NodesReplaced",
+        EventKind.NODES_REPLACED,
         f"replacing {', '.join(swaps)} before any rank started (failed on-start health "
         "checks; not counted as a restart)",
         attempt=attempt.number + 1,
@@ -277,14 +276,14 @@ def restart_in_place(
     c.phase = JobPhase.RESTARTING
     c._event(
         now,
-        "RestartScheduled",
+        EventKind.RESTART_SCHEDULED,
         f"in-process restart {c.restarts} of {c.config.max_restarts}: {reason}; "
         "survivors keep their processes, dead ranks are replaced",
         attempt=attempt.number + 1,
         data={"scope": scope.value, "replaced": {}},
     )
     new = Attempt(len(c.attempts), now, c.nodes, c._watch(len(c.attempts), now))
-    new.scope = scope.value
+    new.scope = scope
     new.rejoin = Rejoin(now, survivors)
     c.attempts.append(new)
     host = attempt.endpoint if 0 in survivors and new.nodes[0] == attempt.nodes[0] else None
@@ -323,7 +322,7 @@ def watch_rejoin(
         actions.append(ReplaceRanks(attempt.number, node_id, ranks))
         c._event(
             now,
-            "StuckRanksReplaced",
+            EventKind.STUCK_RANKS_REPLACED,
             f"{', '.join(f'rank {r}' for r in ranks)} did not leave attempt "
             f"{attempt.number - 1} within {cfg.stuck_rank_timeout:g} s (deadlocked in a "
             "collective); giving each a new process",

@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from trainguard.control.actions import Action, AttemptPhase, LaunchNodes
+from trainguard.control.actions import Action, AttemptPhase, LaunchNodes, StopMode
 from trainguard.control.attempt import Attempt
-from trainguard.control.events import Fault, FaultType
+from trainguard.control.events import EventKind, Fault, FaultType
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.reports import NodeReport
 from trainguard.control.rescale import reform, running, standby_up
@@ -75,7 +75,7 @@ def begin(
     swaps = ", ".join(f"{old} -> {new}" for old, new in attempt.replacing_in_place.items())
     c._event(
         now,
-        "NodeReplacing",
+        EventKind.NODE_REPLACING,
         f"{faults[0].message}; bringing up {', '.join(spares)} to take its ranks in place "
         f"({swaps}): the other ranks keep their processes",
         attempt=attempt.number,
@@ -99,7 +99,7 @@ def watch(
     failed, up = standby_up(c, now, attempt, reports)
     if failed:
         why = "; ".join(w for _, w in failed)
-        return [c._stop(now, attempt, "process", f"replacing in place failed: {why}")]
+        return [c._stop(now, attempt, StopMode.PROCESS, f"replacing in place failed: {why}")]
     if not up:
         return []
     swap = dict(attempt.replacing_in_place)
@@ -113,7 +113,7 @@ def watch(
     c.timeline.set_scope(attempt.number, scope.value)
     c._event(
         now,
-        "RestartScheduled",
+        EventKind.RESTART_SCHEDULED,
         f"in-process restart {c.restarts} of {c.config.max_restarts}: {reason}; "
         f"{', '.join(f'{new} takes the ranks of {old}' for old, new in swap.items())}, the "
         "other ranks keep their processes",

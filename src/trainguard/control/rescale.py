@@ -40,11 +40,12 @@ from trainguard.control.actions import (
     RejoinNodes,
     RetireNodes,
     StartNodes,
+    StopMode,
 )
 from trainguard.control.attempt import Attempt
 from trainguard.control.contact import Contact, contact, launch_verdict
 from trainguard.control.elastic import Scale
-from trainguard.control.events import Fault, FaultType
+from trainguard.control.events import EventKind, Fault, FaultType
 from trainguard.control.inprocess import Rejoin
 from trainguard.control.policy import RestartScope
 from trainguard.control.reports import NodeReport
@@ -71,7 +72,7 @@ def look(
     if scale is not None and attempt.scale_due is None:
         attempt.scale_due = scale
         if attempt.standby:
-            c._event(now, "ScalingRequested",
+            c._event(now, EventKind.SCALING_REQUESTED,
                      f"{scale.reason}; with {', '.join(attempt.standby)}, brought up ahead",
                      attempt=attempt.number, data={"added": list(attempt.standby)})  # fmt: skip
     if attempt.standby:
@@ -105,8 +106,8 @@ def preempted_lost(
         return None
     for fault in faults:
         how = c.elastic.taken_as
-        c._event(now, "NodePreempted", f"{fault.message} ({how}: a scale-down, not a fault)",
-                 attempt=attempt.number, node=fault.node)  # fmt: skip
+        message = f"{fault.message} ({how}: a scale-down, not a fault)"
+        c._event(now, EventKind.NODE_PREEMPTED, message, attempt=attempt.number, node=fault.node)
     actions = abandon_growth(c, now, attempt, "nodes are being taken away")
     return [*actions, *_scale(c, now, attempt, scale, reports)]
 
@@ -128,8 +129,8 @@ def _stop_for(
     the nodes up ahead, if any, are in the next attempt)."""
     attempt.scale = scale
     if announce:
-        c._event(now, "ScalingRequested", scale.reason, attempt=attempt.number)
-    return [c._stop(now, attempt, "graceful", scale.reason)]
+        c._event(now, EventKind.SCALING_REQUESTED, scale.reason, attempt=attempt.number)
+    return [c._stop(now, attempt, StopMode.GRACEFUL, scale.reason)]
 
 
 def abandon_growth(c: JobController, now: float, attempt: Attempt, why: str) -> list[Action]:
@@ -141,7 +142,7 @@ def abandon_growth(c: JobController, now: float, attempt: Attempt, why: str) -> 
     c.growth = (*added, *c.growth)
     c._event(
         now,
-        "ElasticScalingFailed",
+        EventKind.ELASTIC_SCALING_FAILED,
         f"scale up given up: {why}; retiring {', '.join(added)}",
         attempt=attempt.number,
         data={"lost": list(added), "failures": c.elastic.failures if c.elastic else 0},
@@ -213,13 +214,16 @@ def _launch_growth(c: JobController, now: float, attempt: Attempt, size: int) ->
     assert c.elastic is not None
     due, names = attempt.scale_due, ", ".join(added)
     if due is None:
-        kind = "ScaleUpPreparing"
+        kind = EventKind.SCALE_UP_PREPARING
         message = (
             f"capacity for {c.capacity} nodes: bringing up {names} ahead of the scale-up "
             f"(scalingTimeoutInSeconds: {c.elastic.config.scaling_timeout:g} s)"
         )
     else:
-        kind, message = "ScalingRequested", f"{due.reason}; bringing up {names} while it trains"
+        kind, message = (
+            EventKind.SCALING_REQUESTED,
+            f"{due.reason}; bringing up {names} while it trains",
+        )
     c._event(now, kind, message, attempt=attempt.number, data={"added": list(added)})
     return [LaunchNodes(added, attempt.number, c.avoid_hosts)]
 
@@ -272,7 +276,7 @@ def _reform(
     c._end_attempt(now, attempt, AttemptPhase.STOPPED, reason)
     c._event(
         now,
-        "ElasticScaling",
+        EventKind.ELASTIC_SCALING,
         f"{reason}; in place at WORLD_SIZE {world}: the ranks keep their processes and "
         "their state (not counted as a restart)",
         attempt=attempt.number + 1,
@@ -296,7 +300,7 @@ def reform(
     c.nodes = nodes
     c.phase = JobPhase.RESTARTING
     number = len(c.attempts)
-    new = Attempt(number, now, nodes, c._watch(number, now), RestartScope.IN_PROCESS.value)
+    new = Attempt(number, now, nodes, c._watch(number, now), RestartScope.IN_PROCESS)
     new.rejoin = Rejoin(now, ())  # every rank must join; none is replaced as stuck
     c.attempts.append(new)
     # Every rank of the nodes kept runs: rank 0 keeps its process where node 0 stays.

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainguard.control.actions import Action, AttemptPhase
-from trainguard.control.assignment import Endpoint, assign_attempt
+from trainguard.control.assignment import StoreEndpoint, assign_attempt
 from trainguard.control.attempt import Attempt
 from trainguard.control.controller import JobController, JobPhase
-from trainguard.control.events import Fault, FaultType
+from trainguard.control.events import EventKind, Fault, FaultType
 from trainguard.control.persist import CheckpointPlanner
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.timeline import FaultRecord
@@ -39,7 +39,7 @@ class RecordedAttempt:
     started_at: float
     ended_at: float | None = None
     reason: str | None = None
-    endpoint: Endpoint | None = None
+    endpoint: StoreEndpoint | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def adopt(c: JobController, now: float, recorded: Recorded, nodes: Sequence[str]
     c.phase = JobPhase.RUNNING
     c._event(
         now,
-        "Resumed",
+        EventKind.RESUMED,
         f"controller resumed: re-attached to the {len(nodes)} node agents of attempt "
         f"{attempt.number}, which kept training",
         attempt=attempt.number,
@@ -100,11 +100,11 @@ def restart(c: JobController, now: float, recorded: Recorded, why: str) -> list[
     _restore(c, now, recorded, nodes, upto=newest.number + 1 if newest else 0)
     c._event(
         now,
-        "Resumed",
+        EventKind.RESUMED,
         f"controller resumed: {why}; restarting from the newest checkpoint",
         data={"mode": "restart", "why": why},
     )
-    return c._new_attempt(now, RestartScope.JOB.value, launch=c.nodes, reports={})
+    return c._new_attempt(now, RestartScope.JOB, launch=c.nodes, reports={})
 
 
 def _restore(

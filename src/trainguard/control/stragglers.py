@@ -46,7 +46,7 @@ __all__ = [
     "DEFAULT_WINDOW",
     "MAX_SAMPLES",
     "MAX_WINDOW",
-    "Sample",
+    "StepSample",
     "Straggler",
     "StragglerAction",
     "StragglerWatch",
@@ -64,7 +64,7 @@ MAX_SAMPLES: Final = 64
 that many steps more (the pace stays exact over the span it has)."""
 
 
-class Sample(NamedTuple):
+class StepSample(NamedTuple):
     """A rank's completed ``step`` at unix time ``time``; ``beat``: from a heartbeat (else
     from a progress line). A rank's samples come from one source at a time."""
 
@@ -214,7 +214,7 @@ class StragglerWatch:
     def observe(
         self,
         attempt: int,
-        samples: Mapping[int, Sample | tuple[int, float]],
+        samples: Mapping[int, StepSample | tuple[int, float]],
         nodes: Mapping[int, str] | None = None,
     ) -> list[Straggler]:
         """Feed per-rank samples of ``attempt`` (and where each rank runs); the new
@@ -223,7 +223,7 @@ class StragglerWatch:
             self.reset(attempt)
         changed = False
         for rank, sample in samples.items():
-            step, t, beat = Sample(*sample)
+            step, t, beat = StepSample(*sample)
             changed |= self._add(rank, step, t, beat, (nodes or {}).get(rank))
         return self._verdicts() if changed else []
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from trainguard.control.events import Event, Fault
+from trainguard.control.events import Event, EventKind, Fault
 
 # Worker events that say where an attempt's ranks resumed from (their ``step``), and the
 # one that says where a resilient rank was when it left an attempt.
-RESUME_KINDS = ("CheckpointRestored", "AttemptJoined")
-LEFT_KIND = "InProcessRestart"
+RESUME_KINDS = (EventKind.CHECKPOINT_RESTORED, EventKind.ATTEMPT_JOINED)
+LEFT_KIND = EventKind.IN_PROCESS_RESTART
 
 
 def resume_point(event: Event) -> tuple[int, int] | None:

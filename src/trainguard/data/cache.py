@@ -26,7 +26,7 @@ from typing import Any
 
 from trainguard.checkpoint.config import MEMORY_DIR_ENV
 from trainguard.checkpoint.tier_dir import SHM, private_dir
-from trainguard.data.plan import Board, cover
+from trainguard.data.plan import DemandBoard, cover
 from trainguard.data.reader import Election, Settings, open_layout
 from trainguard.data.slots import Key, SlotFile
 from trainguard.data.source import IterableSource, MapSource, Source, concat_rows, slice_rows
@@ -87,7 +87,7 @@ class DataCache:
         root = Path(directory) if directory is not None else _default_root()
         self.directory = root / f"{name}-{digest}"
         private_dir(self.directory)
-        self._board = Board(self.directory / "board")
+        self._board = DemandBoard(self.directory / "board")
         self._slots: SlotFile | None = None
         self.step = 0
         self._reader = Election(

@@ -15,7 +15,7 @@ from pathlib import Path
 from trainguard.data.slots import Key
 from trainguard.platform import procs
 
-__all__ = ["Board", "Consumer", "cover", "victim", "wanted"]
+__all__ = ["Consumer", "DemandBoard", "cover", "victim", "wanted"]
 
 ENTRY = struct.Struct("<qqqqqd")  # pid, step, lo, hi, report, updated (epoch seconds)
 # A corrupt-slot report: (count of reports) * REPORTS + slot + 1, kept until the next one,
@@ -38,7 +38,7 @@ class Consumer:
     report: int = 0  # changes with each report
 
 
-class Board:
+class DemandBoard:
     """Where each local rank says which rows of which step it needs next."""
 
     def __init__(self, path: Path) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from trainguard.atomic import write_text_atomic
-from trainguard.data.plan import Board, cover, victim, wanted
+from trainguard.data.plan import DemandBoard, cover, victim, wanted
 from trainguard.data.slots import HEADER_BYTES, Key, SlotFile, encode_meta, tensors_of
 from trainguard.data.source import Source, rows_of, slice_rows
 
@@ -123,7 +123,7 @@ class Election(threading.Thread):
 
     def _serve(self) -> None:
         settings = self.settings
-        board = Board(self.directory / "board")
+        board = DemandBoard(self.directory / "board")
         slots = open_layout(self.directory)
         held = _Held(slots)
         try:
@@ -154,7 +154,7 @@ class Election(threading.Thread):
             if slots is not None:
                 slots.close()
 
-    def _free_slot(self, board: Board, held: _Held) -> int | None:
+    def _free_slot(self, board: DemandBoard, held: _Held) -> int | None:
         settings = self.settings
         while not self.stop.is_set():
             consumers = board.consumers()

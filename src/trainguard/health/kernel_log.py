@@ -1,6 +1,6 @@
 """Watching the kernel log for XID and NVRM lines (`KernelLogMonitor`).
 
-Where the lines come from is pluggable (`LineSource`):
+Where the lines come from is pluggable (`KernelLogSource`):
 
 - `KmsgSource`: ``/dev/kmsg``, read without blocking, only records logged after it was
   opened (it starts at the end). Reading it needs root or CAP_SYSLOG where
@@ -29,8 +29,8 @@ __all__ = [
     "KERNEL_LOG_ENV",
     "FileSource",
     "KernelLogMonitor",
+    "KernelLogSource",
     "KmsgSource",
-    "LineSource",
     "default_sources",
     "kmsg_message",
 ]
@@ -45,7 +45,7 @@ _MAX_PARTIAL: Final = 64 * 1024
 _MAX_KEYS: Final = 4096
 
 
-class LineSource(Protocol):
+class KernelLogSource(Protocol):
     """Kernel log lines, as they come."""
 
     @property
@@ -138,11 +138,13 @@ class FileSource:
         pass
 
 
-def default_sources(env: Mapping[str, str] | None = None, kmsg: bool = True) -> list[LineSource]:
+def default_sources(
+    env: Mapping[str, str] | None = None, kmsg: bool = True
+) -> list[KernelLogSource]:
     """``$TRAINGUARD_KERNEL_LOG`` (when set) and, with ``kmsg``, ``/dev/kmsg`` (when it
     can be read)."""
     env = os.environ if env is None else env
-    sources: list[LineSource] = []
+    sources: list[KernelLogSource] = []
     if env.get(KERNEL_LOG_ENV):
         sources.append(FileSource(env[KERNEL_LOG_ENV]))
     if kmsg:
@@ -160,7 +162,7 @@ class KernelLogMonitor:
 
     name = "kernel-log"
 
-    def __init__(self, sources: Sequence[LineSource], interval: float = 1.0) -> None:
+    def __init__(self, sources: Sequence[KernelLogSource], interval: float = 1.0) -> None:
         self.sources = list(sources)
         self.interval = interval
         self.application_xids = 0

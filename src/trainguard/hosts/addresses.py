@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass
 
 __all__ = [
-    "Endpoint",
+    "JobEndpoint",
     "LocalAddress",
     "interface_of",
     "is_local",
@@ -33,7 +33,7 @@ LOOPBACKS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 @dataclass(frozen=True)
-class Endpoint:
+class JobEndpoint:
     """``HOST:PORT`` as given to ``--rdzv-endpoint``."""
 
     host: str
@@ -51,7 +51,7 @@ class LocalAddress:
     ifname: str | None
 
 
-def parse_endpoint(text: str, default_port: int = 29500) -> Endpoint:
+def parse_endpoint(text: str, default_port: int = 29500) -> JobEndpoint:
     """``HOST[:PORT]`` (torchrun's ``--rdzv-endpoint``; ``[v6]:PORT`` for IPv6); ValueError
     naming what is wrong."""
     text = text.strip()
@@ -69,10 +69,10 @@ def parse_endpoint(text: str, default_port: int = 29500) -> Endpoint:
     if not host:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
     if not port_text:
-        return Endpoint(host, default_port)
+        return JobEndpoint(host, default_port)
     if not port_text.isdigit() or not 0 < int(port_text) <= 65535:
         raise ValueError(f"{port_text!r} is not a port number (in {text!r})")
-    return Endpoint(host, int(port_text))
+    return JobEndpoint(host, int(port_text))
 
 
 def resolve(host: str) -> str:

@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.control.events import Event, FaultType
-from trainguard.hosts.addresses import Endpoint, LocalAddress
+from trainguard.control.events import Event, EventKind, FaultType
+from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.roster import Roster
 from trainguard.hosts.service import HostsService
 from trainguard.observe.summary import event_line
@@ -52,7 +52,7 @@ def interface_env(local: LocalAddress, user_env: Mapping[str, str]) -> dict[str,
 class ControllerHost:
     """See the module doc."""
 
-    endpoint: Endpoint
+    endpoint: JobEndpoint
     local: LocalAddress
     token: str
     join_timeout: float
@@ -97,7 +97,7 @@ class ControllerHost:
         if self.service is None:
             return
         self.service.publish(event_line(event))
-        if event.kind != "Fault" or event.node is None:
+        if event.kind != EventKind.FAULT or event.node is None:
             return
         kind = event.data.get("type")
         if kind in {t.value for t in FaultType if t.loses_node}:

@@ -40,7 +40,7 @@ from typing import IO, Any
 
 from aiohttp import web
 
-from trainguard.hosts.addresses import Endpoint, LocalAddress
+from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.host_agents import PORT_WAIT_SECONDS, HostAgents
 from trainguard.platform.inbox import RouteServer, bearer_ok
 from trainguard.platform.node import AgentLauncher
@@ -81,7 +81,7 @@ class HostDaemon:
 
     def __init__(
         self,
-        endpoint: Endpoint,
+        endpoint: JobEndpoint,
         token: str,
         local: LocalAddress,
         spec: dict[str, Any],

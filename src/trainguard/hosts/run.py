@@ -22,7 +22,7 @@ from pathlib import Path
 from types import FrameType
 
 from trainguard.hosts.addresses import (
-    Endpoint,
+    JobEndpoint,
     LocalAddress,
     is_local,
     parse_endpoint,
@@ -39,7 +39,7 @@ from trainguard.hosts.security import (
 )
 from trainguard.netlimits import raise_nofile
 from trainguard.observe.terminal import safe_cell
-from trainguard.platform.config import control_config, fence_after
+from trainguard.platform.control_config import control_config, fence_after
 from trainguard.platform.inbox import ListenError
 from trainguard.platform.inject import Injection
 from trainguard.platform.local import (
@@ -61,7 +61,7 @@ __all__ = ["endpoint_of", "loopback_endpoint", "run_on_hosts"]
 EXIT_USAGE = 2
 
 
-def endpoint_of(args: argparse.Namespace, nnodes: int) -> Endpoint | None:
+def endpoint_of(args: argparse.Namespace, nnodes: int) -> JobEndpoint | None:
     """The job's endpoint: ``--rdzv-endpoint``, or torchrun's static ``--master-addr``
     when the job has more than one node; None for a job on this machine alone."""
     if args.rdzv_endpoint:
@@ -70,11 +70,11 @@ def endpoint_of(args: argparse.Namespace, nnodes: int) -> Endpoint | None:
         except ValueError as exc:
             raise ValueError(f"--rdzv-endpoint: {exc}") from None
     if args.master_addr and nnodes > 1:
-        return Endpoint(args.master_addr, args.master_port)
+        return JobEndpoint(args.master_addr, args.master_port)
     return None
 
 
-def loopback_endpoint(endpoint: Endpoint, local: LocalAddress) -> str | None:
+def loopback_endpoint(endpoint: JobEndpoint, local: LocalAddress) -> str | None:
     """Why no other host can reach ``endpoint`` when this host serves it on a loopback
     address (Debian's hosts file maps the hostname to 127.0.1.1); None when it can."""
     if not ipaddress.ip_address(local.addr).is_loopback:
@@ -103,7 +103,7 @@ def run_on_hosts(
     plan: JobPlan,
     source: str,
     store: Store,
-    endpoint: Endpoint,
+    endpoint: JobEndpoint,
     injections: Sequence[Injection],
     live: bool,
     metrics: MetricsOptions | None,
@@ -159,7 +159,7 @@ def _join(
     args: argparse.Namespace,
     plan: JobPlan,
     store: Store,
-    endpoint: Endpoint,
+    endpoint: JobEndpoint,
     local: LocalAddress,
     token: str,
     tls_server: ssl.SSLContext | None,
@@ -259,7 +259,7 @@ def _record_row(
     reply: JoinReply,
     plan: JobPlan,
     job_dir: Path,
-    endpoint: Endpoint,
+    endpoint: JobEndpoint,
     spec: dict[str, object],
 ) -> None:
     """This host's record of the job (`trainguard logs` here shows its ranks)."""

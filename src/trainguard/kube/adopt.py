@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.controller import JobController
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.resume import Recorded, RecordedAttempt, RecordedElastic
@@ -131,10 +131,10 @@ def _elastic(data: Any) -> RecordedElastic | None:
     )
 
 
-def _endpoint(data: Any) -> Endpoint | None:
+def _endpoint(data: Any) -> StoreEndpoint | None:
     if not isinstance(data, Mapping):
         return None
-    return Endpoint(str(data["addr"]), int(data["port"]))
+    return StoreEndpoint(str(data["addr"]), int(data["port"]))
 
 
 @dataclass(frozen=True)

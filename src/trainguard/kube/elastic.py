@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from trainguard.control.actions import AttemptPhase
-from trainguard.control.events import Event
+from trainguard.control.events import Event, EventKind
 from trainguard.kube.api import KubeApi, KubeError, NotFound
 from trainguard.kube.capacity import Capacity, PodShape, capacity
 from trainguard.kube.node import PodNode
@@ -217,7 +217,7 @@ class ScalingStatus:
 
     def note(self, event: Event) -> None:
         """Take in one of the controller's events (only ``ElasticScaling`` counts)."""
-        if event.kind != "ElasticScaling":
+        if event.kind != EventKind.ELASTIC_SCALING:
             return
         data = event.data
         self.pods_scaled = len(data.get("dropped") or ()) + len(data.get("added") or ())

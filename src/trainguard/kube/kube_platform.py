@@ -42,7 +42,7 @@ from typing import Any
 
 from trainguard.agent.client import AgentError
 from trainguard.control.actions import LaunchNodes
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.contact import ContactRule, shown_state
 from trainguard.control.controller import JobController
 from trainguard.control.reports import NodeReport, Refusal
@@ -179,14 +179,16 @@ class KubePlatform:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def endpoint(self, attempt: int, node_id: str) -> Endpoint:
+    def endpoint(self, attempt: int, node_id: str) -> StoreEndpoint:
         """Rank 0's pod by its IP (no waiting for DNS to catch up), else by its Service
         name; a fresh port per attempt (rank 0 hosts a fresh store)."""
         settings = self.settings
         port = settings.rendezvous_port_base + attempt % settings.rendezvous_port_span
         node = self.nodes.get(node_id)
         ip = node.pod_ip if node is not None else None
-        return Endpoint(ip or f"{node_id}.{service_name(self.name)}.{self.namespace}.svc", port)
+        return StoreEndpoint(
+            ip or f"{node_id}.{service_name(self.name)}.{self.namespace}.svc", port
+        )
 
     def launch(self, request: LaunchNodes) -> None:
         self._let_go([n for n in request.node_ids if n in self.nodes])

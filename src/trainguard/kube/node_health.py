@@ -30,7 +30,7 @@ import logging
 from collections.abc import Mapping
 from typing import Final
 
-from trainguard.control.events import Event, FaultType
+from trainguard.control.events import Event, EventKind, FaultType
 from trainguard.kube.api import Conflict, KubeApi, KubeError
 from trainguard.kube.config import HEALTH_REASON_ANNOTATION, OperatorConfig
 from trainguard.kube.node import PodNode
@@ -97,11 +97,15 @@ class NodeHealthLabels:
         (``HealthCheck``, ``HealthFinding``); other events are not this class's."""
         if event.node is None:
             return
-        if event.kind in ("HealthCheck", "HealthFinding"):
+        if event.kind in (EventKind.HEALTH_CHECK, EventKind.HEALTH_FINDING):
             self._cause(event, event.node)
             return
         status = event.data.get("status")
-        if event.kind != "NodeHealth" or not isinstance(status, str) or status == SCHEDULABLE:
+        if (
+            event.kind != EventKind.NODE_HEALTH
+            or not isinstance(status, str)
+            or status == SCHEDULABLE
+        ):
             return
         time, causes = self._causes.get(event.node, (None, []))
         causes = causes if time == event.time else []
@@ -140,7 +144,7 @@ class NodeHealthLabels:
         it with the ``NodeHealth`` event it causes, at the same time."""
         evidence = event.data.get("evidence")
         injected = isinstance(evidence, dict) and evidence.get("injected") is True  # rehearsal
-        if event.kind == "HealthCheck":
+        if event.kind == EventKind.HEALTH_CHECK:
             if event.data.get("outcome") != "failed":
                 return
             name = str(event.data.get("name"))

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainguard.control.controller import JobController
-from trainguard.control.events import Event, FaultType
+from trainguard.control.events import Event, EventKind, FaultType
 from trainguard.control.policy import RestartScope
 from trainguard.control.reports import NodeReport
 from trainguard.kube.adopt import takeover_record
@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 COMPONENT = "trainguard-operator"
-NODE_HEALTH_EVENTS = frozenset({"NodeHealth", "HealthCheck", "HealthFinding"})
+NODE_HEALTH_EVENTS = frozenset(
+    {EventKind.NODE_HEALTH, EventKind.HEALTH_CHECK, EventKind.HEALTH_FINDING}
+)
 
 
 class ClusterRecord:
@@ -86,11 +88,11 @@ class ClusterRecord:
 
     def _event(self, event: Event, seen: Mapping[str, PodNode]) -> None:
         logger.info("%s: %s: %s", self.source, event.kind, event.message)
-        if event.kind == "Fault":
+        if event.kind == EventKind.FAULT:
             self._note_fault(event, seen.get(event.node) if event.node else None)
-        elif event.kind == "ElasticScaling":
+        elif event.kind == EventKind.ELASTIC_SCALING:
             self.scaling.note(event)
-        elif event.kind == "RestartScheduled":
+        elif event.kind == EventKind.RESTART_SCHEDULED:
             scope = str(event.data.get("scope", ""))
             self.faulty.restart_type = RestartScope(scope).hyperpod if scope else None
         if event.kind in NODE_HEALTH_EVENTS and self.node_health is not None:

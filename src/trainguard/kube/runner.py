@@ -27,7 +27,7 @@ from typing import Any
 
 from trainguard.control import resume
 from trainguard.control.actions import Action
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.controller import JobController
 from trainguard.kube import adopt
 from trainguard.kube.api import KubeApi, KubeError, NotFound
@@ -49,7 +49,7 @@ from trainguard.kube.record import ClusterRecord
 from trainguard.observe.job import JobObserver
 from trainguard.observe.metrics import Metrics
 from trainguard.platform.book import ReportBook
-from trainguard.platform.config import control_config
+from trainguard.platform.control_config import control_config
 from trainguard.platform.drive import drive
 from trainguard.platform.inbox import Inbox
 from trainguard.platform.resume import attach_all
@@ -299,6 +299,6 @@ class KubeJob:
         self.api.create_secret(self.namespace, token_secret(self.job, self.body, token))
         return token
 
-    def _endpoint(self, attempt: int, node_id: str) -> Endpoint:
+    def _endpoint(self, attempt: int, node_id: str) -> StoreEndpoint:
         assert self.platform is not None, "the controller starts attempts inside run()"
         return self.platform.endpoint(attempt, node_id)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from trainguard.control.controller import JobController
-from trainguard.control.events import Event
+from trainguard.control.events import Event, EventKind
 from trainguard.kube.config import GROUP, KIND, VERSION
 
 if TYPE_CHECKING:
@@ -27,8 +27,11 @@ Obj = dict[str, Any]
 MAX_STATUS_FAULTS = 20
 MAX_EVENT_MESSAGE = 1024
 WARNING_EVENTS = frozenset(
-    {"Fault", "JobFailed", "PodLost", "HealthFinding"}
-    | {"CheckpointPersistFailed", "CheckpointNotDurable"}  # a step not durable: docs/checkpoints.md
+    {EventKind.FAULT, EventKind.JOB_FAILED, EventKind.POD_LOST, EventKind.HEALTH_FINDING}
+    | {
+        EventKind.CHECKPOINT_PERSIST_FAILED,
+        EventKind.CHECKPOINT_NOT_DURABLE,
+    }  # a step not durable: docs/checkpoints.md
 )
 CONDITION_TYPES = ("Created", "PodsRunning", "Running", "Restarting", "Succeeded", "Failed")
 
@@ -185,9 +188,9 @@ def job_status(
 def _warning(event: Event) -> bool:
     """A Warning Event: a fault, a failure, a failed health check, an unhealthy node, a
     checkpoint step that did not reach the durable tier."""
-    if event.kind == "NodeHealth":
+    if event.kind == EventKind.NODE_HEALTH:
         return event.data.get("status") not in (None, "Schedulable")
-    if event.kind == "HealthCheck":
+    if event.kind == EventKind.HEALTH_CHECK:
         return event.data.get("outcome") == "failed"
     return event.kind in WARNING_EVENTS
 

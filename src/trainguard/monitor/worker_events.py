@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
+from trainguard.control.events import EventKind
 from trainguard.wire.status import WorkerEvent
 
 EVENT_DIR_ENV: Final = "TRAINGUARD_EVENT_DIR"
@@ -30,15 +31,15 @@ _FILE = re.compile(r"rank-(\d+)\.jsonl")
 # controller's on the console and the timeline. Such lines are skipped.
 WORKER_KINDS: Final = frozenset(
     {
-        "CheckpointRestored",
-        "CheckpointSkipped",
-        "CheckpointSaved",
-        "CheckpointCommitted",
-        "CheckpointMemoryFull",
-        "InProcessRestart",
-        "AttemptJoined",
-        "CudaUnhealthy",
-        "BarrierTimeout",
+        EventKind.CHECKPOINT_RESTORED,
+        EventKind.CHECKPOINT_SKIPPED,
+        EventKind.CHECKPOINT_SAVED,
+        EventKind.CHECKPOINT_COMMITTED,
+        EventKind.CHECKPOINT_MEMORY_FULL,
+        EventKind.IN_PROCESS_RESTART,
+        EventKind.ATTEMPT_JOINED,
+        EventKind.CUDA_UNHEALTHY,
+        EventKind.BARRIER_TIMEOUT,
     }
 )
 _lock = threading.Lock()

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.control.timeline import resume_point
-from trainguard.observe.history import JobHistory, Sample
+from trainguard.observe.history import JobHistory, SeriesSample
 
 __all__ = ["Accounting", "Downtime", "account"]
 
@@ -147,8 +147,8 @@ class _Attempt:
         return t0 + (t1 - t0) * (step - s0) / (s1 - s0)
 
 
-def _attempts(samples: Sequence[Sample]) -> list[_Attempt]:
-    by_attempt: dict[int, list[Sample]] = defaultdict(list)
+def _attempts(samples: Sequence[SeriesSample]) -> list[_Attempt]:
+    by_attempt: dict[int, list[SeriesSample]] = defaultdict(list)
     for s in samples:
         by_attempt[s.attempt].append(s)
     out = []
@@ -169,7 +169,9 @@ def _attempts(samples: Sequence[Sample]) -> list[_Attempt]:
     return out
 
 
-def account(history: JobHistory, now: float, samples: Sequence[Sample] | None = None) -> Accounting:
+def account(
+    history: JobHistory, now: float, samples: Sequence[SeriesSample] | None = None
+) -> Accounting:
     """Where ``history``'s wall time went, up to its end or ``now`` (see the module
     docstring); ``samples``: the progress samples to use instead of the history's."""
     start = history.started_at or history.created_at

@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainguard.control.events import Event, FaultType
+from trainguard.control.events import Event, EventKind, FaultType
 
 __all__ = ["failure_cause", "went_silent"]
 
@@ -29,7 +29,7 @@ __all__ = ["failure_cause", "went_silent"]
 def failure_cause(events: Sequence[Event]) -> str | None:
     """The cause of a failed job, from its events (oldest first); None: it did not fail
     (no ``JobFailed`` event)."""
-    ended = [e for e in events if e.kind == "JobFailed"]
+    ended = [e for e in events if e.kind == EventKind.JOB_FAILED]
     if not ended:
         return None
     failed = ended[-1].message
@@ -37,7 +37,9 @@ def failure_cause(events: Sequence[Event]) -> str | None:
     if started is None or failed.startswith(started.message):
         return failed
     last = {
-        e.data.get("type") for e in events if e.kind == "Fault" and e.attempt == ended[-1].attempt
+        e.data.get("type")
+        for e in events
+        if e.kind == EventKind.FAULT and e.attempt == ended[-1].attempt
     }
     if not went_silent(started.data) and started.data.get("type") in last:
         return failed
@@ -63,8 +65,8 @@ def _first_unrecovered_fault(events: Sequence[Event]) -> Event | None:
     """The first ``Fault`` event after the last ``Recovered`` one."""
     first: Event | None = None
     for e in events:
-        if e.kind == "Recovered":
+        if e.kind == EventKind.RECOVERED:
             first = None
-        elif e.kind == "Fault" and first is None:
+        elif e.kind == EventKind.FAULT and first is None:
             first = e
     return first

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard.control.events import Event
+from trainguard.control.events import Event, EventKind
 
 __all__ = ["DurableState", "durable_state"]
 
@@ -85,12 +85,12 @@ def durable_state(events: Iterable[Event]) -> DurableState:
         step = e.data.get("step")
         if not isinstance(step, int):
             continue
-        if e.kind == "CheckpointCommitted" and e.data.get("tier", "durable") == "durable":
+        if e.kind == EventKind.CHECKPOINT_COMMITTED and e.data.get("tier", "durable") == "durable":
             durable = step if durable is None else max(durable, step)
-        elif e.kind in ("CheckpointPersisting", "CheckpointNotDurable"):
+        elif e.kind in (EventKind.CHECKPOINT_PERSISTING, EventKind.CHECKPOINT_NOT_DURABLE):
             asked = step if asked is None else max(asked, step)
-            ended_short |= e.kind == "CheckpointNotDurable"
-        elif e.kind == "CheckpointPersistFailed":
+            ended_short |= e.kind == EventKind.CHECKPOINT_NOT_DURABLE
+        elif e.kind == EventKind.CHECKPOINT_PERSIST_FAILED:
             failed.append(step)
     lost = ended_short or any(durable is None or s > durable for s in failed)
     return DurableState(durable, asked, len(failed), lost)

@@ -19,8 +19,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from trainguard.control.events import EventKind
 from trainguard.observe.account import OTHER, STARTUP, Accounting
-from trainguard.observe.history import PACE_INTERVAL, JobHistory, Sample
+from trainguard.observe.history import PACE_INTERVAL, JobHistory, SeriesSample
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -211,7 +212,7 @@ def pace_figure(
     fig, ax = _figure(width, height)
     unit, unit_name = time_unit(acc.wall_seconds)
     t0 = acc.start
-    by_rank: dict[int, list[Sample]] = defaultdict(list)
+    by_rank: dict[int, list[SeriesSample]] = defaultdict(list)
     for s in sorted(paces, key=lambda s: s.time):
         by_rank[s.rank].append(s)
     xmax = max((acc.end - t0) / unit, 1e-9)
@@ -245,7 +246,7 @@ def pace_figure(
 
 
 def _pace_heatmap(
-    fig: Figure, ax: Axes, by_rank: Mapping[int, Sequence[Sample]], t0: float, unit: float
+    fig: Figure, ax: Axes, by_rank: Mapping[int, Sequence[SeriesSample]], t0: float, unit: float
 ) -> None:
     """Ranks x recordings, each cell the rank's pace over the median of its recording
     (at most :data:`MAX_HEATMAP_COLUMNS` columns: long jobs are averaged into bins; a
@@ -334,9 +335,9 @@ def _shade_label(cause: str, scope: str | None) -> str:
     return "other (final save, shutdown)" if cause == OTHER else "after a fault, no restart"
 
 
-def _by_attempt(samples: Iterable[Sample]) -> dict[int, list[Sample]]:
+def _by_attempt(samples: Iterable[SeriesSample]) -> dict[int, list[SeriesSample]]:
     """Each attempt's progress samples, oldest first, the step never going back."""
-    out: dict[int, list[Sample]] = defaultdict(list)
+    out: dict[int, list[SeriesSample]] = defaultdict(list)
     for s in sorted(samples, key=lambda s: s.time):
         kept = out[s.attempt]
         if not kept or s.value > kept[-1].value:
@@ -349,7 +350,7 @@ def _commits(history: JobHistory) -> list[tuple[float, int]]:
     seen: dict[int, float] = {}
     for e in history.events:
         step = e.data.get("step")
-        if e.kind == "CheckpointCommitted" and isinstance(step, int) and step not in seen:
+        if e.kind == EventKind.CHECKPOINT_COMMITTED and isinstance(step, int) and step not in seen:
             seen[step] = e.time
     return sorted((t, s) for s, t in seen.items())
 

@@ -18,7 +18,7 @@ from typing import Any
 from trainguard.control.events import Event
 from trainguard.platform.store import Store
 
-__all__ = ["JOB", "AttemptSpan", "JobHistory", "Sample", "Trace", "load_history"]
+__all__ = ["JOB", "AttemptSpan", "JobHistory", "SeriesSample", "Trace", "load_history"]
 
 JOB = -1
 """The ``rank`` of the job's progress samples (their value is the step)."""
@@ -31,7 +31,7 @@ MAX_PACE_RANKS = 1024
 
 
 @dataclass(frozen=True)
-class Sample:
+class SeriesSample:
     time: float
     attempt: int
     rank: int  # JOB for the job's progress
@@ -64,13 +64,13 @@ class JobHistory:
     attempts: tuple[AttemptSpan, ...] = ()
     events: tuple[Event, ...] = ()
     faults: tuple[Mapping[str, Any], ...] = ()  # the fault timeline (FaultRecord.to_json)
-    samples: tuple[Sample, ...] = ()
+    samples: tuple[SeriesSample, ...] = ()
 
-    def progress(self) -> list[Sample]:
+    def progress(self) -> list[SeriesSample]:
         """The job's progress samples (the step over time), oldest first."""
         return [s for s in self.samples if s.rank == JOB]
 
-    def paces(self) -> list[Sample]:
+    def paces(self) -> list[SeriesSample]:
         return [s for s in self.samples if s.rank != JOB]
 
 
@@ -91,14 +91,14 @@ def load_history(store: Store, ref: str) -> JobHistory:
         ),
         events=tuple(store.events(job.id)),
         faults=tuple(json.loads(job.faults_json)),
-        samples=tuple(Sample(*row) for row in store.samples(job.id)),
+        samples=tuple(SeriesSample(*row) for row in store.samples(job.id)),
     )
 
 
 @dataclass
 class _Series:
     last_kept: float = float("-inf")
-    pending: Sample | None = None  # newest sample not kept yet
+    pending: SeriesSample | None = None  # newest sample not kept yet
 
 
 @dataclass
@@ -109,8 +109,8 @@ class Trace:
     returns the samples to store since the last call; ``samples`` keeps them all.
     """
 
-    samples: list[Sample] = field(default_factory=list)
-    _new: list[Sample] = field(default_factory=list)
+    samples: list[SeriesSample] = field(default_factory=list)
+    _new: list[SeriesSample] = field(default_factory=list)
     _series: dict[int, _Series] = field(default_factory=dict)
     _attempt: int | None = None
     _step: tuple[int, float] | None = None
@@ -122,10 +122,10 @@ class Trace:
             self._flush()
             self._attempt, self._step = attempt, None
             self._series.pop(JOB, None)
-            self._add(Sample(first[1], attempt, JOB, first[0]), keep=True)
+            self._add(SeriesSample(first[1], attempt, JOB, first[0]), keep=True)
         if latest != self._step and latest[1] >= first[1]:
             self._step = latest
-            self._add(Sample(latest[1], attempt, JOB, latest[0]))
+            self._add(SeriesSample(latest[1], attempt, JOB, latest[0]))
 
     def paces(self, now: float, attempt: int, paces: Mapping[int, float]) -> None:
         """Each rank's seconds per step (recorded every :data:`PACE_INTERVAL`)."""
@@ -133,22 +133,22 @@ class Trace:
             return
         self._paced_at = now
         for rank, seconds in sorted(paces.items()):
-            self._keep(Sample(now, attempt, rank, seconds))
+            self._keep(SeriesSample(now, attempt, rank, seconds))
 
     def end(self) -> None:
         """The job ended: keep each series' newest sample."""
         self._flush()
 
-    def snapshot(self) -> list[Sample]:
+    def snapshot(self) -> list[SeriesSample]:
         """The kept samples and each series' newest (for an account of the job so far)."""
         pending = [s.pending for s in self._series.values() if s.pending is not None]
         return self.samples + pending
 
-    def take(self) -> list[Sample]:
+    def take(self) -> list[SeriesSample]:
         new, self._new = self._new, []
         return new
 
-    def _add(self, sample: Sample, keep: bool = False) -> None:
+    def _add(self, sample: SeriesSample, keep: bool = False) -> None:
         series = self._series.setdefault(sample.rank, _Series())
         if keep or sample.time - series.last_kept >= SAMPLE_INTERVAL:
             series.pending = None
@@ -163,6 +163,6 @@ class Trace:
                 self._keep(series.pending)
                 series.last_kept, series.pending = series.pending.time, None
 
-    def _keep(self, sample: Sample) -> None:
+    def _keep(self, sample: SeriesSample) -> None:
         self.samples.append(sample)
         self._new.append(sample)

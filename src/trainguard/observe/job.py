@@ -19,7 +19,7 @@ from trainguard.control.events import Event
 from trainguard.control.reports import NodeReport
 from trainguard.control.timeline import resume_point
 from trainguard.observe.account import Accounting, account
-from trainguard.observe.history import JobHistory, Sample, Trace
+from trainguard.observe.history import JobHistory, SeriesSample, Trace
 
 if TYPE_CHECKING:  # prometheus-client costs ~14 MB: imported only by a run that serves metrics
     from trainguard.observe.metrics import JobMetrics
@@ -63,7 +63,7 @@ class JobObserver:
         controller: JobController,
         events: Sequence[Event],
         reports: Mapping[str, NodeReport] | None,
-    ) -> list[Sample]:
+    ) -> list[SeriesSample]:
         """Take one turn's news; returns the samples to store."""
         attempt = controller.current
         progress = attempt.watch.progress if attempt is not None else None

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TextIO
 
-from trainguard.control.events import Event
+from trainguard.control.events import Event, EventKind
 from trainguard.observe.terminal import safe_text
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ __all__ = [
     "LastFault",
     "LiveLine",
     "LiveView",
-    "Sample",
+    "StepSeen",
     "live_text",
     "live_wanted",
     "steps_per_second",
@@ -93,7 +93,7 @@ class LiveView:
 
 
 @dataclass(frozen=True)
-class Sample:
+class StepSeen:
     """A step and when it was seen."""
 
     time: float
@@ -122,7 +122,7 @@ def live_text(view: LiveView, separator: str = SEPARATOR) -> str:
 
 
 def steps_per_second(
-    samples: Sequence[Sample], now: float, stall: float = STALL_SECONDS
+    samples: Sequence[StepSeen], now: float, stall: float = STALL_SECONDS
 ) -> float | None:
     """Steps per second from the first sample to the last (the caller keeps a window);
     None with fewer than two; 0 once no new step came for ``stall`` seconds."""
@@ -211,7 +211,7 @@ class LiveLine:
         self._closed = False
         self._unicode = _encodes(stream, SEPARATOR + "…")
         self._attempt: int | None = None
-        self._samples: deque[Sample] = deque()
+        self._samples: deque[StepSeen] = deque()
         self._step: int | None = None
         self._total: int | None = None
         self._last_fault: LastFault | None = None
@@ -220,7 +220,7 @@ class LiveLine:
         """Take the controller's news of this turn (``events``: the turn's), and redraw."""
         faulted = False
         for event in events:
-            if event.kind == "Fault":
+            if event.kind == EventKind.FAULT:
                 kind = str(event.data.get("type", "fault"))
                 self._last_fault = LastFault(kind, event.time, event.rank, event.node)
                 faulted = True
@@ -231,8 +231,8 @@ class LiveLine:
                 self._samples.clear()  # a new attempt's steps are counted afresh
             progress = attempt.watch.progress
             if progress is not None:
-                self._sample(Sample(progress.first_time, progress.first_step))
-                self._sample(Sample(progress.time, progress.step))
+                self._sample(StepSeen(progress.first_time, progress.first_step))
+                self._sample(StepSeen(progress.time, progress.step))
                 self._step = progress.step
         with self._lock:
             if self._closed or (not faulted and now - self._rendered_at < REDRAW_INTERVAL):
@@ -289,7 +289,7 @@ class LiveLine:
                     self._stream.write(ERASE)
                     self._stream.flush()
 
-    def _sample(self, sample: Sample) -> None:
+    def _sample(self, sample: StepSeen) -> None:
         samples = self._samples
         if samples and sample.time <= samples[-1].time:
             return

@@ -30,7 +30,7 @@ from prometheus_client import (
 )
 
 from trainguard.bounded_http import BoundedWSGIServer, QuietWSGIHandler
-from trainguard.control.events import Event
+from trainguard.control.events import Event, EventKind
 from trainguard.observe.job import JobState
 
 __all__ = ["JobMetrics", "Metrics", "serve"]
@@ -146,31 +146,31 @@ class JobMetrics:
         m, job = self.m, self.job
         for e in events:
             data = e.data
-            if e.kind == "JobStarted":
+            if e.kind == EventKind.JOB_STARTED:
                 m.created.inc()
-            elif e.kind == "FaultInjected":
+            elif e.kind == EventKind.FAULT_INJECTED:
                 self._injected_at = e.time
-            elif e.kind == "Fault":
+            elif e.kind == EventKind.FAULT:
                 if self._injected_at is not None and data.get("evidence", {}).get("injected"):
                     self.detected(e.time - self._injected_at)
                     self._injected_at = None
-            elif e.kind == "RestartScheduled":
+            elif e.kind == EventKind.RESTART_SCHEDULED:
                 m.restarted.labels(job, str(data.get("scope", ""))).inc()
-            elif e.kind == "Recovered":
+            elif e.kind == EventKind.RECOVERED:
                 _observe(m.restart_latency.labels(job), data.get("recovery_seconds"))
                 lost = data.get("lost_steps")
                 if isinstance(lost, int) and lost > 0:
                     m.lost_steps.labels(job).inc(lost)
-            elif e.kind == "JobSucceeded":
+            elif e.kind == EventKind.JOB_SUCCEEDED:
                 m.successful.inc()
-            elif e.kind == "JobFailed":
+            elif e.kind == EventKind.JOB_FAILED:
                 m.failed.inc()
-            elif e.kind == "Straggler":
+            elif e.kind == EventKind.STRAGGLER:
                 m.stragglers.labels(job).inc()
-            elif e.kind == "CheckpointRestored":
+            elif e.kind == EventKind.CHECKPOINT_RESTORED:
                 tier = str(data.get("tier", "unknown"))
                 _observe(m.restore_seconds.labels(job, tier), data.get("seconds"))
-            elif e.kind == "CheckpointSaved":
+            elif e.kind == EventKind.CHECKPOINT_SAVED:
                 tier = str(data.get("tier", "memory"))
                 for seconds in data.get("blocking_seconds", ()):
                     _observe(m.save_blocking.labels(job, tier), seconds)

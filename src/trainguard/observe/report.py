@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from trainguard.control.events import Event
+from trainguard.control.events import Event, EventKind
 from trainguard.observe.account import OTHER, STARTUP, Accounting, account
 from trainguard.observe.cause import failure_cause
 from trainguard.observe.durable import durable_state
@@ -152,7 +152,7 @@ def why_failed(history: JobHistory) -> str | None:
     went silent: :mod:`trainguard.observe.cause`)."""
     if history.phase != "Failed":
         return None
-    return failure_cause([e for e in history.events if e.kind != "JobFailed" or e.message])
+    return failure_cause([e for e in history.events if e.kind != EventKind.JOB_FAILED or e.message])
 
 
 def _time_section(acc: Accounting) -> str:
@@ -275,7 +275,7 @@ def _stacks(fault: Mapping[str, Any]) -> str:
 
 
 def _pace_section(history: JobHistory, figure: Png | None) -> str:
-    stragglers = [e for e in history.events if e.kind == "Straggler"]
+    stragglers = [e for e in history.events if e.kind == EventKind.STRAGGLER]
     out = "<section><h2>Step time per rank</h2>"
     if figure is None:
         out += (
@@ -316,20 +316,20 @@ def _checkpoint_section(events: Sequence[Event], acc: Accounting) -> str:
     saves: dict[str, list[Event]] = defaultdict(list)
     seen: set[tuple[str, object]] = set()
     for e in events:
-        if e.kind not in ("CheckpointSaved", "CheckpointCommitted"):
+        if e.kind not in (EventKind.CHECKPOINT_SAVED, EventKind.CHECKPOINT_COMMITTED):
             continue
-        default = "memory" if e.kind == "CheckpointSaved" else "durable"
+        default = "memory" if e.kind == EventKind.CHECKPOINT_SAVED else "durable"
         tier = str(e.data.get("tier") or default)
         key = (tier, e.data.get("step"))
-        if e.kind == "CheckpointCommitted" and key in seen:
+        if e.kind == EventKind.CHECKPOINT_COMMITTED and key in seen:
             continue  # the controller's and rank 0's note of one commit
         seen.add(key)
         saves[tier].append(e)
     restores: dict[tuple[Any, str, Any], list[Event]] = defaultdict(list)
     for e in events:
-        if e.kind == "CheckpointRestored":
+        if e.kind == EventKind.CHECKPOINT_RESTORED:
             restores[e.attempt, str(e.data.get("tier", "-")), e.data.get("step")].append(e)
-    failed = [e for e in events if e.kind == "CheckpointPersistFailed"]
+    failed = [e for e in events if e.kind == EventKind.CHECKPOINT_PERSIST_FAILED]
     out = "<section><h2>Checkpoints</h2>"
     if not saves and not restores and not failed:
         return out + '<p class="none">No checkpoint saves or restores were recorded.</p></section>'

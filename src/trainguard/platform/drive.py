@@ -28,6 +28,7 @@ from trainguard.control.actions import (
     ReplaceRanks,
     RetireNodes,
     StartNodes,
+    StopMode,
     StopNodes,
 )
 from trainguard.control.controller import JobController
@@ -95,7 +96,7 @@ def deliveries(
     if isinstance(action, StopNodes):
         stop = StopRequest(
             attempt=action.attempt,
-            mode="process" if action.mode == "process" else "graceful",
+            mode="process" if action.mode == StopMode.PROCESS else "graceful",
             timeout=action.timeout,
             capture_stacks=action.capture_stacks,
             notice=action.notice,

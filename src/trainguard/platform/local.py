@@ -42,7 +42,7 @@ from trainguard.observe.summary import fault_summary
 from trainguard.observe.terminal import safe_bytes, safe_cell, silence
 from trainguard.platform.base import Cancel
 from trainguard.platform.book import ReportBook
-from trainguard.platform.config import control_config, fence_after
+from trainguard.platform.control_config import control_config, fence_after
 from trainguard.platform.drive import drive
 from trainguard.platform.follow import LineSource
 from trainguard.platform.inbox import Inbox

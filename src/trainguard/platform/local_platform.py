@@ -24,7 +24,7 @@ from trainguard.agent.client import AgentError
 from trainguard.agent.logs import orphaned_console
 from trainguard.checkpoint.tier_dir import private_dir
 from trainguard.control.actions import LaunchNodes
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.contact import Contact, shown_state
 from trainguard.control.controller import JobController
 from trainguard.control.events import Event
@@ -140,12 +140,12 @@ class LocalPlatform:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def endpoint(self, attempt: int, node_id: str) -> Endpoint:
+    def endpoint(self, attempt: int, node_id: str) -> StoreEndpoint:
         """A fresh store per attempt, so no stale peer addresses: the job's store
         service's (:mod:`trainguard.rendezvous`), else one rank 0 hosts on a fresh port."""
         if self.rendezvous is not None and (port := self.rendezvous.open(attempt)) is not None:
-            return Endpoint(self.address, port, hosted=True)
-        return Endpoint(self.address, free_port(self.address))
+            return StoreEndpoint(self.address, port, hosted=True)
+        return StoreEndpoint(self.address, free_port(self.address))
 
     def launch(self, request: LaunchNodes) -> None:
         """Start a fresh agent per node, replacing a live one (one host: nothing to avoid)."""

@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from trainguard.control.events import EventKind
 from trainguard.platform.store import JobRow, Store
 from trainguard.platform.views import _table, controller_runs, effective_phase
 
@@ -24,7 +25,7 @@ def node_health(store: Store, job_id: str) -> list[dict[str, Any]]:
     """Every node of the job (current ones in node-rank order, then those that left)."""
     health: dict[str, dict[str, Any]] = {}
     for event in store.events(job_id):
-        if event.kind == "NodeHealth" and event.node is not None:
+        if event.kind == EventKind.NODE_HEALTH and event.node is not None:
             health[event.node] = dict(event.data)
     rows = sorted(store.nodes(job_id), key=lambda r: (r["node_rank"] is None, r["node_rank"]))
     current = {row["node_id"]: row for row in rows}

@@ -24,8 +24,9 @@ from trainguard.agent.client import AgentClient, AgentError
 from trainguard.agent.controller_watch import start_ticks
 from trainguard.control import resume as control
 from trainguard.control.actions import Action
-from trainguard.control.assignment import Endpoint
+from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.events import EventKind
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.resume import Recorded, RecordedAttempt
 from trainguard.platform.node import WorkerPids
@@ -60,7 +61,7 @@ def recorded(store: Store, job: JobRow) -> Recorded:
             a["started_at"],
             a["ended_at"],
             a["reason"],
-            Endpoint(a["master_addr"], a["master_port"])
+            StoreEndpoint(a["master_addr"], a["master_port"])
             if a["master_addr"] and a["master_port"]
             else None,
         )
@@ -69,7 +70,7 @@ def recorded(store: Store, job: JobRow) -> Recorded:
     restarts = tuple(
         RestartRecord(e.time, RestartScope(str(e.data["scope"])))
         for e in store.events(job.id)
-        if e.kind == "RestartScheduled" and e.data.get("scope") in set(RestartScope)
+        if e.kind == EventKind.RESTART_SCHEDULED and e.data.get("scope") in set(RestartScope)
     )
     return Recorded(
         job.started_at or job.created_at, attempts, restarts, tuple(json.loads(job.faults_json))

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from trainguard.hosts.addresses import Endpoint
+from trainguard.hosts.addresses import JobEndpoint
 from trainguard.hosts.run import endpoint_of
 from trainguard.observe.live import live_wanted
 from trainguard.platform.inject import parse_injection
@@ -160,7 +160,7 @@ def with_allocation_spares(job: TrainingJob) -> TrainingJob:
     return job.model_copy(update={"spec": spec})
 
 
-def slurm_step_endpoint(args: argparse.Namespace) -> Endpoint:
+def slurm_step_endpoint(args: argparse.Namespace) -> JobEndpoint:
     """``srun trainguard run ...`` on every node: the allocation's first node is the
     endpoint (``--master-port``), each node's rank its ``SLURM_NODEID``."""
     from trainguard.slurm.run import in_step_endpoint

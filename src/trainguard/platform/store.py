@@ -110,7 +110,7 @@ CREATE TABLE IF NOT EXISTS samples (
 CREATE INDEX IF NOT EXISTS samples_job ON samples (job_id, rank, time);
 """
 # ``samples`` rows: the job's progress (``rank`` -1, ``value`` the step) and each rank's
-# pace (``value`` its seconds per step), as trainguard.observe.history.Sample.
+# pace (``value`` its seconds per step), as trainguard.observe.history.SeriesSample.
 
 
 def state_dir(explicit: str | os.PathLike[str] | None = None) -> Path:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from trainguard.control.events import EventKind
 from trainguard.observe.account import account
 from trainguard.observe.cause import failure_cause
 from trainguard.observe.durable import DurableState, durable_state
@@ -260,7 +261,9 @@ def describe(store: Store, ref: str, output: str) -> int:
 def _print_script_error(events: list[dict[str, Any]]) -> None:
     """The traceback of the script error the job failed on (control/script_bug.py)."""
     for e in events:
-        traceback = (e.get("data") or {}).get("traceback") if e["kind"] == "ScriptError" else None
+        traceback = (
+            (e.get("data") or {}).get("traceback") if e["kind"] == EventKind.SCRIPT_ERROR else None
+        )
         if traceback:
             print("\nScript error (the job was not retried again):")
             for line in str(traceback).splitlines():

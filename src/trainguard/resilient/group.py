@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from trainguard.collectives import control_group, forget_control_group
-from trainguard.resilient.protocol import Attempt
+from trainguard.resilient.protocol import ResilientAttempt
 from trainguard.resilient.sockets import Connections, open_sockets
 
 __all__ = [
@@ -155,7 +155,7 @@ class AttemptGroup:
 
     def join(
         self,
-        attempt: Attempt,
+        attempt: ResilientAttempt,
         rank: int,
         deadline: float,
         newer_announced: Callable[[], bool],
@@ -247,7 +247,7 @@ class AttemptGroup:
         self._hosted = None
 
     def _wait_for_host(
-        self, attempt: Attempt, deadline: float, newer_announced: Callable[[], bool]
+        self, attempt: ResilientAttempt, deadline: float, newer_announced: Callable[[], bool]
     ) -> None:
         """Wait until rank 0 listens: TCPStore's own retries back off to ~0.5 s (torch 2.13)."""
         address = (attempt.master_addr, attempt.master_port)
@@ -266,7 +266,9 @@ class AttemptGroup:
                 )
             time.sleep(self._poll)
 
-    def _store(self, attempt: Attempt, rank: int, timeout: float, hosted: bool) -> dist.TCPStore:
+    def _store(
+        self, attempt: ResilientAttempt, rank: int, timeout: float, hosted: bool
+    ) -> dist.TCPStore:
         address = (attempt.master_addr, attempt.master_port)
         if rank == 0 and not hosted:
             self._client = None
@@ -301,7 +303,7 @@ def _agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
 
 
-def _remaining(deadline: float, attempt: Attempt) -> float:
+def _remaining(deadline: float, attempt: ResilientAttempt) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
         raise BarrierTimeout(f"attempt {attempt.attempt}: barrier timeout passed before joining")

@@ -11,7 +11,7 @@ from trainguard.agent.filewatch import REREAD_SECONDS, DirWatch
 from trainguard.resilient.protocol import (
     ATTEMPT_ENV,
     SPARE_ID_ENV,
-    Attempt,
+    ResilientAttempt,
     read_spare,
 )
 
@@ -52,11 +52,11 @@ def resolve_identity(control_dir: Path, poll_interval: float) -> Identity:
     return Identity(assignment.rank, assignment.local_rank, assignment.attempt, spare_id)
 
 
-def attempt_from_env(barrier_timeout: float) -> Attempt | None:
+def attempt_from_env(barrier_timeout: float) -> ResilientAttempt | None:
     """The attempt torchrun's environment describes, or None without MASTER_ADDR/PORT."""
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return None
-    return Attempt(
+    return ResilientAttempt(
         attempt=_env_int(ATTEMPT_ENV, 0),
         master_addr=os.environ["MASTER_ADDR"],
         master_port=_env_int("MASTER_PORT"),

@@ -13,8 +13,8 @@ from trainguard.wire.control_files import (
     SPARE_ID_ENV,
     STATE_SOURCES,
     Ack,
-    Attempt,
     ProtocolError,
+    ResilientAttempt,
     SpareAssignment,
     StateSource,
     ack_path,
@@ -36,8 +36,8 @@ __all__ = [
     "SPARE_ID_ENV",
     "STATE_SOURCES",
     "Ack",
-    "Attempt",
     "ProtocolError",
+    "ResilientAttempt",
     "SpareAssignment",
     "StateSource",
     "ack_path",
@@ -50,3 +50,6 @@ __all__ = [
     "write_json_atomic",
     "write_spare",
 ]
+
+Attempt = ResilientAttempt
+"""The name :class:`ResilientAttempt` had before; kept so that code importing it still runs."""

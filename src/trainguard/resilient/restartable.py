@@ -28,9 +28,9 @@ from trainguard.resilient import session
 from trainguard.resilient.config import ResilientConfig
 from trainguard.resilient.group import end_default_group
 from trainguard.resilient.protocol import ATTEMPT_ENV, CONTROL_DIR_ENV
-from trainguard.resilient.run import Fallback, Progress, Run, TrainFunction
+from trainguard.resilient.run import Fallback, Run, StateProgress, TrainFunction
 from trainguard.resilient.state import State
-from trainguard.resilient.supervisor import Supervisor
+from trainguard.resilient.supervisor import ResilientSupervisor
 from trainguard.resilient.sync import synchronise
 
 __all__ = ["Fallback", "TrainFunction", "restartable", "run_resilient"]
@@ -84,7 +84,7 @@ def run_resilient(
             "call trainguard.resilient.init_process_group() in place of "
             "torch.distributed.init_process_group()"
         )
-    supervisor = Supervisor(Path(control_dir), config)
+    supervisor = ResilientSupervisor(Path(control_dir), config)
     supervisor.start()
     try:
         supervisor.run(train, state, fallback)
@@ -99,7 +99,7 @@ def _run_once(
 ) -> None:
     """Plain torchrun: one attempt on the ``env://`` group, no restarts."""
     owns_group = session.plain_group(config)
-    progress = Progress()
+    progress = StateProgress()
     source, _ = synchronise(state, progress, fallback)
     train(
         Run(

@@ -10,11 +10,11 @@ from trainguard.elastic.data import EpochShard, shard_indices
 from trainguard.resilient.group import AttemptInterrupted
 from trainguard.resilient.protocol import StateSource
 
-__all__ = ["Fallback", "Progress", "Run", "TrainFunction"]
+__all__ = ["Fallback", "Run", "StateProgress", "TrainFunction"]
 
 
 @dataclass
-class Progress:
+class StateProgress:
     """How far this process's in-memory state is: ``steps`` completed steps, if any."""
 
     has_state: bool = False
@@ -43,7 +43,7 @@ class Run:
         world_size: int,
         attempt: int,
         state_source: StateSource,
-        progress: Progress,
+        progress: StateProgress,
         interrupted: Callable[[], bool],
     ) -> None:
         self.rank = rank

@@ -2,7 +2,7 @@
 
 Plain torchrun (or plain ``python``: a one-rank group) makes the ``env://`` group, as
 ``torch.distributed.init_process_group`` does. Under trainguard's in-process restarts
-(``TRAINGUARD_CONTROL_DIR``) it starts this worker's :class:`Supervisor`: a hot spare
+(``TRAINGUARD_CONTROL_DIR``) it starts this worker's :class:`ResilientSupervisor`: a hot spare
 waits here until it takes over a rank; every worker then joins its first attempt's group,
 so the code after this line (the model, the optimizer, ``dist.get_rank()``) runs as under
 torchrun. The training loop, :func:`trainguard.resilient.loop`, runs in that attempt and
@@ -25,11 +25,11 @@ import torch.distributed as dist
 from trainguard.collectives import BackendChoice, backend_string, resolve_choice
 from trainguard.resilient.config import ResilientConfig
 from trainguard.resilient.protocol import CONTROL_DIR_ENV
-from trainguard.resilient.supervisor import Supervisor
+from trainguard.resilient.supervisor import ResilientSupervisor
 
 __all__ = ["current", "init_process_group", "plain_group"]
 
-_session: list[Supervisor] = []  # the process's one Supervisor, once started
+_session: list[ResilientSupervisor] = []  # the process's one ResilientSupervisor, once started
 
 
 def init_process_group(
@@ -50,13 +50,13 @@ def init_process_group(
         return
     if _session:
         raise RuntimeError("trainguard.resilient.init_process_group() was called already")
-    supervisor = Supervisor(Path(control_dir), settings)
+    supervisor = ResilientSupervisor(Path(control_dir), settings)
     supervisor.start()
     _session.append(supervisor)
 
 
-def current() -> Supervisor | None:
-    """The Supervisor :func:`init_process_group` started in this process, if any."""
+def current() -> ResilientSupervisor | None:
+    """The ResilientSupervisor :func:`init_process_group` started in this process, if any."""
     return _session[0] if _session else None
 
 

@@ -1,11 +1,11 @@
 """The attempts of one resilient worker under trainguard: join, run, fail, rejoin.
 
-A :class:`Supervisor` is made once per process. :meth:`Supervisor.start` learns the
-worker's rank (a hot spare waits here for the rank it takes over) and joins the first
-attempt it may; :meth:`Supervisor.run` then runs a training function in that attempt and,
-each time the function fails because of a peer (a collective failure, or a newer attempt
-announced), leaves the attempt, joins the next one and calls the function again, its
-state synced from a peer (:mod:`trainguard.resilient.sync`). ``@restartable`` does all
+A :class:`ResilientSupervisor` is made once per process. :meth:`ResilientSupervisor.start`
+learns the worker's rank (a hot spare waits here for the rank it takes over) and joins the
+first attempt it may; :meth:`ResilientSupervisor.run` then runs a training function in
+that attempt and, each time the function fails because of a peer (a collective failure, or
+a newer attempt announced), leaves the attempt, joins the next one and calls the function
+again, its state synced from a peer (:mod:`trainguard.resilient.sync`). ``@restartable`` does all
 three at once and leaves the last attempt's group at the end;
 :func:`trainguard.resilient.init_process_group` starts at the script's
 ``init_process_group`` line, so that the code between it and the training loop runs in
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainguard.collectives import backend_string, resolve_choice
+from trainguard.control.events import EventKind
 from trainguard.monitor import worker_events
 from trainguard.resilient import mesh
 from trainguard.resilient.config import ResilientConfig
@@ -41,20 +42,20 @@ from trainguard.resilient.protocol import (
     EXIT_BARRIER_TIMEOUT,
     SPARE_ID_ENV,
     Ack,
-    Attempt,
+    ResilientAttempt,
     read_attempt,
     write_ack,
 )
-from trainguard.resilient.run import Fallback, Progress, Run, TrainFunction
+from trainguard.resilient.run import Fallback, Run, StateProgress, TrainFunction
 from trainguard.resilient.spare_init import warm_up
 from trainguard.resilient.state import State
 from trainguard.resilient.sync import synchronise
 from trainguard.resilient.watcher import AttemptWatcher
 
-__all__ = ["Supervisor"]
+__all__ = ["ResilientSupervisor"]
 
 
-class Supervisor:
+class ResilientSupervisor:
     """One worker's attempts: :meth:`start` joins the first, :meth:`run` runs a training
     function across attempts until it returns (see the module doc)."""
 
@@ -70,12 +71,12 @@ class Supervisor:
             config.collective_timeout,
             backend_string(resolve_choice(config.backend)),
         )
-        self.progress = Progress()
+        self.progress = StateProgress()
         self.rank = -1
         self.local_rank = 0
         self.spare = False
         """Whether this worker started as a hot spare (it takes its state from a peer)."""
-        self.attempt: Attempt | None = None
+        self.attempt: ResilientAttempt | None = None
         """The attempt whose process group is up (None before the first join)."""
         self._last = -1  # the newest attempt joined or given up on
         self._wait_deadline = 0.0
@@ -127,7 +128,7 @@ class Supervisor:
                 "waiting for the next attempt"
             )
             worker_events.emit(
-                "InProcessRestart",
+                EventKind.IN_PROCESS_RESTART,
                 f"rank {self.rank} left attempt {attempt.attempt}: {reason}",
                 attempt=attempt.attempt,
                 step=self.progress.steps,
@@ -179,7 +180,11 @@ class Supervisor:
             return
 
     def _run_until_fault(
-        self, attempt: Attempt, train: TrainFunction, state: State, fallback: Fallback | None
+        self,
+        attempt: ResilientAttempt,
+        train: TrainFunction,
+        state: State,
+        fallback: Fallback | None,
     ) -> tuple[float, float, str] | None:
         """Run ``attempt``: None when train() returns, else when (monotonic and wall-clock
         time) and why it failed.
@@ -205,7 +210,11 @@ class Supervisor:
         return None
 
     def _run_attempt(
-        self, attempt: Attempt, train: TrainFunction, state: State, fallback: Fallback | None
+        self,
+        attempt: ResilientAttempt,
+        train: TrainFunction,
+        state: State,
+        fallback: Fallback | None,
     ) -> None:
         synchronising = time.monotonic()
         mesh.rebind()  # the meshes (and fully_shard states) made in an earlier attempt
@@ -235,7 +244,7 @@ class Supervisor:
             f"{state_seconds:.3f} s){since_fault}; state from {detail}"
         )
         worker_events.emit(
-            "AttemptJoined",
+            EventKind.ATTEMPT_JOINED,
             f"rank {self.rank} joined attempt {attempt.attempt}; state from {detail}",
             attempt=attempt.attempt,
             step=self.progress.steps,
@@ -258,7 +267,7 @@ class Supervisor:
             )
         )
 
-    def _take_rank(self, attempt: Attempt) -> None:
+    def _take_rank(self, attempt: ResilientAttempt) -> None:
         """This process's rank in ``attempt``: an elastic scaling in place renumbers the
         ranks after a node that left (the attempt file names each local rank's)."""
         if self.local_rank >= len(attempt.ranks) or attempt.ranks[self.local_rank] == self.rank:
@@ -276,11 +285,11 @@ class Supervisor:
             return
         reason = f"rank {self.rank} left attempt {attempt} with a broken CUDA context: {problem}"
         _say(f"{reason}; exiting with {EXIT_CUDA_UNHEALTHY} for a process restart")
-        worker_events.emit("CudaUnhealthy", reason, attempt=attempt)
+        worker_events.emit(EventKind.CUDA_UNHEALTHY, reason, attempt=attempt)
         sys.stdout.flush()
         os._exit(EXIT_CUDA_UNHEALTHY)  # no atexit: CUDA and NCCL teardown can hang
 
-    def _await_attempt(self, last: int, deadline: float) -> Attempt:
+    def _await_attempt(self, last: int, deadline: float) -> ResilientAttempt:
         """The first attempt newer than ``last``; gives up at ``deadline``."""
         while True:
             attempt = read_attempt(self.control_dir)
@@ -315,6 +324,6 @@ def _short(exc: BaseException) -> str:
 def _give_up(reason: str) -> NoReturn:
     """Exit at once with ``EXIT_BARRIER_TIMEOUT`` (the agent restarts the process)."""
     _say(f"giving up: {reason}; exiting with {EXIT_BARRIER_TIMEOUT}")
-    worker_events.emit("BarrierTimeout", reason)
+    worker_events.emit(EventKind.BARRIER_TIMEOUT, reason)
     sys.stdout.flush()
     os._exit(EXIT_BARRIER_TIMEOUT)  # no atexit: gloo teardown can hang with dead peers

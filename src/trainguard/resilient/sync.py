@@ -47,7 +47,7 @@ from trainguard.resilient.ddp import mark_in_sync
 from trainguard.resilient.dtensors import globalise, localise
 from trainguard.resilient.fsdp import shard_key
 from trainguard.resilient.protocol import StateSource
-from trainguard.resilient.run import Progress
+from trainguard.resilient.run import StateProgress
 from trainguard.resilient.spare_init import check_initialised
 from trainguard.resilient.state import State
 from trainguard.resilient.transfer import Route, transfer
@@ -332,7 +332,7 @@ def _unflatten(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
 
 
 def synchronise(
-    state: State, progress: Progress, fallback: Callable[[], int | None] | None
+    state: State, progress: StateProgress, fallback: Callable[[], int | None] | None
 ) -> tuple[StateSource, str]:
     """Bring every rank to the same state; returns this rank's source and a description.
 

@@ -31,8 +31,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from trainguard.cli import run_flags_taking_a_value
-from trainguard.control.events import Event, FaultType
-from trainguard.hosts.addresses import Endpoint, LocalAddress, resolve, route_to
+from trainguard.control.events import Event, EventKind, FaultType
+from trainguard.hosts.addresses import JobEndpoint, LocalAddress, resolve, route_to
 from trainguard.hosts.controller_host import ControllerHost
 from trainguard.hosts.security import TOKEN_ENV, TokenError, client_tls, server_tls
 from trainguard.observe.terminal import safe_cell
@@ -60,7 +60,7 @@ DRAINED_FAULTS = frozenset(
 """Faults that drain the node (a lost machine, a failed check, an XID)."""
 
 
-def daemon_argv(argv: Sequence[str], endpoint: Endpoint) -> list[str]:
+def daemon_argv(argv: Sequence[str], endpoint: JobEndpoint) -> list[str]:
     """The command the other nodes run: this one (without the flags only the controller's
     host takes), joined to ``endpoint``; the script's own arguments as they were."""
     split = _script_index(argv)
@@ -123,7 +123,7 @@ def run_in_allocation(
     os.environ[TOKEN_ENV] = token  # the steps' environment: never their command line
     others = [n for n in alloc.nodes if n != alloc.this_node]
     local = route_to(resolve(others[0])) if others else LocalAddress("127.0.0.1", "lo")
-    endpoint = Endpoint(local.addr, free_port(local.addr))
+    endpoint = JobEndpoint(local.addr, free_port(local.addr))
     partition = plan.job.spec.trainguard.partition_timeout_seconds
     hosts = ControllerHost(
         endpoint, local, token, args.join_timeout, partition, tls_server, tls_client,
@@ -176,7 +176,7 @@ def _drainer(hosts: ControllerHost, say: Say) -> Callable[[Event], None]:
     warned: list[bool] = []
 
     def on_event(event: Event) -> None:
-        if event.kind != "Fault" or event.node is None or hosts.service is None:
+        if event.kind != EventKind.FAULT or event.node is None or hosts.service is None:
             return
         kind = event.data.get("type")
         if kind not in {t.value for t in DRAINED_FAULTS}:
@@ -234,6 +234,6 @@ def _end_steps(steps: Sequence[subprocess.Popen[bytes]]) -> None:
             step.wait(5.0)
 
 
-def in_step_endpoint(alloc: Allocation, port: int) -> Endpoint:
+def in_step_endpoint(alloc: Allocation, port: int) -> JobEndpoint:
     """``srun trainguard run`` on every node: the allocation's first node is the endpoint."""
-    return Endpoint(resolve(alloc.nodes[0]), port)
+    return JobEndpoint(resolve(alloc.nodes[0]), port)

@@ -4,7 +4,7 @@ Everything lives in ``$TRAINGUARD_CONTROL_DIR`` (one directory per node that out
 in-process attempts). Every file is JSON and written atomically (a temporary file, then
 ``rename``), so a reader sees the old or the new content, never a partial one.
 
-- ``attempt.json`` (agent -> workers), :class:`Attempt`: the attempt to join. A larger
+- ``attempt.json`` (agent -> workers), :class:`ResilientAttempt`: the attempt to join. A larger
   ``attempt`` than a worker's current one means "rejoin now": abort the process group
   and join the new one (rank 0 hosts the TCPStore on ``master_port``), as the rank
   ``ranks`` gives its local rank (an elastic scaling in place renumbers the ranks).
@@ -40,8 +40,8 @@ __all__ = [
     "SPARE_ID_ENV",
     "STATE_SOURCES",
     "Ack",
-    "Attempt",
     "ProtocolError",
+    "ResilientAttempt",
     "SpareAssignment",
     "StateSource",
     "ack_path",
@@ -72,7 +72,7 @@ class ProtocolError(ValueError):
     """A control file is malformed (the message names the file and the field)."""
 
 
-class Attempt(Wire):
+class ResilientAttempt(Wire):
     """One attempt of the job: who hosts the rendezvous and how long joining may take."""
 
     attempt: int = Field(ge=0)
@@ -114,7 +114,7 @@ def write_json_atomic(path: str | Path, data: dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(data))
 
 
-def write_attempt(control_dir: str | Path, attempt: Attempt) -> None:
+def write_attempt(control_dir: str | Path, attempt: ResilientAttempt) -> None:
     write_json_atomic(Path(control_dir) / ATTEMPT_FILE, attempt.to_json())
 
 
@@ -126,9 +126,9 @@ def write_ack(control_dir: str | Path, rank: int, ack: Ack) -> None:
     write_json_atomic(ack_path(control_dir, rank), ack.to_json())
 
 
-def read_attempt(control_dir: str | Path) -> Attempt | None:
+def read_attempt(control_dir: str | Path) -> ResilientAttempt | None:
     """The current attempt, or None while the agent has not written one."""
-    return _read(Path(control_dir) / ATTEMPT_FILE, Attempt)
+    return _read(Path(control_dir) / ATTEMPT_FILE, ResilientAttempt)
 
 
 def read_spare(control_dir: str | Path, spare_id: int) -> SpareAssignment | None:
