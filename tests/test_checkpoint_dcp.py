@@ -167,8 +167,11 @@ def test_no_checkpoint_and_bad_arguments() -> None:
 
 _WORKER = textwrap.dedent(
     """
-    import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    import atexit, sys, time, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
     from trainguard.checkpoint.dcp import TieredStorageReader, TieredStorageWriter
+    # torch 2.13's gloo thread may free the last work after the interpreter began to end,
+    # and abort the process (docs/development.md): let it take the GIL first.
+    atexit.register(time.sleep, 0.1)
     rank, url = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", rank=rank, world_size=2)
     def state(seed):
