@@ -95,9 +95,10 @@ class Prefault:
     """Faults in byte ranges of host memory in a thread, ahead of data arriving there.
 
     A receive into fresh memory (a hot spare's tensors, made with ``torch.empty`` and never
-    touched) takes a page fault per 4 KiB page in the middle of the copy: measured here,
-    a gloo receive of 1 GiB ran at 1.4 GB/s into fresh memory against 3.0 GB/s into
-    faulted memory, and at 2.5 GB/s with this thread faulting in ahead of it. ``streams``:
+    touched) takes a page fault per 4 KiB page in the middle of the copy: on the quiet
+    2-core VM a gloo receive of 1 GB ran at 1.67 GB/s into fresh memory, 2.53 GB/s with
+    this thread faulting in ahead of it, 3.20 GB/s into faulted memory
+    (``python -m bench.receive_memory --gb 1``). ``streams``:
     the ranges ``(address, nbytes)`` in the order data arrives in each stream (one per
     sender, arriving at once); the thread takes :data:`PREFAULT_STEP` bytes of each stream
     in turn. The contents are never changed, so the thread may fall behind the data or
