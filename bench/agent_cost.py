@@ -66,28 +66,24 @@ def parse_cpu_seconds(stat: str, ticks: int) -> float:
     return (utime + stime) / ticks
 
 
-def agent_command(workdir: Path) -> tuple[list[str], Path]:
+def agent_command(
+    workdir: Path,
+    *,
+    node_id: str = "node-0",
+    token: str = TOKEN,
+    env: dict[str, str] | None = None,
+) -> tuple[list[str], Path]:
+    """The real agent's command line for a node of its own in ``workdir`` (which gets its
+    token file, logs and port file), running ``true``; and the port file it will write."""
     token_file = workdir / "token"
-    token_file.write_text(TOKEN + "\n")
+    token_file.write_text(token + "\n")
     port_file = workdir / "agent.port"
-    argv = [
-        sys.executable,
-        "-m",
-        "trainguard.agent",
-        "--node-id",
-        "node-0",
-        "--incarnation",
-        "node-0.1",
-        "--token-file",
-        str(token_file),
-        "--log-dir",
-        str(workdir / "logs"),
-        "--port-file",
-        str(port_file),
-        "--",
-        "true",
-    ]
-    return argv, port_file
+    argv = [sys.executable, "-m", "trainguard.agent", "--node-id", node_id]
+    argv += ["--incarnation", f"{node_id}.1", "--token-file", str(token_file)]
+    argv += ["--log-dir", str(workdir / "logs"), "--port-file", str(port_file)]
+    for name, value in (env or {}).items():
+        argv += ["--env", f"{name}={value}"]
+    return [*argv, "--", "true"], port_file
 
 
 def measure_agent(workdir: Path) -> Cost:

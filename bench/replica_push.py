@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.agent_cost import agent_command
+
 try:
     from trainguard.agent.replica_push import ReplicaPusher
 except ImportError:  # a tree from before the batches: the A of an A/B run
@@ -59,26 +61,11 @@ def _make_tier(memory: Path, nbytes: int) -> None:
 
 def _spawn_peer(work: Path) -> tuple[subprocess.Popen[bytes], str]:
     (work / "peer").mkdir()
-    token_file = work / "token"
-    token_file.write_text(TOKEN + "\n")
-    port_file = work / "port"
-    command = [
-        sys.executable,
-        "-m",
-        "trainguard.agent",
-        "--node-id",
-        "node-1",
-        "--token-file",
-        str(token_file),
-        "--log-dir",
-        str(work / "logs"),
-        "--port-file",
-        str(port_file),
-        "--env",
-        f"TRAINGUARD_CHECKPOINT_MEMORY_DIR={work / 'peer' / 'memory'}",
-        "--",
-        "true",
-    ]
+    memory = work / "peer" / "memory"
+    command, port_file = agent_command(
+        work, node_id="node-1", token=TOKEN, env={"TRAINGUARD_CHECKPOINT_MEMORY_DIR": str(memory)}
+    )
+    port_file.unlink(missing_ok=True)
     with open(work / "peer.stderr", "wb") as err:
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, cwd=work)
     deadline = time.monotonic() + SERVE_TIMEOUT
