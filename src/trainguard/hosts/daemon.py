@@ -40,9 +40,10 @@ from typing import IO, Any
 
 from aiohttp import web
 
+from trainguard.auth import bearer_ok
 from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.host_agents import PORT_WAIT_SECONDS, HostAgents
-from trainguard.platform.inbox import RouteServer, bearer_ok
+from trainguard.platform.inbox import RouteServer
 from trainguard.platform.node import AgentLauncher
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.hosts import (
@@ -246,7 +247,7 @@ class HostDaemon:
     # -- the routes ----------------------------------------------------------------------
 
     async def _launch(self, request: web.Request) -> web.Response:
-        if not bearer_ok(request, self._token.encode()):
+        if not bearer_ok(request.headers.get("Authorization"), self._token):
             return _error(401, "missing or wrong bearer token")
         try:
             launch = parse_json(LaunchRequest, await request.read(), "launch")
@@ -259,7 +260,7 @@ class HostDaemon:
         return web.json_response(reply.to_json())
 
     async def _shutdown(self, request: web.Request) -> web.Response:
-        if not bearer_ok(request, self._token.encode()):
+        if not bearer_ok(request.headers.get("Authorization"), self._token):
             return _error(401, "missing or wrong bearer token")
         try:
             stop = parse_json(ShutdownRequest, await request.read(), "shutdown")
@@ -270,7 +271,7 @@ class HostDaemon:
 
     async def _partition(self, request: web.Request) -> web.Response:
         """A rehearsal (``--inject partition``): this host cuts itself off the network."""
-        if not bearer_ok(request, self._token.encode()):
+        if not bearer_ok(request.headers.get("Authorization"), self._token):
             return _error(401, "missing or wrong bearer token")
         try:
             cut = parse_json(PartitionRequest, await request.read(), "partition")

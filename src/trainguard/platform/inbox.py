@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import socket
 import ssl
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from trainguard.auth import bearer_ok
 from trainguard.netlimits import ConnLimits, ConnTable, QuietLog, conn_limits, quiet_loggers
 from trainguard.platform.book import Taken
 from trainguard.platform.http_gate import busy_middleware, gate, loop_errors
@@ -33,7 +33,7 @@ from trainguard.wire.status import NodeStatus
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_REPORT_BYTES", "Inbox", "ListenError", "bearer_ok"]
+__all__ = ["MAX_REPORT_BYTES", "Inbox", "ListenError", "RouteServer"]
 
 MAX_REPORT_BYTES = 4 * 1024 * 1024
 START_TIMEOUT = 10.0
@@ -163,7 +163,7 @@ class Inbox(RouteServer):
         with self._lock:
             job = self._jobs.get(request.match_info["key"])
         # An unknown job looks like a wrong token: no caller learns which jobs exist.
-        if job is None or not bearer_ok(request, job.token):
+        if job is None or not bearer_ok(request.headers.get("Authorization"), job.token):
             return web.json_response({"error": "missing or wrong bearer token"}, status=401)
         try:
             status = parse_json(NodeStatus, await request.read(), "status")
@@ -175,13 +175,6 @@ class Inbox(RouteServer):
                 status=409,
             )
         return web.json_response({"accepted": True}, status=202)
-
-
-def bearer_ok(request: web.Request, token: bytes) -> bool:
-    """Whether ``request`` carries ``token`` as its bearer token (checked before any body
-    is read; constant time)."""
-    scheme, _, credential = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(), token)
 
 
 def _host(host: str) -> str:

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.agent.controller_watch import start_ticks
+from trainguard.auth import bearer
 from trainguard.platform.procs import runs
-from trainguard.rendezvous.service import TOKEN_ENV, TOKEN_HEADER
+from trainguard.rendezvous.service import TOKEN_ENV
 
 __all__ = ["MODE_ENV", "StoreServiceHandle", "find_service", "rendezvous_mode", "start_service"]
 
@@ -151,7 +152,7 @@ class StoreServiceHandle:
         request = urllib.request.Request(
             self._base_url(wait) + path,
             data=json.dumps(body).encode(),
-            headers={TOKEN_HEADER: self._token, "Content-Type": "application/json"},
+            headers={**bearer(self._token), "Content-Type": "application/json"},
             method="POST",
         )
         try:

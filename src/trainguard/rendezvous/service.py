@@ -13,8 +13,8 @@ agent-hosted store. The store is up before any worker starts: no rank waits for 
 with its keys. A fresh store per attempt (not one store with a prefix, which unmodified
 scripts would not add) keeps an attempt from reading a previous attempt's peer addresses.
 
-Control is HTTP on loopback, each request carrying the job's token
-(``X-Trainguard-Token``): ``POST /open {"attempt": N}`` -> ``{"port": P, "next": Q}`` (the
+Control is HTTP on loopback, each request carrying the service's token as its bearer
+token (:mod:`trainguard.auth`): ``POST /open {"attempt": N}`` -> ``{"port": P, "next": Q}`` (the
 same port for the same attempt; attempt N+1's store is opened ahead, so that the next
 ``/open`` is not waited for; attempts older than N-1 are closed), ``POST /attach {"pid": P,
 "start": T}`` (a resumed controller takes it over), ``POST /shutdown``, ``GET /health``.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hmac
 import json
 import os
 import socket
@@ -39,15 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.agent.controller_watch import ControllerWatch
+from trainguard.auth import bearer_ok
 from trainguard.bounded_http import BoundedHandler, BoundedHTTPServer
 from trainguard.netlimits import conn_limits, raise_nofile
 from trainguard.rendezvous.gateway import Gateway
 from trainguard.rendezvous.output import LOG_MAX_BYTES, capture_output
 
-__all__ = ["TOKEN_ENV", "TOKEN_HEADER", "StoreService", "main"]
+__all__ = ["TOKEN_ENV", "StoreService", "main"]
 
 TOKEN_ENV = "TRAINGUARD_STORE_TOKEN"
-TOKEN_HEADER = "X-Trainguard-Token"
 KEEP_ATTEMPTS = 2  # the newest attempt's store and the one before (its ranks may linger)
 WATCH_INTERVAL = 0.5  # s between looks at the owner
 MAX_BODY = 4096
@@ -121,8 +120,7 @@ def _handler(
             self.wfile.write(data)
 
         def _allowed(self) -> bool:
-            given = self.headers.get(TOKEN_HEADER, "")
-            if hmac.compare_digest(given.encode(), token.encode()):
+            if bearer_ok(self.headers.get("Authorization"), token):
                 return True
             self._reply(401, {"error": "bad or missing token"})
             return False
