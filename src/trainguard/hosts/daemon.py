@@ -43,7 +43,7 @@ from aiohttp import web
 from trainguard.auth import bearer_ok
 from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.host_agents import PORT_WAIT_SECONDS, HostAgents
-from trainguard.platform.inbox import RouteServer
+from trainguard.http_server import RouteServer
 from trainguard.platform.node import AgentLauncher
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.hosts import (
