@@ -123,7 +123,7 @@ def test_probes_say_alive_always_and_ready_only_while_leading() -> None:
         assert (code("/healthz"), code("/readyz")) == (200, 200)
         assert code("/other") == 404
     finally:
-        server.shutdown()
+        server.close()
 
 
 def test_the_deployment_runs_a_leader_and_a_standby_only_the_leader_ready() -> None:

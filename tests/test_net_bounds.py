@@ -1,10 +1,10 @@
 """What a client without the token can cost trainguard's servers, on loopback (issue 38):
 connections per peer and in total, the time a request head may take, and the log lines
-junk costs. The servers are the real ones with small limits: the aiohttp server of the
-controller's inbox, hosts service and host daemons (``RouteServer``), the standard
-library's servers of the probes, the metrics endpoint and the store service's control
-port (``BoundedHTTPServer``/``BoundedWSGIServer``). The agents' own server is tested in
-``test_agent_api_limits.py``; the store's door in ``test_store_door.py``.
+junk costs. The servers are the real ones with small limits: the aiohttp server
+(``RouteServer``) of the controller's inbox, hosts service and host daemons, the
+store service's control port, the probes and the metrics endpoint. The agents' own
+server is tested in ``test_agent_api_limits.py``; the store's door in
+``test_store_door.py``.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from trainguard.bounded_http import BoundedHTTPServer
 from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.daemon import PARTITION_ENV, HostDaemon
+from trainguard.http_server import RouteServer
 from trainguard.kube.probes import serve_probes
 from trainguard.netlimits import ConnLimits, ConnTable, QuietLog
 from trainguard.observe.metrics import Metrics, serve
-from trainguard.platform.inbox import RouteServer
 from trainguard.platform.node import AgentLauncher
 from trainguard.wire.hosts import JoinReply
 
@@ -48,27 +47,20 @@ def route_server() -> Iterator[int]:
 
 @contextmanager
 def probes_server() -> Iterator[int]:
-    server = serve_probes(0, lambda: True, host="127.0.0.1")
-    assert isinstance(server, BoundedHTTPServer)
-    server.limits = LIMITS  # short bounds for the test (read per connection)
-    server.connections = ConnTable(LIMITS)
+    server = serve_probes(0, lambda: True, host="127.0.0.1", limits=LIMITS)
     try:
-        yield server.server_address[1]
+        yield server.port
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 @contextmanager
 def metrics_server() -> Iterator[int]:
-    server = serve(Metrics(), 0)
-    server.limits = LIMITS  # type: ignore[attr-defined]
-    server.connections = ConnTable(LIMITS)  # type: ignore[attr-defined]
+    server = serve(Metrics(), 0, limits=LIMITS)
     try:
-        yield server.server_port
+        yield server.port
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 SERVERS: dict[str, tuple[Callable[[], AbstractContextManager[int]], str]] = {

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from trainguard.auth import bearer
 from trainguard.control.assignment import StoreEndpoint, assign_ranks
 from trainguard.rendezvous.client import (
     MODE_ENV,
@@ -31,7 +32,6 @@ from trainguard.rendezvous.client import (
     rendezvous_mode,
     start_service,
 )
-from trainguard.rendezvous.service import TOKEN_HEADER
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TOKEN = "test-token"
@@ -141,7 +141,7 @@ def test_each_attempt_gets_its_own_store_that_outlives_every_client(
     assert _closed(first, within=60.0)
     state = json.loads((tmp_path / "rendezvous.json").read_text())
     health = urllib.request.Request(
-        f"http://127.0.0.1:{state['control_port']}/health", headers={TOKEN_HEADER: "wrong"}
+        f"http://127.0.0.1:{state['control_port']}/health", headers=bearer("wrong")
     )
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(health, timeout=10)

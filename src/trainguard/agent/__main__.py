@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from trainguard.agent.exec_worker import set_parent_death_signal
 from trainguard.agent.jobenv import take_job_env
 from trainguard.agent.train_scripts import parse_script_flag
+from trainguard.auth import read_token_file
 
 if TYPE_CHECKING:
     import ssl
@@ -200,19 +201,6 @@ def replica_bytes(raw: str) -> int:
     return int(value)
 
 
-def read_token(path: Path) -> str:
-    """The API token in ``path``; ``ValueError`` if the file is missing or empty."""
-    try:
-        token = path.read_text().strip()
-    except FileNotFoundError:
-        raise ValueError(f"--token-file: {path} does not exist") from None
-    except OSError as exc:
-        raise ValueError(f"--token-file: cannot read {path}: {exc.strerror}") from None
-    if not token:
-        raise ValueError(f"--token-file: {path} is empty")
-    return token
-
-
 def read_token_env(name: str) -> str:
     """The API token in environment variable ``name`` (e.g. from a Kubernetes Secret)."""
     token = os.environ.get(name, "").strip()
@@ -258,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trainguard agent: parent {args.parent_pid} is gone; exiting", file=sys.stderr)
             return EXIT_PARENT_GONE
     try:
-        token = read_token(args.token_file) if args.token_file else read_token_env(args.token_env)
+        token = (
+            read_token_file(args.token_file) if args.token_file else read_token_env(args.token_env)
+        )
         agent_env = {**take_job_env(), **parse_env(args.env)}
     except ValueError as exc:
         parser.error(str(exc))

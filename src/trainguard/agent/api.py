@@ -11,7 +11,6 @@ Handlers only validate and queue; the supervisor's thread does the work.
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any, ClassVar, Protocol
 
 from trainguard.agent.lease import ControllerLease
 from trainguard.agent.monitoring import build_monitor
+from trainguard.auth import bearer_ok
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.requests import (
     Accepted,
@@ -118,10 +118,7 @@ class AgentApi:
 
     def authorized(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries this job's bearer token."""
-        scheme, _, credential = (header or "").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        return hmac.compare_digest(credential.strip().encode(), self._token)
+        return bearer_ok(header, self._token)
 
     def route(self, method: str, path: str) -> Reply | None:
         """None when ``method path`` is a route; else its 404 or 405 (check before reading

@@ -12,16 +12,17 @@ request with a ``Content-Length`` body, a reply with a status line, headers and 
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import urllib.parse
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO
 
 from pydantic import ValidationError
 
-from trainguard.wire.base import Wire, error_text
+from trainguard.http_client import error_text
+from trainguard.wire.base import Wire
+from trainguard.wire.base import error_text as wire_error
 from trainguard.wire.requests import (
     AssignRequest,
     AttachRequest,
@@ -79,7 +80,7 @@ class AgentClient:
         try:
             return NodeStatus.model_validate_json(raw)
         except ValidationError as exc:
-            detail = error_text(exc, "status")
+            detail = wire_error(exc, "status")
             raise AgentError(f"{self.base_url}: bad status reply: {detail}") from None
 
     def start(self, request: AttemptRequest) -> None:
@@ -169,7 +170,7 @@ class AgentClient:
             else:
                 sock.close()
             if status >= 400:
-                raise AgentError(f"{method} {url}: {status} {_error_text(reply)}", status)
+                raise AgentError(f"{method} {url}: {status} {error_text(reply)}", status)
             return reply
         raise AssertionError("unreachable")
 
@@ -266,13 +267,3 @@ def _send_part(sock: socket.socket, prefix: bytes, file: IO[bytes], size: int) -
         pad = min(left, _CHUNK)
         sock.sendall(bytes(pad))
         left -= pad
-
-
-def _error_text(raw: bytes) -> str:
-    try:
-        data: Any = json.loads(raw)
-    except ValueError:
-        return raw.decode(errors="replace")[:500]
-    if isinstance(data, dict) and isinstance(data.get("error"), str):
-        return str(data["error"])
-    return raw.decode(errors="replace")[:500]

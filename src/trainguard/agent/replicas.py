@@ -37,7 +37,6 @@ import os
 import re
 import shutil
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -53,6 +52,7 @@ from trainguard.agent.replica_batch import (
     write_file,
 )
 from trainguard.checkpoint.files import checksum
+from trainguard.http_client import open_url
 
 __all__ = [
     "REPLICA_PATH",
@@ -288,12 +288,6 @@ def _free_bytes(path: Path) -> int:
     return 0
 
 
-def _request(url: str, token: str) -> Any:
-    request = urllib.request.Request(url)
-    request.add_header("Authorization", f"Bearer {token}")
-    return urllib.request.urlopen(request, timeout=TRANSFER_TIMEOUT_SECONDS)
-
-
 def replica_url(base: str, source: str, relpath: str = "") -> str:
     tail = urllib.parse.quote(f"{source}/{relpath}" if relpath else source)
     return f"{base}{REPLICA_PATH}{tail}"
@@ -320,7 +314,11 @@ def restore_from_peers(
         if peer_id in (node_id, source):
             continue
         try:
-            with _request(f"{replica_url(base, source)}?{BATCH_QUERY}", token) as response:
+            with open_url(
+                f"{replica_url(base, source)}?{BATCH_QUERY}",
+                token,
+                timeout=TRANSFER_TIMEOUT_SECONDS,
+            ) as response:
                 count = _receive_all(memory_dir, response)
         except (OSError, http.client.HTTPException, ReplicaError) as exc:  # a bad reply too
             logger.info("no replica of %s on %s: %s", source, peer_id, exc)

@@ -17,6 +17,7 @@ import threading
 import urllib.parse
 from collections.abc import Callable
 
+from trainguard.auth import bearer
 from trainguard.wire.status import NodeStatus
 
 logger = logging.getLogger(__name__)
@@ -91,10 +92,7 @@ class Reporter:
                     "POST",
                     parts.path or "/",
                     body,
-                    {
-                        "Authorization": f"Bearer {self._token}",
-                        "Content-Type": "application/json",
-                    },
+                    {**bearer(self._token), "Content-Type": "application/json"},
                 )
                 response = connection.getresponse()
                 reply = response.read()

@@ -22,7 +22,6 @@ nothing a node writes after it was declared lost reaches durable storage.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -32,17 +31,17 @@ import ssl
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 from aiohttp import web
 
+from trainguard.auth import bearer_ok
 from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.host_agents import PORT_WAIT_SECONDS, HostAgents
-from trainguard.platform.inbox import RouteServer, bearer_ok
+from trainguard.http_client import HTTPStatusError, call_json
+from trainguard.http_server import RouteServer
 from trainguard.platform.node import AgentLauncher
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.hosts import (
@@ -195,11 +194,12 @@ class HostDaemon:
             try:
                 answer = self._post("/join", request.to_json())
                 return JoinReply.from_json(answer, "join reply")
-            except urllib.error.HTTPError as exc:
-                detail = _error_of(exc)
-                if exc.code in (401, 409, 400):
-                    raise JoinError(f"the controller refused this host: {detail}", True) from None
-                last = f"HTTP {exc.code}: {detail}"
+            except HTTPStatusError as exc:
+                if exc.status in (401, 409, 400):
+                    raise JoinError(
+                        f"the controller refused this host: {exc.detail}", True
+                    ) from None
+                last = f"HTTP {exc.status}: {exc.detail}"
             except (OSError, ValueError, WireError) as exc:
                 last = str(exc)
             time.sleep(JOIN_RETRY_SECONDS)
@@ -216,7 +216,7 @@ class HostDaemon:
             try:
                 answer = self._get(f"/hosts/{self.host_id}", timeout=2 * reply.lease_seconds)
                 lease = HostLease.from_json(answer, "lease")
-            except (OSError, ValueError, WireError, urllib.error.HTTPError) as exc:
+            except (OSError, ValueError, WireError) as exc:
                 cut_for = time.monotonic() - last_ok
                 if cut_for >= reply.partition_timeout:
                     self.agents.shutdown_all()
@@ -246,7 +246,7 @@ class HostDaemon:
     # -- the routes ----------------------------------------------------------------------
 
     async def _launch(self, request: web.Request) -> web.Response:
-        if not bearer_ok(request, self._token.encode()):
+        if not bearer_ok(request.headers.get("Authorization"), self._token):
             return _error(401, "missing or wrong bearer token")
         try:
             launch = parse_json(LaunchRequest, await request.read(), "launch")
@@ -259,7 +259,7 @@ class HostDaemon:
         return web.json_response(reply.to_json())
 
     async def _shutdown(self, request: web.Request) -> web.Response:
-        if not bearer_ok(request, self._token.encode()):
+        if not bearer_ok(request.headers.get("Authorization"), self._token):
             return _error(401, "missing or wrong bearer token")
         try:
             stop = parse_json(ShutdownRequest, await request.read(), "shutdown")
@@ -270,7 +270,7 @@ class HostDaemon:
 
     async def _partition(self, request: web.Request) -> web.Response:
         """A rehearsal (``--inject partition``): this host cuts itself off the network."""
-        if not bearer_ok(request, self._token.encode()):
+        if not bearer_ok(request.headers.get("Authorization"), self._token):
             return _error(401, "missing or wrong bearer token")
         try:
             cut = parse_json(PartitionRequest, await request.read(), "partition")
@@ -306,23 +306,16 @@ class HostDaemon:
     # -- HTTP to the controller ----------------------------------------------------------
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._request(path, json.dumps(body).encode())
+        return self._request(path, body)
 
     def _get(self, path: str, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
         return self._request(path, None, timeout)
 
     def _request(
-        self, path: str, data: bytes | None, timeout: float = REQUEST_TIMEOUT
+        self, path: str, body: dict[str, Any] | None, timeout: float = REQUEST_TIMEOUT
     ) -> dict[str, Any]:
-        request = urllib.request.Request(
-            self.controller_url + path,
-            data=data,
-            headers={"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"},
-            method="POST" if data is not None else "GET",
-        )
-        with urllib.request.urlopen(request, timeout=timeout, context=self._tls_client) as reply:
-            answer: dict[str, Any] = json.loads(reply.read())
-            return answer
+        url = self.controller_url + path
+        return call_json(url, self._token, body, timeout=timeout, tls=self._tls_client)
 
 
 async def _in_thread(pool: ThreadPoolExecutor, call: Callable[[], Any]) -> Any:
@@ -359,13 +352,6 @@ def cut_off(ifname: str, seconds: float) -> None:
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
-
-
-def _error_of(exc: urllib.error.HTTPError) -> str:
-    try:
-        return str(json.loads(exc.read()).get("error", exc.reason))
-    except (ValueError, OSError):
-        return str(exc.reason)
 
 
 def _bracket(host: str) -> str:

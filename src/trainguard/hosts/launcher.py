@@ -11,10 +11,7 @@ same way, at its host's address.
 from __future__ import annotations
 
 import contextlib
-import json
 import ssl
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -22,6 +19,7 @@ from trainguard.agent.client import AgentClient, AgentError
 from trainguard.health.suite import Peers
 from trainguard.hosts.roster import HostRecord
 from trainguard.hosts.service import HostsService
+from trainguard.http_client import HTTPStatusError, call_json
 from trainguard.platform.node import AgentLauncher, LaunchedNode, NoCapacity
 from trainguard.wire.base import WireError
 from trainguard.wire.hosts import LaunchReply, LaunchRequest, ShutdownRequest
@@ -54,19 +52,10 @@ def call_daemon(
     tls: ssl.SSLContext | None = None,
 ) -> dict[str, Any]:
     """POST ``body`` (JSON) to ``url + path`` with the job's token; the JSON answer."""
-    request = urllib.request.Request(
-        url.rstrip("/") + path,
-        data=json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-        method="POST",
-    )
     try:
-        with urllib.request.urlopen(request, timeout=timeout, context=tls) as reply:
-            data: dict[str, Any] = json.loads(reply.read() or b"{}")
-            return data
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")[:500]
-        raise DaemonError(f"{url}{path}: HTTP {exc.code}: {detail}", exc.code) from None
+        return call_json(url.rstrip("/") + path, token, body, timeout=timeout, tls=tls)
+    except HTTPStatusError as exc:
+        raise DaemonError(str(exc), exc.status) from None
     except (OSError, ValueError) as exc:
         raise DaemonError(f"{url}{path}: {exc}") from None
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 import ssl
-import stat
 from pathlib import Path
 
 from trainguard.atomic import write_text_atomic
+from trainguard.auth import TokenError, read_token_file
 
 __all__ = [
     "TOKEN_ENV",
@@ -31,27 +31,11 @@ TOKEN_ENV = "TRAINGUARD_TOKEN"
 MIN_TOKEN_CHARS = 16
 
 
-class TokenError(ValueError):
-    """No usable token, or unusable TLS files: a usage error naming the flag."""
-
-
 def job_token(token_file: str | None, env: dict[str, str] | None = None) -> str:
     """The job's token from ``--token-file``, else ``$TRAINGUARD_TOKEN``."""
     environ = os.environ if env is None else env
     if token_file is not None:
-        path = Path(token_file)
-        try:
-            token = path.read_text().strip()
-        except FileNotFoundError:
-            raise TokenError(f"--token-file: {path} does not exist") from None
-        except OSError as exc:
-            raise TokenError(f"--token-file: cannot read {path}: {exc.strerror}") from None
-        if not token:
-            raise TokenError(f"--token-file: {path} is empty")
-        if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise TokenError(
-                f"--token-file: {path} can be read by others than its owner (chmod 600 {path})"
-            )
+        token = read_token_file(Path(token_file), private=True)
     else:
         token = environ.get(TOKEN_ENV, "").strip()
         if not token:

@@ -20,8 +20,8 @@ from pathlib import Path
 from aiohttp import web
 
 from trainguard.atomic import write_text_atomic
+from trainguard.auth import bearer_ok
 from trainguard.hosts.roster import HostRecord, JoinRefused, Roster
-from trainguard.platform.inbox import bearer_ok
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.hosts import MAX_LEASE_EVENTS, HostLease, JoinReply, JoinRequest
 
@@ -187,7 +187,7 @@ class HostsService:
     # -- the routes ----------------------------------------------------------------------
 
     async def _join(self, request: web.Request) -> web.Response:
-        if not bearer_ok(request, self._token):
+        if not bearer_ok(request.headers.get("Authorization"), self._token):
             self._say_refused(request.remote or "?")
             return _error(401, "missing or wrong bearer token")
         if (request.content_length or 0) > MAX_JOIN_BYTES:
@@ -225,7 +225,7 @@ class HostsService:
         return web.json_response(reply.to_json())
 
     async def _lease(self, request: web.Request) -> web.Response:
-        if not bearer_ok(request, self._token):
+        if not bearer_ok(request.headers.get("Authorization"), self._token):
             return _error(401, "missing or wrong bearer token")
         with self._lock:
             host = self.roster.hosts.get(request.match_info["host_id"])

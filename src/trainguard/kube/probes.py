@@ -6,35 +6,31 @@ Service sends the agents' pushed reports and Prometheus' scrapes to the leader a
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from http.server import ThreadingHTTPServer
 
-from trainguard.bounded_http import BoundedHandler, BoundedHTTPServer
+from aiohttp import web
+
+from trainguard.http_server import RouteServer
+from trainguard.netlimits import ConnLimits
 
 __all__ = ["serve_probes"]
 
 
 def serve_probes(
-    port: int, ready: Callable[[], bool], host: str = "0.0.0.0"
-) -> ThreadingHTTPServer:
-    """Serve the probes on a daemon thread; returns the server (``shutdown()`` stops it)."""
+    port: int,
+    ready: Callable[[], bool],
+    host: str = "0.0.0.0",
+    limits: ConnLimits | None = None,
+) -> RouteServer:
+    """Serve the probes on their own thread; returns the server (``close()`` stops it)."""
 
-    class Probes(BoundedHandler):
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/healthz":
-                code, body = 200, b"ok\n"
-            elif path == "/readyz":
-                code, body = (200, b"leading\n") if ready() else (503, b"standing by\n")
-            else:
-                code, body = 404, b"not found\n"
-            self.send_response(code)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
 
-    server = BoundedHTTPServer((host, port), Probes)  # a probe every few seconds: unlogged
-    threading.Thread(target=server.serve_forever, name="tg-probes", daemon=True).start()
-    return server
+    async def readyz(request: web.Request) -> web.Response:
+        if ready():
+            return web.Response(text="leading\n")
+        return web.Response(text="standing by\n", status=503)
+
+    routes = [web.get("/healthz", healthz), web.get("/readyz", readyz)]
+    return RouteServer(host, port, routes, name="tg-probes", limits=limits)

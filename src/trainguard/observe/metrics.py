@@ -15,22 +15,21 @@ from __future__ import annotations
 
 import contextlib
 import math
-import socket
-import threading
 from collections.abc import Iterable, Mapping
-from wsgiref.simple_server import WSGIServer, make_server
 
+from aiohttp import web
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     disable_created_metrics,
-    make_wsgi_app,
 )
+from prometheus_client.aiohttp import make_aiohttp_handler
 
-from trainguard.bounded_http import BoundedWSGIServer, QuietWSGIHandler
 from trainguard.control.events import Event, EventKind
+from trainguard.http_server import RouteServer
+from trainguard.netlimits import ConnLimits
 from trainguard.observe.job import JobState
 
 __all__ = ["JobMetrics", "Metrics", "serve"]
@@ -243,14 +242,10 @@ def _remove(family: Gauge, *labels: str) -> None:
         family.remove(*labels)
 
 
-def serve(metrics: Metrics, port: int, host: str = "127.0.0.1") -> WSGIServer:
-    """Serve ``GET /metrics`` on a daemon thread; ``.shutdown()`` stops it. ``port`` 0
-    picks a free one (``server.server_port``)."""
-
-    class Server(BoundedWSGIServer):
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-    app = make_wsgi_app(metrics.registry)
-    server = make_server(host, port, app, Server, handler_class=QuietWSGIHandler)
-    threading.Thread(target=server.serve_forever, daemon=True, name="tg-metrics").start()
-    return server
+def serve(
+    metrics: Metrics, port: int, host: str = "127.0.0.1", limits: ConnLimits | None = None
+) -> RouteServer:
+    """Serve ``GET /metrics`` on its own thread; ``.close()`` stops it. ``port`` 0 picks a
+    free one (``server.port``)."""
+    handler = make_aiohttp_handler(metrics.registry)
+    return RouteServer(host, port, [web.get("/metrics", handler)], name="tg-metrics", limits=limits)

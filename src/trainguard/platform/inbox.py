@@ -1,6 +1,6 @@
 """Where agents push their news: the controller side of "report first".
 
-One :class:`Inbox` is an HTTP server (aiohttp, one event loop on its own thread, so a
+One :class:`Inbox` is an HTTP server (:class:`~trainguard.http_server.RouteServer`: a
 burst of thousands of pushes costs no thread each). Each job registers under a key
 with its own token and a callback; an agent of that job POSTs its
 :class:`~trainguard.wire.status.NodeStatus` to ``<url>/report/<key>`` with the job's
@@ -13,11 +13,6 @@ An unknown job gets the same 401 as a wrong token. Loopback unless told otherwis
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hmac
-import logging
-import socket
 import ssl
 import threading
 from collections.abc import Callable, Sequence
@@ -25,106 +20,19 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from trainguard.netlimits import ConnLimits, ConnTable, QuietLog, conn_limits, quiet_loggers
+from trainguard.auth import bearer_ok
+from trainguard.http_server import ListenError, RouteServer
 from trainguard.platform.book import Taken
-from trainguard.platform.http_gate import busy_middleware, gate, loop_errors
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.status import NodeStatus
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["MAX_REPORT_BYTES", "Inbox", "ListenError", "bearer_ok"]
-
-MAX_REPORT_BYTES = 4 * 1024 * 1024
-START_TIMEOUT = 10.0
-
-
-class ListenError(OSError):
-    """A server could not bind its address (in use, not this host's): a usage error where
-    the user named it, unlike an OSError once the job runs (out of descriptors, say)."""
+__all__ = ["Inbox", "ListenError", "RouteServer"]
 
 
 @dataclass(frozen=True)
 class _Job:
     token: bytes
     take: Callable[[NodeStatus], Taken]
-
-
-class RouteServer:
-    """An aiohttp server on its own event-loop thread: ``routes`` at ``host:port`` (0: any
-    free port), HTTPS with ``tls``. Binds on construction (a port in use is an OSError
-    before any thread starts); ``url`` is where it serves. Its connections are bounded by
-    ``limits`` (:mod:`trainguard.netlimits`; default: by this process's descriptors)."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        routes: Sequence[web.RouteDef],
-        *,
-        public_url: str | None = None,
-        tls: ssl.SSLContext | None = None,
-        max_body: int = MAX_REPORT_BYTES,
-        name: str = "tg-server",
-        limits: ConnLimits | None = None,
-    ) -> None:
-        quiet_loggers()
-        self.connections = ConnTable(limits or conn_limits())
-        self._quiet = QuietLog(logging.getLogger("trainguard.net"))
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-        except OSError as exc:
-            sock.close()
-            raise ListenError(exc.errno, exc.strerror) from exc
-        bound = int(sock.getsockname()[1])
-        self.port = bound
-        scheme = "https" if tls is not None else "http"
-        self.url = (public_url or f"{scheme}://{_host(host)}:{bound}").rstrip("/")
-        self._loop = asyncio.new_event_loop()
-        self._loop.set_exception_handler(loop_errors(self._quiet))
-        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-        self._runner: web.AppRunner | None = None
-        serving = self._serve(sock, routes, tls, max_body)
-        asyncio.run_coroutine_threadsafe(serving, self._loop).result(START_TIMEOUT)
-
-    def close(self) -> None:
-        if self._runner is not None:
-            runner = self._runner
-            with contextlib.suppress(Exception):  # best effort: a finished job must end
-                asyncio.run_coroutine_threadsafe(runner.cleanup(), self._loop).result(5.0)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5.0)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-    async def _serve(
-        self,
-        sock: socket.socket,
-        routes: Sequence[web.RouteDef],
-        tls: ssl.SSLContext | None,
-        max_body: int,
-    ) -> None:
-        app = web.Application(
-            client_max_size=max_body, middlewares=[busy_middleware(self.connections)]
-        )
-        app.router.add_routes(routes)
-        self._runner = web.AppRunner(
-            app,
-            access_log=None,
-            handle_signals=False,
-            keepalive_timeout=self.connections.limits.head_seconds,
-        )
-        await self._runner.setup()
-        assert self._runner.server is not None
-        gate(self._runner.server, self.connections, self._quiet)
-        # asyncio accepts up to ``backlog`` connections in one go before any is looked
-        # at: a batch that fits the descriptors left beside the admitted ones.
-        backlog = min(1024, self.connections.limits.total)
-        await web.SockSite(self._runner, sock, backlog=backlog, ssl_context=tls).start()
 
 
 class Inbox(RouteServer):
@@ -163,7 +71,7 @@ class Inbox(RouteServer):
         with self._lock:
             job = self._jobs.get(request.match_info["key"])
         # An unknown job looks like a wrong token: no caller learns which jobs exist.
-        if job is None or not bearer_ok(request, job.token):
+        if job is None or not bearer_ok(request.headers.get("Authorization"), job.token):
             return web.json_response({"error": "missing or wrong bearer token"}, status=401)
         try:
             status = parse_json(NodeStatus, await request.read(), "status")
@@ -175,14 +83,3 @@ class Inbox(RouteServer):
                 status=409,
             )
         return web.json_response({"accepted": True}, status=202)
-
-
-def bearer_ok(request: web.Request, token: bytes) -> bool:
-    """Whether ``request`` carries ``token`` as its bearer token (checked before any body
-    is read; constant time)."""
-    scheme, _, credential = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(), token)
-
-
-def _host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

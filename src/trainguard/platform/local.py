@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
-from wsgiref.simple_server import WSGIServer
 
 from trainguard.agent.logcap import RotatingFile
 from trainguard.agent.train_scripts import TrainScripts
@@ -35,6 +34,7 @@ from trainguard.hosts.addresses import resolve
 from trainguard.hosts.controller_host import AGENT_CONTACT_TIMEOUT, ControllerHost, interface_env
 from trainguard.hosts.launcher import HostsLauncher
 from trainguard.hosts.security import write_token_file
+from trainguard.http_server import RouteServer
 from trainguard.observe.cause import failure_cause
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
@@ -359,7 +359,7 @@ class LocalRunner:
 
     # -- internals -----------------------------------------------------------
 
-    def _serve_metrics(self, observer: JobObserver) -> WSGIServer | None:
+    def _serve_metrics(self, observer: JobObserver) -> RouteServer | None:
         if self.metrics is None:
             return None
         from trainguard.observe.metrics import Metrics, serve  # ~14 MB: only when asked for
@@ -373,17 +373,16 @@ class LocalRunner:
                 f"--metrics-port {self.metrics.port}: cannot listen on "
                 f"{self.metrics.host}: {exc.strerror or exc}"
             ) from None
-        self._say(f"metrics: http://{self.metrics.host}:{server.server_port}/metrics")
+        self._say(f"metrics: http://{self.metrics.host}:{server.port}/metrics")
         return server
 
-    def _stop_metrics(self, server: WSGIServer) -> None:
+    def _stop_metrics(self, server: RouteServer) -> None:
         """Keep serving for ``linger`` seconds (a last scrape sees the end), then stop."""
         assert self.metrics is not None
         if self.metrics.linger > 0 and not self.interrupted:
             self._say(f"metrics: serving {self.metrics.linger:g} s more for a last scrape")
             time.sleep(self.metrics.linger)
-        server.shutdown()
-        server.server_close()
+        server.close()
 
     def _open_capacity_pool(self) -> float | None:
         """An elastic job's pool of node slots: it starts at the job's size unless

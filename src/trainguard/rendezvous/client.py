@@ -19,14 +19,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from trainguard.agent.controller_watch import start_ticks
+from trainguard.http_client import call_json
 from trainguard.platform.procs import runs
-from trainguard.rendezvous.service import TOKEN_ENV, TOKEN_HEADER
+from trainguard.rendezvous.service import TOKEN_ENV
 
 __all__ = ["MODE_ENV", "StoreServiceHandle", "find_service", "rendezvous_mode", "start_service"]
 
@@ -148,20 +147,8 @@ class StoreServiceHandle:
         return self._url
 
     def _request(self, path: str, body: dict[str, Any], wait: bool = True) -> dict[str, Any]:
-        request = urllib.request.Request(
-            self._base_url(wait) + path,
-            data=json.dumps(body).encode(),
-            headers={TOKEN_HEADER: self._token, "Content-Type": "application/json"},
-            method="POST",
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
-                reply = json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            raise ValueError(f"{path}: HTTP {exc.code}: {exc.read()[:200]!r}") from None
-        if not isinstance(reply, dict):
-            raise ValueError(f"{path}: not a JSON object")
-        return reply
+        url = self._base_url(wait) + path
+        return call_json(url, self._token, body, timeout=REQUEST_TIMEOUT)
 
 
 def rendezvous_mode() -> str:

@@ -13,8 +13,8 @@ agent-hosted store. The store is up before any worker starts: no rank waits for 
 with its keys. A fresh store per attempt (not one store with a prefix, which unmodified
 scripts would not add) keeps an attempt from reading a previous attempt's peer addresses.
 
-Control is HTTP on loopback, each request carrying the job's token
-(``X-Trainguard-Token``): ``POST /open {"attempt": N}`` -> ``{"port": P, "next": Q}`` (the
+Control is HTTP on loopback, each request carrying the service's token as its bearer
+token (:mod:`trainguard.auth`): ``POST /open {"attempt": N}`` -> ``{"port": P, "next": Q}`` (the
 same port for the same attempt; attempt N+1's store is opened ahead, so that the next
 ``/open`` is not waited for; attempts older than N-1 are closed), ``POST /attach {"pid": P,
 "start": T}`` (a resumed controller takes it over), ``POST /shutdown``, ``GET /health``.
@@ -27,30 +27,32 @@ once it listens.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
-import hmac
 import json
 import os
 import socket
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
+from aiohttp import web
+
 from trainguard.agent.controller_watch import ControllerWatch
-from trainguard.bounded_http import BoundedHandler, BoundedHTTPServer
+from trainguard.auth import bearer_ok
+from trainguard.http_server import RouteServer
 from trainguard.netlimits import conn_limits, raise_nofile
 from trainguard.rendezvous.gateway import Gateway
 from trainguard.rendezvous.output import LOG_MAX_BYTES, capture_output
 
-__all__ = ["TOKEN_ENV", "TOKEN_HEADER", "StoreService", "main"]
+__all__ = ["TOKEN_ENV", "StoreService", "main"]
 
 TOKEN_ENV = "TRAINGUARD_STORE_TOKEN"
-TOKEN_HEADER = "X-Trainguard-Token"
 KEEP_ATTEMPTS = 2  # the newest attempt's store and the one before (its ranks may linger)
 WATCH_INTERVAL = 0.5  # s between looks at the owner
 MAX_BODY = 4096
+POSTS = ("/open", "/attach", "/shutdown")
 
 
 class StoreService:
@@ -108,70 +110,53 @@ class StoreService:
             self._stores.clear()
 
 
-def _handler(
+def _routes(
     service: StoreService, watch: ControllerWatch, token: str, stop: threading.Event
-) -> type[BaseHTTPRequestHandler]:
-    class Handler(BoundedHandler):
-        def _reply(self, code: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+) -> list[web.RouteDef]:
+    def reply(code: int, body: dict[str, Any]) -> web.Response:
+        return web.json_response(body, status=code)
 
-        def _allowed(self) -> bool:
-            given = self.headers.get(TOKEN_HEADER, "")
-            if hmac.compare_digest(given.encode(), token.encode()):
-                return True
-            self._reply(401, {"error": "bad or missing token"})
-            return False
+    def refused(request: web.Request) -> web.Response | None:
+        if bearer_ok(request.headers.get("Authorization"), token):
+            return None
+        return reply(401, {"error": "bad or missing token"})
 
-        def do_GET(self) -> None:
-            if not self._allowed():
-                return
-            if self.path != "/health":
-                return self._reply(404, {"error": f"no route {self.path}"})
-            attempts = {str(a): p for a, p in service.attempts().items()}
-            self._reply(200, {"pid": os.getpid(), "owner": watch.pid, "attempts": attempts})
+    async def health(request: web.Request) -> web.Response:
+        if (no := refused(request)) is not None:
+            return no
+        attempts = {str(a): p for a, p in service.attempts().items()}
+        return reply(200, {"pid": os.getpid(), "owner": watch.pid, "attempts": attempts})
 
-        def do_POST(self) -> None:
-            if not self._allowed():
-                return
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                length = -1
-            if not 0 <= length <= MAX_BODY:
-                return self._reply(413, {"error": "body too large"})
-            try:
-                body = json.loads(self.rfile.read(length) or b"{}")
-                if not isinstance(body, dict):
-                    raise ValueError("not an object")
-                if self.path == "/open":
-                    attempt = body["attempt"]
-                    if not isinstance(attempt, int) or attempt < 0:
-                        raise ValueError("attempt: expected an integer >= 0")
-                    port, upcoming = service.open(attempt)
-                    return self._reply(200, {"port": port, "next": upcoming})
-                if self.path == "/attach":
-                    pid, start = body["pid"], body.get("start")
-                    if not isinstance(pid, int) or pid < 1:
-                        raise ValueError("pid: expected an integer >= 1")
-                    if start is not None and not isinstance(start, int):
-                        raise ValueError("start: expected an integer")
-                    watch.attach(pid, start)
-                    return self._reply(200, {"attached": pid})
-                if self.path == "/shutdown":
-                    stop.set()
-                    return self._reply(200, {"stopping": True})
-            except (KeyError, ValueError) as exc:
-                return self._reply(400, {"error": f"bad request: {exc}"})
-            except (OSError, RuntimeError) as exc:  # cannot listen (out of descriptors?)
-                return self._reply(503, {"error": f"cannot open a store: {exc}"})
-            self._reply(404, {"error": f"no route {self.path}"})
+    async def post(request: web.Request) -> web.Response:
+        if (no := refused(request)) is not None:
+            return no
+        path = request.path
+        try:
+            body = json.loads(await request.read() or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("not an object")
+            if path == "/open":
+                attempt = body["attempt"]
+                if not isinstance(attempt, int) or attempt < 0:
+                    raise ValueError("attempt: expected an integer >= 0")
+                port, upcoming = await asyncio.to_thread(service.open, attempt)
+                return reply(200, {"port": port, "next": upcoming})
+            if path == "/attach":
+                pid, start = body["pid"], body.get("start")
+                if not isinstance(pid, int) or pid < 1:
+                    raise ValueError("pid: expected an integer >= 1")
+                if start is not None and not isinstance(start, int):
+                    raise ValueError("start: expected an integer")
+                watch.attach(pid, start)
+                return reply(200, {"attached": pid})
+            stop.set()  # /shutdown
+            return reply(200, {"stopping": True})
+        except (KeyError, ValueError) as exc:
+            return reply(400, {"error": f"bad request: {exc}"})
+        except (OSError, RuntimeError) as exc:  # cannot listen (out of descriptors?)
+            return reply(503, {"error": f"cannot open a store: {exc}"})
 
-    return Handler
+    return [web.get("/health", health), *(web.post(p, post) for p in POSTS)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,12 +185,12 @@ def _serve(args: argparse.Namespace) -> int:
     gateway = Gateway(args.host, args.peers_file, limits=conn_limits(1024, 8192))
     service, stop = StoreService(gateway), threading.Event()
     watch = ControllerWatch(args.owner, args.grace)
-    server = BoundedHTTPServer(("127.0.0.1", 0), _handler(service, watch, token, stop))
-    threading.Thread(target=server.serve_forever, daemon=True, name="control").start()
+    routes = _routes(service, watch, token, stop)
+    server = RouteServer("127.0.0.1", 0, routes, max_body=MAX_BODY, name="control")
     from trainguard.platform.procs import start_time
 
     state = {"pid": os.getpid(), "started": start_time(os.getpid()), "control_port": 0}
-    state["control_port"] = server.server_address[1]
+    state["control_port"] = server.port
     tmp = args.state.with_suffix(".tmp")
     tmp.write_text(json.dumps(state))
     tmp.replace(args.state)
@@ -215,7 +200,7 @@ def _serve(args: argparse.Namespace) -> int:
                 print(f"rendezvous store service: {why}; exiting", file=sys.stderr)
                 break
     finally:
-        server.shutdown()
+        server.close()
         service.close()
         gateway.close()
         with contextlib.suppress(OSError):
