@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from hosts_jobs import REPO, HostRun, HostsJob, endpoint
-from netns_hosts import NamespaceHosts
+from netns_hosts import Host, NamespaceHosts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
@@ -79,6 +79,14 @@ def test_a_sigkilled_rank_on_another_host_is_restarted(
     ], nodes  # fmt: skip
     assert [w["rank"] for n in nodes for w in n["workers"]] == [0, 1], nodes
     assert nodes[1]["worker_pids"] == [] and nodes[1]["workers"][0]["pid"] > 0, nodes
+    # `logs --rank 1` on the controller's host reads rank 1's log from host1's agent.
+    remote = _logs(job.runs[1], job.describe(job.runs[1])["id"], 1, on=(hosts, hosts[0]))
+    while remote.returncode == 0 and "=== trainguard: attempt 1 ===" not in remote.stdout:
+        assert time.monotonic() < deadline + 60, remote.stdout[-2000:]
+        time.sleep(0.5)
+        remote = _logs(job.runs[1], job.describe(job.runs[1])["id"], 1, on=(hosts, hosts[0]))
+    assert remote.returncode == 0, remote.stderr
+    assert "=== trainguard: attempt 0 ===" in remote.stdout and "Step 1" in remote.stdout
     codes = job.wait()
     assert codes == [0, 0], job.outputs()
     data = job.describe(job.runs[1])
@@ -101,11 +109,17 @@ def test_a_sigkilled_rank_on_another_host_is_restarted(
     assert here.returncode == 1 and "ran on another host" in here.stderr, here
 
 
-def _logs(run: HostRun, job_id: str, rank: int) -> subprocess.CompletedProcess[str]:
+def _logs(
+    run: HostRun, job_id: str, rank: int, on: tuple[NamespaceHosts, Host] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``trainguard logs JOB --rank R`` with ``run``'s state (``on``: as a process of
+    that host)."""
     env = {**os.environ, "TRAINGUARD_STATE_DIR": str(run.state)}
+    argv = [sys.executable, "-m", "trainguard.cli", "logs", job_id, "--rank", str(rank)]
+    if on is not None:
+        argv = on[0].argv(on[1], argv)
     return subprocess.run(
-        [sys.executable, "-m", "trainguard.cli", "logs", job_id, "--rank", str(rank)],
-        env=env, capture_output=True, text=True, timeout=60, cwd=REPO,
+        argv, env=env, capture_output=True, text=True, timeout=60, cwd=REPO
     )  # fmt: skip
 
 
