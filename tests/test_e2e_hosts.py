@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from hosts_jobs import REPO, HostRun, HostsJob, endpoint
-from netns_hosts import NamespaceHosts
+from netns_hosts import Host, NamespaceHosts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
@@ -101,11 +101,17 @@ def test_a_sigkilled_rank_on_another_host_is_restarted(
     assert here.returncode == 1 and "ran on another host" in here.stderr, here
 
 
-def _logs(run: HostRun, job_id: str, rank: int) -> subprocess.CompletedProcess[str]:
+def _logs(
+    run: HostRun, job_id: str, rank: int, on: tuple[NamespaceHosts, Host] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``trainguard logs JOB --rank R`` with ``run``'s state (``on``: as a process of
+    that host)."""
     env = {**os.environ, "TRAINGUARD_STATE_DIR": str(run.state)}
+    argv = [sys.executable, "-m", "trainguard.cli", "logs", job_id, "--rank", str(rank)]
+    if on is not None:
+        argv = on[0].argv(on[1], argv)
     return subprocess.run(
-        [sys.executable, "-m", "trainguard.cli", "logs", job_id, "--rank", str(rank)],
-        env=env, capture_output=True, text=True, timeout=60, cwd=REPO,
+        argv, env=env, capture_output=True, text=True, timeout=60, cwd=REPO
     )  # fmt: skip
 
 
@@ -235,6 +241,7 @@ def test_a_host_cut_off_mid_run_is_replaced_by_the_spare_host_and_fenced(
     while "Step 200" not in cut.output() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "Step 200" in cut.output(), job.outputs()
+    [node0] = [n for n in job.describe(controller)["nodes"] if n["node_id"] == "node-0"]
     hosts.cut(hosts[1])
     cut_at = time.monotonic()
     # Its workers are gone within partitionTimeoutSeconds (+ a lease): no split brain.
@@ -246,6 +253,17 @@ def test_a_host_cut_off_mid_run_is_replaced_by_the_spare_host_and_fenced(
     gone_after = time.monotonic() - cut_at
     assert not alive, (alive, job.outputs())
     assert gone_after < 6 + 5, gone_after
+    # `logs --rank 1` on the controller's host reads rank 1's log from the host that runs
+    # it now: the spare host, whose node took node-1's ranks.
+    job_id, deadline = job.describe(controller)["id"], time.monotonic() + 120
+    while True:
+        remote = _logs(controller, job_id, 1, on=(hosts, hosts[0]))
+        if remote.returncode == 0 and "Step " in remote.stdout:  # host2 never ran it before
+            break
+        assert time.monotonic() < deadline, (remote, job.outputs())
+        time.sleep(1.0)
+    nodes = job.describe(controller)["nodes"]
+    assert [n["host"] for n in nodes if 1 in n["ranks"]] == [hosts[2].name], nodes
     codes = [controller.proc.wait(300), spare.proc.wait(300)]
     assert codes == [0, 0], job.outputs()
     data = job.describe(controller)
@@ -253,6 +271,10 @@ def test_a_host_cut_off_mid_run_is_replaced_by_the_spare_host_and_fenced(
     lost = [f for f in data["faults"] if f["type"] == "NodeLost"]
     assert lost and lost[0]["node"] == "node-1", data["faults"]
     assert "fenced: node-1 was declared lost" in controller.output()
+    # node-0 kept its agent (and its warm worker template) across the job restart.
+    assert [n["agent_pid"] for n in data["nodes"] if n["node_id"] == "node-0"] == [
+        node0["agent_pid"]
+    ], (node0, data["nodes"])
     hosts.restore(hosts[1])
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_harness import make_assignment, spawn_agent, start
+from agent_harness import make_assignment, spawn_agent, start, stop
 from conftest import FAKE_WORKER, pid_alive, wait_for
 from trainguard.agent.client import AgentClient, AgentError
 from trainguard.hosts.addresses import JobEndpoint, LocalAddress
@@ -126,3 +126,35 @@ def test_a_standby_agent_runs_no_check_and_no_attempt_until_assigned(tmp_path: P
         client.close()
     finally:
         agent.close()
+
+
+def test_a_live_idle_agent_takes_the_next_incarnation_again(tmp_path: Path) -> None:
+    """A job restart that keeps a node's agent (``LaunchNodes.keep``): ``POST /assign``
+    with ``again`` gives a live agent the new incarnation, only while it is idle; it then
+    runs the next attempt. A standby, or an agent whose workers run, refuses (409): its
+    node gets a fresh agent."""
+    agent = spawn_agent(tmp_path, extra_args=["--incarnation", "node-0.1"])
+    try:
+        client = agent.client
+        client.start(start(make_assignment(actions="*=sleep")))
+        agent.wait_state("running", attempt=0)
+        with pytest.raises(AgentError) as refused:
+            client.assign(AssignRequest(incarnation="node-0.3", again=True))
+        assert refused.value.status == 409 and "not idle" in str(refused.value)
+        client.stop(stop(attempt=0, mode="process"))
+        agent.wait_state("stopped", attempt=0)
+        client.assign(AssignRequest(incarnation="node-0.3", again=True))
+        assert client.status().incarnation == "node-0.3"
+        client.start(start(make_assignment(attempt=1, actions="*=sleep")))
+        status = agent.wait_state("running", attempt=1)
+        assert status.incarnation == "node-0.3" and len(status.workers) == 2
+        client.close()
+    finally:
+        agent.close()
+    standby = spawn_agent(tmp_path / "standby", extra_args=["--standby"])
+    try:
+        with pytest.raises(AgentError) as refused:
+            standby.client.assign(AssignRequest(incarnation="node-0.3", again=True))
+        assert refused.value.status == 409
+    finally:
+        standby.close()

@@ -345,7 +345,15 @@ def _serve(
         else None
     )
     try:
-        server = AgentHTTPServer(args.host, args.port, supervisor, token, replicas, lease=lease)
+        server = AgentHTTPServer(
+            args.host,
+            args.port,
+            supervisor,
+            token,
+            replicas,
+            lease=lease,
+            log_root=args.log_dir.resolve(),
+        )
     except OSError as exc:
         parser.error(f"--host/--port: cannot bind {args.host}:{args.port}: {exc.strerror}")
     received: list[int] = []

@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from trainguard.agent.lease import ControllerLease
 from trainguard.agent.monitoring import build_monitor
+from trainguard.agent.rank_log import LOGS_PATH, rank_log_reply
 from trainguard.auth import bearer_ok
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.requests import (
@@ -92,6 +94,7 @@ class AgentApi:
     ROUTES: ClassVar[frozenset[tuple[str, str]]] = frozenset(
         {
             ("GET", "/status"),
+            ("GET", LOGS_PATH),
             ("POST", "/start"),
             ("POST", "/rejoin"),
             ("POST", "/replace"),
@@ -104,17 +107,26 @@ class AgentApi:
         }
     )
     BODILESS: ClassVar[frozenset[tuple[str, str]]] = frozenset(
-        {("GET", "/status"), ("POST", "/shutdown")}
+        {("GET", "/status"), ("GET", LOGS_PATH), ("POST", "/shutdown")}
     )
 
-    def __init__(self, node: NodeControl, token: str, lease: ControllerLease | None = None) -> None:
+    def __init__(
+        self,
+        node: NodeControl,
+        token: str,
+        lease: ControllerLease | None = None,
+        log_root: Path | None = None,
+    ) -> None:
         """``lease``: touched by every request of the controller (not by replica pushes
-        from peer agents, which go elsewhere)."""
+        from peer agents, which go elsewhere, nor by a read of a rank's log);
+        ``log_root``: the job's log directory on this host, which ``GET /logs`` serves
+        (:mod:`trainguard.agent.rank_log`; without it, a 404)."""
         if not token:
             raise ValueError("token must not be empty")
         self.node = node
         self._token = token.encode()
         self.lease = lease
+        self.log_root = log_root
 
     def authorized(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries this job's bearer token."""
@@ -137,10 +149,11 @@ class AgentApi:
         return 0 if (method, path.split("?", 1)[0]) in self.BODILESS else MAX_JSON_BYTES
 
     def handle(self, method: str, path: str, body: bytes) -> Reply:
-        """An authorized request (see :meth:`authorized`) to a route."""
-        if self.lease is not None:
+        """An authorized request (see :meth:`authorized`) to a route; ``path`` may
+        carry a query (``GET /logs`` reads it)."""
+        target, path = path, path.split("?", 1)[0]
+        if self.lease is not None and path != LOGS_PATH:  # a log read is not the controller
             self.lease.touch()
-        path = path.split("?", 1)[0]
         unknown = self.route(method, path)
         if unknown is not None:
             return unknown
@@ -148,6 +161,10 @@ class AgentApi:
         if len(body) > limit:
             detail = "takes no body" if limit == 0 else f"body larger than {limit} bytes"
             return error_reply(413, f"{method} {path} {detail}")
+        if path == LOGS_PATH:
+            if self.log_root is None:
+                return error_reply(404, "this agent serves no logs")
+            return json_reply(*rank_log_reply(self.log_root, target))
         try:
             return self._dispatch(path, body)
         except WireError as exc:

@@ -20,6 +20,7 @@ from typing import IO
 
 from pydantic import ValidationError
 
+from trainguard.agent.rank_log import LOGS_PATH, LogPiece
 from trainguard.http_client import error_text
 from trainguard.wire.base import Wire
 from trainguard.wire.base import error_text as wire_error
@@ -119,6 +120,17 @@ class AgentClient:
     def shutdown(self) -> None:
         """Ask the agent to kill its workers and exit."""
         self._request("POST", "/shutdown", None)
+
+    def rank_log(self, rank: int, offset: int, rotation: int = 0) -> LogPiece:
+        """A piece of rank ``rank``'s log on the agent's host (``GET /logs``; at most
+        :data:`~trainguard.agent.rank_log.MAX_CHUNK` bytes from ``offset``);
+        ``rotation``: its ``K``-th rotated file."""
+        query = f"rank={int(rank)}&offset={int(offset)}&rotation={int(rotation)}"
+        raw = self._request("GET", f"{LOGS_PATH}?{query}", None)
+        try:
+            return LogPiece.from_reply(raw)
+        except ValueError as exc:
+            raise AgentError(f"{self.base_url}{LOGS_PATH}: {exc}") from None
 
     def upload(self, path: str, parts: Sequence[Part]) -> None:
         """POST a body of ``parts`` to ``path``: each part's bytes, then the first

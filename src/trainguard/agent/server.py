@@ -46,6 +46,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from trainguard.agent.api import MAX_JSON_BYTES, AgentApi, NodeControl
@@ -115,8 +116,9 @@ class AgentHTTPServer:
         replicas: ReplicaStore | None = None,
         limits: ServerLimits | None = None,
         lease: ControllerLease | None = None,
+        log_root: Path | None = None,
     ) -> None:
-        self.api = AgentApi(node, token, lease)
+        self.api = AgentApi(node, token, lease, log_root)
         self.replicas = replicas
         self.limits = limits or ServerLimits()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

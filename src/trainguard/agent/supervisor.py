@@ -181,6 +181,9 @@ class AgentSupervisor:
         """A standby agent is given to its node: it reports ``request.incarnation`` from
         now on, and runs its on-start checks (with ``request.peers``). :class:`Refused`
         if it is not a standby agent, or was given already."""
+        if request.again:
+            self._assign_again(request)
+            return
         with self.board.lock:
             if not self.standby:
                 raise Refused(f"this agent is not a standby agent ({self.board.incarnation})")
@@ -196,6 +199,20 @@ class AgentSupervisor:
                 self.health.peers = Peers(*request.peers)
             self.health.start()
         logger.info("standby agent assigned as %s", request.incarnation)
+        self._reporter.nudge()
+
+    def _assign_again(self, request: AssignRequest) -> None:
+        """This live agent takes its node's next incarnation (``request.again``): only
+        idle (ready, or its attempt stopped), not shutting down, not a standby."""
+        with self.board.lock:
+            state = self.board.state
+            if self.standby or self._shutdown_requested:
+                raise Refused("a standby agent, or one shutting down, is not assigned again")
+            if state not in (NodeState.READY, NodeState.STOPPED):
+                raise Refused(f"this agent is {state.value}, not idle: it is not assigned again")
+            old, self.board.incarnation = self.board.incarnation, request.incarnation
+            self.board.changed()
+        logger.info("assigned again: %s -> %s (its worker template kept)", old, request.incarnation)
         self._reporter.nudge()
 
     def health_news(self) -> None:

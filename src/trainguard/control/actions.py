@@ -59,11 +59,15 @@ class LaunchNodes:
 
     ``avoid_hosts``: machines the new nodes should not land on (where the platform places
     nodes). The controller waits for every node to answer before it starts the attempt.
+    ``keep``: nodes whose live agent may take the new incarnation instead (idle, healthy:
+    the platform decides, and launches a fresh one otherwise), so that its worker
+    template stays warm.
     """
 
     node_ids: tuple[str, ...]
     attempt: int
     avoid_hosts: tuple[str, ...] = ()
+    keep: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

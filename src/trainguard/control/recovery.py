@@ -9,10 +9,18 @@ package.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from trainguard.control import inprocess
-from trainguard.control.actions import Action, AttemptPhase, JobPhase, RejoinNodes, ReplaceRanks
+from trainguard.control.actions import (
+    Action,
+    AttemptPhase,
+    JobPhase,
+    LaunchNodes,
+    RejoinNodes,
+    ReplaceRanks,
+)
 from trainguard.control.attempt import Attempt
 from trainguard.control.detect import barrier_fault
 from trainguard.control.elastic import Scale
@@ -153,6 +161,10 @@ def after_failure(
         c.config.policy.max_num_repeat_offenders_to_avoid,
     )
     actions = c._new_attempt(now, decision.scope, launch=c.nodes, reports=reports, retire=retired)
+    if decision.replaced and all(f.type is FaultType.NODE_LOST for f in attempt.faults):
+        # Only nodes were lost, and spares took them: the others' agents may be kept.
+        keep = tuple(n for n in c.nodes if n in attempt.nodes and n not in lost)
+        actions = [replace(a, keep=keep) if isinstance(a, LaunchNodes) else a for a in actions]
     timeout = c.config.elastic.faulty_scale_down_timeout if c.config.elastic else None
     fresh = tuple(n for n in lost if n in c.nodes)  # no spare took its place
     if timeout is not None and fresh:

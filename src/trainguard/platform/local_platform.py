@@ -42,7 +42,7 @@ from trainguard.platform.procs import free_port, start_time
 from trainguard.platform.store import JobRow, NodeRow, Store
 from trainguard.platform.transport import AgentTransport, Delivery
 from trainguard.rendezvous.client import StoreServiceHandle
-from trainguard.wire.requests import InjectRequest, StepInjection
+from trainguard.wire.requests import AssignRequest, InjectRequest, StepInjection
 from trainguard.wire.status import WorkerState
 
 __all__ = ["LocalPlatform"]
@@ -148,17 +148,41 @@ class LocalPlatform:
         return StoreEndpoint(self.address, free_port(self.address))
 
     def launch(self, request: LaunchNodes) -> None:
-        """Start a fresh agent per node, replacing a live one (one host: nothing to avoid)."""
-        self._shutdown([n for n in request.node_ids if n in self.nodes])
+        """Start a fresh agent per node, replacing a live one (one host: nothing to avoid);
+        a node of ``request.keep`` whose live agent is idle keeps it instead, given the
+        new incarnation (its worker template stays warm; :meth:`_assign_again`)."""
+        incarnations = {n: f"{n}.{self._launches + i + 1}" for i, n in enumerate(request.node_ids)}
+        self._launches += len(request.node_ids)
+        kept = {n for n in request.keep if self._assign_again(n, incarnations[n])}
+        self._shutdown([n for n in request.node_ids if n in self.nodes and n not in kept])
         port, world = free_port(self.address), len(request.node_ids)  # connectivity check's
         for rank, node_id in enumerate(request.node_ids):
-            self._launches += 1
-            incarnation = f"{node_id}.{self._launches}"
+            incarnation = incarnations[node_id]
             # <node>/memory: the node's own tier; <node>/replicas: its copies of its peers'.
             private_dir(self.memory_root / node_id / "memory")  # 0700 (tier_dir.py)
             self.book.reset(node_id, incarnation)
             self._awaiting.pop(node_id, None)
+            if node_id in kept:
+                self._unlocated.add(node_id)  # the same agent: located at the next wait
+                continue
             self._launch_one(node_id, incarnation, Peers(rank, world, self.address, port))
+
+    def _assign_again(self, node_id: str, incarnation: str) -> bool:
+        """Whether ``node_id``'s live agent took ``incarnation`` (``POST /assign`` with
+        ``again``): only an agent that runs, on a host not fenced, and idle (it refuses
+        otherwise). One that cannot is replaced by a fresh agent, as without ``keep``."""
+        node = self.nodes.get(node_id)
+        client = self.transport.client(node_id)
+        if node is None or client is None or node.exited() is not None or self._fenced(node_id):
+            return False
+        try:
+            client.assign(AssignRequest(incarnation=incarnation, again=True))
+        except AgentError as exc:
+            logger.info("%s: its agent is not kept (%s): a fresh one is launched", node_id, exc)
+            return False
+        node.incarnation = incarnation
+        logger.info("%s: its live agent is kept, as %s", node_id, incarnation)
+        return True
 
     def _launch_one(
         self, node_id: str, incarnation: str, peers: Peers, waited: bool = False

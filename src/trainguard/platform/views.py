@@ -20,6 +20,7 @@ from trainguard.observe.durable import DurableState, durable_state
 from trainguard.observe.history import load_history
 from trainguard.observe.terminal import safe_bytes, safe_cell
 from trainguard.platform.procs import alive, runs
+from trainguard.platform.remote_log import follow_remote, remote_holder
 from trainguard.platform.store import JobRow, Store
 from trainguard.spec.secrets import redact_spec
 
@@ -316,9 +317,21 @@ def logs(store: Store, ref: str, rank: int | None, follow: bool) -> int:
             file=sys.stderr,
         )
         return 2
-    if rank is not None and not path.exists() and (where := _elsewhere(store, job, rank)):
-        print(f"trainguard: rank {rank}'s log is not on this host: {where}", file=sys.stderr)
-        return 1
+    if rank is not None and not path.exists():
+        if (job.source or "").startswith(JOINED):
+            print(
+                f"trainguard: rank {rank}'s log is not on this host {job.source}, and the rank "
+                f"ran on another host: run trainguard logs {job.id} --rank {rank} on the host "
+                "that ran it, or on the controller's host",
+                file=sys.stderr,
+            )
+            return 1
+        if (holder := remote_holder(store, job, rank)) is not None:
+
+            def running() -> bool:
+                return effective_phase(store.job(job.id)) not in (*TERMINAL_PHASES, "Lost")
+
+            return follow_remote(store, job, rank, holder, follow, running, _write_out)
     # Rotated files first, oldest first (agent/logcap.py: NAME.1 is the newest).
     rotations = [p for p in logs_dir.glob(f"{path.name}.*") if _rotation_index(p)]
     for old in sorted(rotations, key=_rotation_index, reverse=True):
@@ -337,24 +350,6 @@ def logs(store: Store, ref: str, rank: int | None, follow: bool) -> int:
         time.sleep(FOLLOW_INTERVAL_SECONDS)
 
 
-def _elsewhere(store: Store, job: JobRow, rank: int) -> str | None:
-    """Where ``rank``'s log is when another host ran it (a job across hosts), or None."""
-    if (job.source or "").startswith(JOINED):
-        return (
-            f"this host {job.source}, and the rank ran on another host: run trainguard logs "
-            f"{job.id} --rank {rank} on the host that ran it"
-        )
-    for node in store.nodes(job.id):
-        url = node["agent_url"] or ""
-        host = url.split("//", 1)[-1].rsplit(":", 1)[0].strip("[]")
-        if rank in node["ranks"] and host and host not in ("127.0.0.1", "::1", "localhost"):
-            return (
-                f"it ran on {node['node_id']}, on host {host}: run trainguard logs {job.id} "
-                f"--rank {rank} there"
-            )
-    return None
-
-
 def _rotation_index(path: Path) -> int:
     suffix = path.name.rpartition(".")[2]
     return int(suffix) if suffix.isdigit() else 0
@@ -371,13 +366,18 @@ def _copy_out(path: Path, offset: int) -> int:
             chunk = f.read()
     except FileNotFoundError:
         return 0
+    _write_out(chunk)
+    return len(chunk)
+
+
+def _write_out(chunk: bytes) -> None:
+    """Write ``chunk`` to stdout (see :func:`_copy_out`)."""
     if _on_terminal(sys.stdout):
         sys.stdout.write(safe_bytes(chunk))
     else:
         sys.stdout.flush()
         sys.stdout.buffer.write(chunk)
     sys.stdout.flush()
-    return len(chunk)
 
 
 def _on_terminal(stream: TextIO) -> bool:

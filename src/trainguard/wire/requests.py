@@ -227,10 +227,16 @@ class AssignRequest(Wire):
     """A standby agent (``--standby``: a spare host's, started when the host joined) is
     given to its node: it reports ``incarnation`` from now on and runs its on-start
     health checks, with ``peers`` (rank, world, addr, port) for the connectivity check.
-    Asked by its host's daemon, never by the controller."""
+    Asked by its host's daemon, never by the controller.
+
+    ``again``: a live agent that ran the node's last attempt, now idle (its workers
+    stopped), takes the node's next incarnation instead of being replaced (a job restart
+    that keeps it: the platform asks, for a node the controller named in
+    ``LaunchNodes.keep``). Its worker template stays warm; no on-start check runs again."""
 
     incarnation: Name
     peers: tuple[Count, Count, Name, Count] | None = None
+    again: bool = False
 
 
 class Accepted(Wire):
