@@ -23,6 +23,7 @@ __all__ = [
     "ReplacingInPlace",
     "Rescaling",
     "Training",
+    "standby",
 ]
 
 
@@ -33,9 +34,9 @@ class Training:
 
 @dataclass(frozen=True)
 class Launching:
-    """A launching attempt that may go on without some of its nodes: ``growing``, the new
-    nodes of a scale-up (control/elastic.py), or ``relaunching``, lost nodes restarting
-    fresh, dropped if not up by ``deadline`` (faultyScaleDownTimeoutInSeconds)."""
+    """A launch that may go on without some nodes: ``growing``, a scale-up's new nodes
+    (control/elastic.py), or ``relaunching``, lost nodes restarting fresh, dropped if
+    not up by ``deadline`` (faultyScaleDownTimeoutInSeconds)."""
 
     growing: tuple[str, ...] = ()
     relaunching: tuple[str, ...] = ()
@@ -44,16 +45,14 @@ class Launching:
 
 @dataclass(frozen=True)
 class Rejoining:
-    """An in-process restart under way (control/inprocess.py)."""
-
-    rejoin: Rejoin
+    rejoin: Rejoin  # an in-process restart under way (control/inprocess.py)
 
 
 @dataclass(frozen=True)
 class GrowingAhead:
     """A scale-up while the attempt trains (control/rescale.py): the nodes brought up
-    (ahead of the decision, or after it), when they are late, and the scale-up once
-    decided (they join when they are up, warm, and it is)."""
+    (ahead of the decision, or after it), late past ``deadline``, and the scale-up once
+    ``due`` (they join when they are up, warm, and it is)."""
 
     standby: tuple[str, ...] = ()
     deadline: float | None = None
@@ -62,8 +61,8 @@ class GrowingAhead:
 
 @dataclass(frozen=True)
 class ReplacingInPlace:
-    """Lost nodes being replaced in place (control/replace.py): lost id -> the spare
-    coming up to take its ranks, late past ``deadline``."""
+    """Lost nodes replaced in place (control/replace.py): lost id -> the spare coming up
+    to take its ranks, late past ``deadline``."""
 
     swap: Mapping[str, str]
     deadline: float
@@ -75,13 +74,18 @@ class ReplacingInPlace:
 
 @dataclass(frozen=True)
 class Rescaling:
-    """The attempt stops to restart at ``scale.size`` (with ``standby``, up ahead)."""
-
-    scale: Scale
-    standby: tuple[str, ...] = ()
+    scale: Scale  # the attempt stops to restart at ``scale.size``
+    standby: tuple[str, ...] = ()  # with these, up ahead
 
 
 Activity = Training | Launching | Rejoining | GrowingAhead | ReplacingInPlace | Rescaling
+
+
+def standby(activity: Activity) -> tuple[str, ...]:
+    """The nodes brought up while the attempt trains, to join the next one."""
+    if isinstance(activity, GrowingAhead | ReplacingInPlace | Rescaling):
+        return activity.standby
+    return ()
 
 
 @dataclass
@@ -117,6 +121,4 @@ class Attempt:
 
     @property
     def standby(self) -> tuple[str, ...]:
-        """The nodes brought up while this attempt trains, to join the next one."""
-        a = self.activity
-        return a.standby if isinstance(a, GrowingAhead | ReplacingInPlace | Rescaling) else ()
+        return standby(self.activity)

@@ -13,14 +13,13 @@ from collections.abc import Sequence
 
 from trainguard.control import inprocess
 from trainguard.control.actions import AttemptPhase, JobPhase, ReplaceRanks
-from trainguard.control.attempt import Launching, Rejoining, Training
+from trainguard.control.attempt import Launching, Rejoining, Training, standby
 from trainguard.control.decision import Decision, InPlace, JobView, NextAttempt, Note
 from trainguard.control.detect import barrier_fault
 from trainguard.control.elastic import Scale
 from trainguard.control.events import EventKind, Fault, FaultType
 from trainguard.control.hosts import hosts_to_avoid
 from trainguard.control.policy import GiveUp, RestartScope, decide_restart
-from trainguard.control.rescale import standby
 from trainguard.control.script_bug import ScriptBug, script_bug
 from trainguard.wire.status import WorkerState
 

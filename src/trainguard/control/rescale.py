@@ -33,14 +33,7 @@ import copy
 from collections.abc import Sequence
 
 from trainguard.control.actions import AttemptPhase, JobPhase, LaunchNodes, RetireNodes, StopMode
-from trainguard.control.attempt import (
-    Activity,
-    GrowingAhead,
-    Rejoining,
-    ReplacingInPlace,
-    Rescaling,
-    Training,
-)
+from trainguard.control.attempt import GrowingAhead, Rejoining, Rescaling, Training, standby
 from trainguard.control.contact import Contact, contact, launch_verdict
 from trainguard.control.decision import Decision, InPlace, JobView, Note, Stop, chain
 from trainguard.control.elastic import Scale
@@ -49,14 +42,7 @@ from trainguard.control.health import HealthBook
 from trainguard.control.reports import NodeReport
 from trainguard.wire.status import NodeState, WorkerState
 
-__all__ = ["abandon_growth", "look", "preempted_lost", "reform", "running", "standby", "standby_up"]
-
-
-def standby(activity: Activity) -> tuple[str, ...]:
-    """The nodes brought up while the attempt trains, to join the next one."""
-    if isinstance(activity, GrowingAhead | ReplacingInPlace | Rescaling):
-        return activity.standby
-    return ()
+__all__ = ["abandon_growth", "look", "preempted_lost", "reform", "running", "standby_up"]
 
 
 def look(view: JobView) -> Decision:
