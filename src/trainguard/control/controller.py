@@ -591,25 +591,14 @@ class JobController:
     def _view(self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]) -> JobView:
         """The job as the planners see it now (control/decision.py)."""
         known = (*self.nodes, *self.spares)
+        unusable = {n: why for n in known if (why := self.health.unusable(n)) is not None}
+        fault_times = {n: tuple(times) for n, times in self._node_fault_times.items()}
         return JobView(
-            now,
-            self.config,
-            attempt,
-            attempt.activity,
-            reports,
-            self.nodes,
-            self.spares,
-            self.growth,
-            self.avoid_hosts,
-            tuple(self.history),
-            tuple(self.attempts),
-            dict(self._hosts),
-            {n: tuple(times) for n, times in self._node_fault_times.items()},
-            {n: why for n in known if (why := self.health.unusable(n)) is not None},
-            self.capacity,
-            self.preempted,
+            now, self.config, attempt, attempt.activity, reports, self.nodes, self.spares,
+            self.growth, self.avoid_hosts, tuple(self.history), tuple(self.attempts),
+            dict(self._hosts), fault_times, unusable, self.capacity, self.preempted,
             copy.copy(self.elastic),
-        )
+        )  # fmt: skip
 
     def _apply(
         self, now: float, attempt: Attempt, d: Decision, reports: Mapping[str, NodeReport]
