@@ -326,7 +326,7 @@ class JobController:
         have to be bound, and may be taken by then), else the platform's for node 0."""
         if isinstance(attempt.activity, Launching):
             if attempt.activity.growing and self.elastic is not None:
-                self.elastic.outcome(True)
+                self.elastic = self.elastic.outcome(True)
             attempt.activity = Training()
         self._fill_assignments(now, attempt, host)
         attempt.phase = AttemptPhase.RUNNING

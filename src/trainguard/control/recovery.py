@@ -39,8 +39,7 @@ def scale_up_failed(view: JobView, lost: Sequence[str]) -> Decision:
     """The new nodes of a scale-up did not come up: go on without them (the next
     scale-up waits longer: control/elastic.py)."""
     assert view.elastic is not None
-    elastic = copy.copy(view.elastic)
-    elastic.outcome(False)
+    elastic = view.elastic.outcome(False)
     nodes = tuple(n for n in view.nodes if n not in lost)
     why = f"{', '.join(lost)} did not come up"
     message = f"scale up failed: {why}; going on with {len(nodes)} nodes"
@@ -64,8 +63,7 @@ def rescale(view: JobView, scale: Scale) -> Decision:
     fresh = view.growth[: max(0, scale.size - before - len(up))]
     added = (*up, *fresh)
     nodes = (*(n for n in view.nodes if n not in scale.drop), *added)
-    elastic = copy.copy(view.elastic)
-    elastic.scaled(view.now, len(nodes))
+    elastic = view.elastic.scaled(view.now, len(nodes))
     world = len(nodes) * view.config.nproc_per_node
     data = {"from": before, "to": len(nodes), "dropped": list(scale.drop), "added": list(added)}
     message = f"{scale.reason}; the job restarts at WORLD_SIZE {world} (not counted as a restart)"
@@ -154,8 +152,7 @@ def faulty_scale_down(view: JobView, late: Sequence[str]) -> Decision | None:
     keep = tuple(n for n in view.nodes if n not in late)[:size]
     drop = tuple(n for n in view.nodes if n not in keep)
     before = len(view.nodes)
-    elastic = copy.copy(view.elastic)
-    elastic.scaled(view.now, size)
+    elastic = view.elastic.scaled(view.now, size)
     timeout = elastic.config.faulty_scale_down_timeout
     reason = f"{', '.join(late)} not up {timeout:g} s after the restart"
     message = (

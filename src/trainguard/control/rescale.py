@@ -232,10 +232,8 @@ def _watch_growth(view: JobView, growth: GrowingAhead) -> Decision:
     assert view.elastic is not None
     attempt, added = view.attempt, growth.standby
     lost, up = standby_up(view, added, growth.deadline)
-    elastic = copy.copy(view.elastic)
     if lost:
-        elastic.outcome(False)
-        first = Decision(elastic=elastic)
+        first = Decision(elastic=view.elastic.outcome(False))
         return chain(first, abandon_growth(view.after(first), "; ".join(w for _, w in lost)))
     if not up or growth.due is None:
         return Decision()  # not up, or up and warm ahead of the decision
@@ -246,8 +244,7 @@ def _watch_growth(view: JobView, growth: GrowingAhead) -> Decision:
         return _stop_for(view, scale, announce=False)  # announced when decided
     if not running(view, attempt.nodes):
         return Decision()  # a rank is not running: its fault, if any, ends the attempt first
-    elastic.outcome(True)
-    first = Decision(elastic=elastic, activity=Training())
+    first = Decision(elastic=view.elastic.outcome(True), activity=Training())
     return chain(first, _reform(view.after(first), (*attempt.nodes, *added), added, (), reason))
 
 
@@ -261,8 +258,7 @@ def _reform(
     """An elastic scaling in place: the next attempt on ``nodes`` (:func:`reform`)."""
     assert view.elastic is not None
     before = len(view.attempt.nodes)
-    elastic = copy.copy(view.elastic)
-    elastic.scaled(view.now, len(nodes))
+    elastic = view.elastic.scaled(view.now, len(nodes))
     world = len(nodes) * view.config.nproc_per_node
     message = (
         f"{reason}; in place at WORLD_SIZE {world}: the ranks keep their processes and "
