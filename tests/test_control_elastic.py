@@ -65,7 +65,7 @@ def test_scale_up_waits_for_stable_capacity_and_the_snooze_and_backs_off() -> No
     assert again.observe(110.0, nodes, 4, [], last_restart=90.0) is None
     assert again.observe(121.0, nodes, 4, [], last_restart=90.0) is not None
     # A failed scale-up doubles the wait.
-    again.outcome(False)
+    again = again.outcome(False)
     again.observe(200.0, nodes, 4, [], last_restart=0.0)
     assert again.observe(206.0, nodes, 4, [], last_restart=0.0) is None
     assert again.observe(210.0, nodes, 4, [], last_restart=0.0) is not None

@@ -1,7 +1,8 @@
-"""One attempt of a job, as the controller tracks it."""
+"""One attempt of a job, as the controller tracks it, and what it is doing besides training."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from trainguard.control.actions import AttemptPhase
@@ -13,7 +14,78 @@ from trainguard.control.inprocess import Rejoin
 from trainguard.control.policy import RestartScope
 from trainguard.wire.requests import NodeAssignment
 
-__all__ = ["Attempt"]
+__all__ = [
+    "Activity",
+    "Attempt",
+    "GrowingAhead",
+    "Launching",
+    "Rejoining",
+    "ReplacingInPlace",
+    "Rescaling",
+    "Training",
+    "standby",
+]
+
+
+@dataclass(frozen=True)
+class Training:
+    """Nothing under way besides the attempt itself (launching, training or stopping)."""
+
+
+@dataclass(frozen=True)
+class Launching:
+    """A launch that may go on without some nodes: ``growing``, a scale-up's new nodes
+    (control/elastic.py), or ``relaunching``, lost nodes restarting fresh, dropped if
+    not up by ``deadline`` (faultyScaleDownTimeoutInSeconds)."""
+
+    growing: tuple[str, ...] = ()
+    relaunching: tuple[str, ...] = ()
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class Rejoining:
+    rejoin: Rejoin  # an in-process restart under way (control/inprocess.py)
+
+
+@dataclass(frozen=True)
+class GrowingAhead:
+    """A scale-up while the attempt trains (control/rescale.py): the nodes brought up
+    (ahead of the decision, or after it), late past ``deadline``, and the scale-up once
+    ``due`` (they join when they are up, warm, and it is)."""
+
+    standby: tuple[str, ...] = ()
+    deadline: float | None = None
+    due: Scale | None = None
+
+
+@dataclass(frozen=True)
+class ReplacingInPlace:
+    """Lost nodes replaced in place (control/replace.py): lost id -> the spare coming up
+    to take its ranks, late past ``deadline``."""
+
+    swap: Mapping[str, str]
+    deadline: float
+
+    @property
+    def standby(self) -> tuple[str, ...]:
+        return tuple(self.swap.values())
+
+
+@dataclass(frozen=True)
+class Rescaling:
+    scale: Scale  # the attempt stops to restart at ``scale.size``
+    standby: tuple[str, ...] = ()  # with these, up ahead
+
+
+Activity = Training | Launching | Rejoining | GrowingAhead | ReplacingInPlace | Rescaling
+
+
+def standby(activity: Activity) -> tuple[str, ...]:
+    """The nodes brought up while the attempt trains, to join the next one."""
+    if isinstance(activity, GrowingAhead | ReplacingInPlace | Rescaling):
+        return activity.standby
+    return ()
 
 
 @dataclass
@@ -36,28 +108,17 @@ class Attempt:
     stop_allowance: float = 0.0
     stop_deadline: float | None = None
     recovered: bool = False
-    rejoin: Rejoin | None = None
-    # Elastic training: the scaling this attempt is stopping for, and the nodes a
-    # scale-up attempt brings up (control/elastic.py).
-    scale: Scale | None = None
-    growing: tuple[str, ...] = ()
-    # A scale-up (control/rescale.py): the nodes brought up while this attempt trains on
-    # (ahead of the decision, or after it), when they are late, and the scale-up once
-    # decided (they join when they are up, warm, and it is).
-    standby: tuple[str, ...] = ()
-    standby_deadline: float | None = None
-    scale_due: Scale | None = None
-    # Lost nodes restarting fresh, and when the job scales down without them if they are
-    # not up by then (faultyScaleDownTimeoutInSeconds).
-    replacing: tuple[str, ...] = ()
-    faulty_deadline: float | None = None
-    # Lost nodes being replaced in place (control/replace.py): lost id -> the spare
-    # coming up to take its ranks (in ``standby`` until it is up).
-    replacing_in_place: dict[str, str] = field(default_factory=dict)
+    activity: Activity = field(default_factory=Training)
 
-    def take_standby(self) -> tuple[str, ...]:
-        """The nodes brought up for this attempt's scale-up, off its hands now (they join
-        the next attempt, or are retired): no standby, no deadline, no scale-up due."""
-        nodes = self.standby
-        self.standby, self.standby_deadline, self.scale_due = (), None, None
-        return nodes
+    @property
+    def rejoin(self) -> Rejoin | None:
+        return self.activity.rejoin if isinstance(self.activity, Rejoining) else None
+
+    @property
+    def scale(self) -> Scale | None:
+        """The scaling this attempt stops for (control/elastic.py)."""
+        return self.activity.scale if isinstance(self.activity, Rescaling) else None
+
+    @property
+    def standby(self) -> tuple[str, ...]:
+        return standby(self.activity)

@@ -23,6 +23,7 @@ Assumptions the decisions rely on:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,13 +42,15 @@ from trainguard.control.actions import (
     StopNodes,
 )
 from trainguard.control.assignment import StoreEndpoint, assign_attempt, replica_sources
-from trainguard.control.attempt import Attempt
+from trainguard.control.attempt import Attempt, Launching, Rejoining, ReplacingInPlace, Training
 from trainguard.control.config import ControlConfig
 from trainguard.control.contact import launch_verdict, settled
+from trainguard.control.decision import Decision, InPlace, JobView, NextAttempt, Stop, chain
 from trainguard.control.detect import AttemptWatch, finished, refusal_faults, stop_faults
 from trainguard.control.elastic import ElasticWatch
 from trainguard.control.events import Event, EventKind, Fault, FaultType
 from trainguard.control.health import HealthBook, HealthNote
+from trainguard.control.inprocess import Rejoin
 from trainguard.control.persist import CheckpointNote, CheckpointPlanner, PersistCheckpoint
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.record import JobRecord
@@ -144,7 +147,7 @@ class JobController:
         self.started_at = now
         self.checkpoints = CheckpointPlanner(self.config.durable, self.config.world_size, now)
         self._event(now, EventKind.JOB_STARTED, f"job {self.config.job_id} started")
-        return self._new_attempt(now, RestartScope.PROCESS, launch=self.nodes, reports={})
+        return self._new_attempt(now, NextAttempt(RestartScope.PROCESS, self.nodes), {})
 
     def cancel(self, now: float, reason: str, phase: JobPhase = JobPhase.STOPPED) -> list[Action]:
         """Stop the job from outside (user delete, Ctrl-C, deadline). Idempotent."""
@@ -241,31 +244,24 @@ class JobController:
     # -- launching -----------------------------------------------------------
 
     def _new_attempt(
-        self,
-        now: float,
-        scope: RestartScope,
-        launch: Sequence[str],
-        reports: Mapping[str, NodeReport],
-        retire: Sequence[str] = (),
-        growing: Sequence[str] = (),
+        self, now: float, plan: NextAttempt, reports: Mapping[str, NodeReport]
     ) -> list[Action]:
-        """The next attempt on ``self.nodes``: ``launch`` them first, or start at once if
-        all are up; ``growing``: the nodes a scale-up adds (if they fail to come up, the
-        job goes on without them)."""
+        """The next attempt on ``self.nodes``: launch ``plan.launch`` first, or start at
+        once if all are up."""
         number = len(self.attempts)
-        attempt = Attempt(number, now, self.nodes, self._watch(number, now), scope)
-        attempt.growing = tuple(growing)
+        attempt = Attempt(number, now, self.nodes, self._watch(number, now), plan.scope)
+        attempt.activity = plan.activity or Training()
         self.attempts.append(attempt)
-        actions: list[Action] = []
-        if retire:
-            actions.append(RetireNodes(tuple(retire)))
+        actions: list[Action] = [RetireNodes(plan.retire)] if plan.retire else []
+        launch = plan.launch
         if launch:
             attempt.launch_deadline = now + self.config.node_start_timeout
-            actions.append(LaunchNodes(tuple(launch), number, self.avoid_hosts))
+            actions.append(LaunchNodes(tuple(launch), number, self.avoid_hosts, keep=plan.keep))
+            kept = f" (the live agents of {', '.join(plan.keep)} may be kept)" if plan.keep else ""
             self._event(
                 now,
                 EventKind.NODES_LAUNCHING,
-                f"attempt {number}: bringing up {len(launch)} node agents",
+                f"attempt {number}: bringing up {len(launch)} node agents{kept}",
                 attempt=number,
                 data={"nodes": list(launch), "avoid_hosts": list(self.avoid_hosts)},
             )
@@ -292,16 +288,22 @@ class JobController:
             now,
             self.config.host_wait,
         )
-        deadline = attempt.faulty_deadline
-        if self.elastic is not None and deadline is not None and now >= deadline:
+        launching = attempt.activity
+        if isinstance(launching, Launching) and launching.deadline is not None:
             pending = {n for n, _ in lost} | set(waiting)
-            late = [n for n in attempt.replacing if n in pending]
-            if late and len(late) == len(pending):  # only they hold the attempt up
-                scaled = recovery.faulty_scale_down(self, now, attempt, late, reports)
+            late = [n for n in launching.relaunching if n in pending]
+            # Only they hold the attempt up past the deadline: go on without them.
+            if self.elastic and now >= launching.deadline and late and len(late) == len(pending):
+                view = self._view(now, attempt, reports)
+                scaled = recovery.faulty_scale_down(view, late)
                 if scaled is not None:
-                    return scaled
-        if lost and attempt.growing and {n for n, _ in lost} <= set(attempt.growing):
-            return recovery.scale_up_failed(self, now, attempt, [n for n, _ in lost], reports)
+                    return self._apply(now, attempt, scaled, reports)
+        growing = launching.growing if isinstance(launching, Launching) else ()
+        if lost and growing and {n for n, _ in lost} <= set(growing):
+            planned = recovery.scale_up_failed(
+                self._view(now, attempt, reports), [n for n, _ in lost]
+            )
+            return self._apply(now, attempt, planned, reports)
         if lost or health_faults:
             for fault in health_faults:
                 self._record_fault(now, attempt, fault)
@@ -311,7 +313,8 @@ class JobController:
             self._end_attempt(now, attempt, AttemptPhase.FAILED, attempt.faults[0].message)
             if self._cancel is not None:
                 return self._finish(now, *self._cancel)
-            return recovery.after_failure(self, now, attempt, reports)
+            planned = recovery.after_failure(self._view(now, attempt, reports))
+            return self._apply(now, attempt, planned, reports)
         if waiting or any(self.health.checking(reports.get(n)) for n in attempt.nodes):
             return []
         return [self._start_attempt(now, attempt)]
@@ -322,8 +325,10 @@ class JobController:
         """Start ``attempt`` on its nodes; ``host``: the rendezvous to keep (an attempt in
         place whose rank 0 keeps its process keeps serving its store: a new port would
         have to be bound, and may be taken by then), else the platform's for node 0."""
-        if attempt.growing and self.elastic is not None:
-            self.elastic.outcome(True)
+        if isinstance(attempt.activity, Launching):
+            if attempt.activity.growing and self.elastic is not None:
+                self.elastic = self.elastic.outcome(True)
+            attempt.activity = Training()
         self._fill_assignments(now, attempt, host)
         attempt.phase = AttemptPhase.RUNNING
         self.phase = JobPhase.RUNNING
@@ -398,47 +403,44 @@ class JobController:
         faults += self._stragglers(now, attempt, current)
         faults += self._exit_hangs(now, attempt, current)
         actions: list[Action] = []
-        if attempt.replacing_in_place:
-            faults = replace.pending_faults(attempt, faults)
+        if isinstance(attempt.activity, ReplacingInPlace):
+            faults = replace.pending_faults(attempt.activity, faults)
+            view = self._view(now, attempt, reports)
             if not faults:
                 self.record.progress(now, attempt)
-                return replace.watch(self, now, attempt, reports)
-            actions += self._give_up_replacing(attempt)
-        if attempt.rejoin is not None and not faults:
-            stuck, faults = recovery.watch_rejoin(self, now, attempt, attempt.rejoin, reports)
-            actions += stuck
+                return self._apply(now, attempt, replace.watch(view), reports)
+            actions += self._apply(now, attempt, replace.give_up(view), reports)
+        if isinstance(attempt.activity, Rejoining) and not faults:
+            rejoin, faults = recovery.watch_rejoin(self._view(now, attempt, reports))
+            actions += self._apply(now, attempt, rejoin, reports)
         self.record.progress(now, attempt)
-        scaled = rescale.preempted_lost(self, now, attempt, faults, reports)
-        if scaled is not None:
-            return [*actions, *scaled]
-        in_place = replace.begin(self, now, attempt, faults, reports)
-        if in_place is not None:
-            return [*actions, *in_place]
+        view = self._view(now, attempt, reports)
+        planned = rescale.preempted_lost(view, faults)
+        if planned is None:
+            planned = replace.begin(view, faults)
+        if planned is not None:
+            return [*actions, *self._apply(now, attempt, planned, reports)]
         if faults:
             for fault in faults:
                 self._record_fault(now, attempt, fault)
-            actions += rescale.abandon_growth(self, now, attempt, faults[0].message)
-            if recovery.can_restart_in_place(self, attempt, reports):
-                return [*actions, recovery.restart_in_place(self, now, attempt, reports)]
-            capture = any(f.type.is_hang for f in faults)
-            mode = StopMode.GRACEFUL if self.config.graceful_fault_stops else StopMode.PROCESS
-            return [*actions, self._stop(now, attempt, mode, faults[0].message, capture)]
+            view = self._view(now, attempt, reports)
+            planned = rescale.abandon_growth(view, faults[0].message)
+            if recovery.can_restart_in_place(view.after(planned)):
+                planned = chain(planned, recovery.restart_in_place(view.after(planned)))
+            else:
+                capture = any(f.type.is_hang for f in faults)
+                mode = StopMode.GRACEFUL if self.config.graceful_fault_stops else StopMode.PROCESS
+                planned = chain(planned, Decision(stop=Stop(mode, faults[0].message, capture)))
+            return [*actions, *self._apply(now, attempt, planned, reports)]
         actions += self._plan_checkpoints(now, attempt, reports)
         if len(current) == len(attempt.assignments) and all(
             status.state is NodeState.COMPLETED for _, status in current
         ):
             return self._complete(now, attempt, reports, actions)
         if self.elastic is not None and attempt.rejoin is None and self._cancel is None:
-            actions += rescale.look(self, now, attempt, reports)  # in place, or a stop
+            looked = rescale.look(self._view(now, attempt, reports))  # in place, or a stop
+            actions += self._apply(now, attempt, looked, reports)
         return actions
-
-    def _give_up_replacing(self, attempt: Attempt) -> list[Action]:
-        """Another fault while spares came up to replace lost nodes in place: retire the
-        spares (back in the pool) and let the fault stop the attempt."""
-        spares = attempt.take_standby()
-        attempt.replacing_in_place = {}
-        self.spares = (*spares, *self.spares)
-        return [RetireNodes(spares)] if spares else []
 
     def _stragglers(
         self, now: float, attempt: Attempt, current: Sequence[tuple[str, NodeStatus]]
@@ -554,11 +556,13 @@ class JobController:
         if self._cancel is not None:
             phase, reason = self._cancel
             return self._finish(now, phase, reason)
+        view = self._view(now, attempt, reports)
         if attempt.scale is not None and not attempt.faults:
-            return recovery.rescale(self, now, attempt, attempt.scale, reports)
+            return self._apply(now, attempt, recovery.rescale(view, attempt.scale), reports)
         why = attempt.faults[0].message if attempt.faults else "the attempt stopped"
-        actions = rescale.abandon_growth(self, now, attempt, why)
-        return [*actions, *recovery.after_failure(self, now, attempt, reports)]
+        actions = self._apply(now, attempt, rescale.abandon_growth(view, why), reports)
+        planned = recovery.after_failure(self._view(now, attempt, reports))
+        return [*actions, *self._apply(now, attempt, planned, reports)]
 
     def _stop(
         self, now: float, attempt: Attempt, mode: StopMode, reason: str, capture: bool = False
@@ -582,6 +586,74 @@ class JobController:
 
     def _stopped(self, report: NodeReport | None) -> bool:
         return settled(report, self.config.contact_rule)
+
+    # -- decisions ------------------------------------------------------------------
+
+    def _view(self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]) -> JobView:
+        """The job as the planners see it now (control/decision.py)."""
+        known = (*self.nodes, *self.spares)
+        unusable = {n: why for n in known if (why := self.health.unusable(n)) is not None}
+        fault_times = {n: tuple(times) for n, times in self._node_fault_times.items()}
+        return JobView(
+            now, self.config, attempt, attempt.activity, reports, self.nodes, self.spares,
+            self.growth, self.avoid_hosts, tuple(self.history), tuple(self.attempts),
+            dict(self._hosts), fault_times, unusable, self.capacity, self.preempted,
+            copy.copy(self.elastic),
+        )  # fmt: skip
+
+    def _apply(
+        self, now: float, attempt: Attempt, d: Decision, reports: Mapping[str, NodeReport]
+    ) -> list[Action]:
+        """Carry a planner's decision out: the one place the job's pool, phase and
+        restart history change after a look (see :class:`Decision` for the order)."""
+        self.elastic = d.elastic or self.elastic
+        attempt.activity = d.activity or attempt.activity
+        self.spares = self.spares if d.spares is None else d.spares
+        self.growth = self.growth if d.growth is None else d.growth
+        self.avoid_hosts = self.avoid_hosts if d.avoid_hosts is None else d.avoid_hosts
+        if d.nodes is not None:
+            self.nodes = d.nodes
+            self.checkpoints.world_size = len(d.nodes) * self.config.nproc_per_node
+        self.phase = d.phase or self.phase
+        for fault in d.faults:
+            self._record_fault(now, attempt, fault)
+        self._health_events(now, attempt, [r for n in d.relaunch if (r := self.health.relaunch(n))])
+        if d.end is not None:
+            self._end_attempt(now, attempt, *d.end)
+        if d.scope is not None:
+            if d.counted:
+                self.history.append(RestartRecord(now, d.scope))
+            self.timeline.set_scope(attempt.number, d.scope.value)
+        for e in d.events:
+            self._event(now, e.kind, e.message, e.attempt, e.node, data=dict(e.data or {}) or None)
+        actions = list(d.actions)
+        if d.stop is not None:
+            actions.append(self._stop(now, attempt, d.stop.mode, d.stop.reason, d.stop.capture))
+        if d.finish is not None:
+            actions += self._finish(now, *d.finish)
+        elif isinstance(d.next, NextAttempt):
+            actions += self._new_attempt(now, d.next, reports)
+        elif isinstance(d.next, InPlace):
+            actions += self._in_place(now, attempt, d.next)
+        if d.then is not None:
+            actions += self._apply(now, attempt, d.then, reports)
+        return actions
+
+    def _in_place(self, now: float, ended: Attempt, plan: InPlace) -> list[Action]:
+        """The attempt after ``ended``, in place on ``self.nodes`` (:class:`InPlace`)."""
+        number = len(self.attempts)
+        new = Attempt(number, now, self.nodes, self._watch(number, now), RestartScope.IN_PROCESS)
+        new.activity = Rejoining(Rejoin(now, plan.survivors))
+        self.attempts.append(new)
+        started = self._start_attempt(now, new, plan.host)
+        kept = tuple(a for a in started.assignments if a.node_id not in plan.added)
+        actions: list[Action] = [RejoinNodes(started.attempt, kept)]
+        if plan.added:
+            fresh = tuple(a for a in started.assignments if a.node_id in plan.added)
+            actions.append(StartNodes(started.attempt, fresh, started.scope))
+        if plan.dropped:
+            actions.append(RetireNodes(plan.dropped))
+        return actions
 
     # -- records ------------------------------------------------------------------
 

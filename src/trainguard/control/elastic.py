@@ -25,6 +25,7 @@ new ``WORLD_SIZE``), or a change of size in place for resilient workers
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -143,9 +144,15 @@ class ElasticWatch:
             return None
         return target
 
-    def scaled(self, now: float, target: int) -> None:
-        self.last_scaling, self.target = now, target
+    def scaled(self, now: float, target: int) -> ElasticWatch:
+        """This watch after a scaling to ``target`` nodes at ``now`` (a new value)."""
+        after = copy.copy(self)
+        after.last_scaling, after.target = now, target
+        return after
 
-    def outcome(self, ok: bool) -> None:
-        """The last scaling's new nodes came up (``ok``), or not: backoff grows."""
-        self.failures = 0 if ok else self.failures + 1
+    def outcome(self, ok: bool) -> ElasticWatch:
+        """This watch once the last scaling's new nodes came up (``ok``), or not: backoff
+        grows (a new value)."""
+        after = copy.copy(self)
+        after.failures = 0 if ok else self.failures + 1
+        return after

@@ -107,7 +107,8 @@ class HealthBook:
             NodeHealth().to_json(),
         )
 
-    def checking(self, report: NodeReport | None) -> bool:
+    @staticmethod
+    def checking(report: NodeReport | None) -> bool:
         """The node's agent is still running its on-start checks (it takes no ranks yet)."""
         status = report.status if report is not None else None
         return status is not None and status.health.deep == DeepHealth.IN_PROGRESS.value

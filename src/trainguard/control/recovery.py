@@ -1,39 +1,27 @@
 """What follows an attempt that failed or is stopped to rescale: the restart decided by
 policy, nodes swapped at launch, an in-process restart, an elastic scaling.
 
-Functions over a :class:`~trainguard.control.controller.JobController` (its state
-machine is there; these are its ways out of an attempt), pure like the rest of the
-package.
+Planners (control/decision.py): each takes the job's :class:`JobView` and returns the
+:class:`Decision` the controller applies; none changes anything.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING
+import copy
+import dataclasses
+from collections.abc import Sequence
 
 from trainguard.control import inprocess
-from trainguard.control.actions import (
-    Action,
-    AttemptPhase,
-    JobPhase,
-    LaunchNodes,
-    RejoinNodes,
-    ReplaceRanks,
-)
-from trainguard.control.attempt import Attempt
+from trainguard.control.actions import AttemptPhase, JobPhase, ReplaceRanks
+from trainguard.control.attempt import Launching, Rejoining, Training, standby
+from trainguard.control.decision import Decision, InPlace, JobView, NextAttempt, Note
 from trainguard.control.detect import barrier_fault
 from trainguard.control.elastic import Scale
 from trainguard.control.events import EventKind, Fault, FaultType
 from trainguard.control.hosts import hosts_to_avoid
-from trainguard.control.inprocess import Rejoin
-from trainguard.control.policy import GiveUp, RestartRecord, RestartScope, decide_restart
-from trainguard.control.reports import NodeReport
+from trainguard.control.policy import GiveUp, RestartScope, decide_restart
 from trainguard.control.script_bug import ScriptBug, script_bug
 from trainguard.wire.status import WorkerState
-
-if TYPE_CHECKING:
-    from trainguard.control.controller import JobController
 
 __all__ = [
     "after_failure",
@@ -47,302 +35,271 @@ __all__ = [
 ]
 
 
-def scale_up_failed(
-    c: JobController,
-    now: float,
-    attempt: Attempt,
-    lost: Sequence[str],
-    reports: Mapping[str, NodeReport],
-) -> list[Action]:
+def scale_up_failed(view: JobView, lost: Sequence[str]) -> Decision:
     """The new nodes of a scale-up did not come up: go on without them (the next
     scale-up waits longer: control/elastic.py)."""
-    assert c.elastic is not None
-    c.elastic.outcome(False)
-    c.nodes = tuple(n for n in c.nodes if n not in lost)
-    c.growth = (*c.growth, *lost)
-    c.checkpoints.world_size = len(c.nodes) * c.config.nproc_per_node
-    c._end_attempt(now, attempt, AttemptPhase.FAILED, f"{', '.join(lost)} did not come up")
-    c._event(
-        now,
-        EventKind.ELASTIC_SCALING_FAILED,
-        f"scale up failed: {', '.join(lost)} did not come up; going on with {len(c.nodes)} nodes",
-        attempt=attempt.number,
-        data={"lost": list(lost), "failures": c.elastic.failures},
+    assert view.elastic is not None
+    elastic = view.elastic.outcome(False)
+    nodes = tuple(n for n in view.nodes if n not in lost)
+    why = f"{', '.join(lost)} did not come up"
+    message = f"scale up failed: {why}; going on with {len(nodes)} nodes"
+    data = {"lost": list(lost), "failures": elastic.failures}
+    return Decision(
+        nodes=nodes,
+        growth=(*view.growth, *lost),
+        elastic=elastic,
+        end=(AttemptPhase.FAILED, why),
+        events=(Note(EventKind.ELASTIC_SCALING_FAILED, message, view.attempt.number, data=data),),
+        next=NextAttempt(view.attempt.scope, retire=tuple(lost)),
     )
-    return c._new_attempt(now, attempt.scope, (), reports, retire=lost)
 
 
-def rescale(
-    c: JobController, now: float, attempt: Attempt, scale: Scale, reports: Mapping[str, NodeReport]
-) -> list[Action]:
+def rescale(view: JobView, scale: Scale) -> Decision:
     """Restart the job on ``scale.size`` nodes (elastic training; not a restart counted
     against jobMaxRetryCount): without the dropped nodes, or with new ones."""
-    assert c.elastic is not None
-    before = len(c.nodes)
-    up = attempt.take_standby()  # brought up while the attempt trained: not launched again
-    fresh = c.growth[: max(0, scale.size - before - len(up))]
+    assert view.elastic is not None
+    before = len(view.nodes)
+    up = standby(view.activity)  # brought up while the attempt trained: not launched again
+    fresh = view.growth[: max(0, scale.size - before - len(up))]
     added = (*up, *fresh)
-    c.growth = (*scale.drop, *c.growth[len(fresh) :])  # dropped ids may come back
-    c.nodes = (*(n for n in c.nodes if n not in scale.drop), *added)
-    c.elastic.scaled(now, len(c.nodes))
-    c.checkpoints.world_size = len(c.nodes) * c.config.nproc_per_node
-    c.phase = JobPhase.RESTARTING
-    c._event(
-        now,
-        EventKind.ELASTIC_SCALING,
-        f"{scale.reason}; the job restarts at WORLD_SIZE "
-        f"{len(c.nodes) * c.config.nproc_per_node} (not counted as a restart)",
-        attempt=attempt.number + 1,
-        data={"from": before, "to": len(c.nodes), "dropped": list(scale.drop),
-              "added": list(added)},
-    )  # fmt: skip
-    return c._new_attempt(
-        now, RestartScope.PROCESS, fresh, reports, retire=scale.drop, growing=added
+    nodes = (*(n for n in view.nodes if n not in scale.drop), *added)
+    elastic = view.elastic.scaled(view.now, len(nodes))
+    world = len(nodes) * view.config.nproc_per_node
+    data = {"from": before, "to": len(nodes), "dropped": list(scale.drop), "added": list(added)}
+    message = f"{scale.reason}; the job restarts at WORLD_SIZE {world} (not counted as a restart)"
+    return Decision(
+        nodes=nodes,
+        growth=(*scale.drop, *view.growth[len(fresh) :]),  # dropped ids may come back
+        elastic=elastic,
+        activity=Training(),
+        phase=JobPhase.RESTARTING,
+        events=(Note(EventKind.ELASTIC_SCALING, message, view.attempt.number + 1, data=data),),
+        next=NextAttempt(RestartScope.PROCESS, fresh, scale.drop, Launching(growing=added)),
     )
 
 
-def after_failure(
-    c: JobController, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-) -> list[Action]:
+def after_failure(view: JobView) -> Decision:
+    """The attempt ended on faults: swap nodes that failed their checks, scale without
+    preempted ones, fail on a script bug, else restart as the policy decides."""
+    attempt, now, cfg = view.attempt, view.now, view.config
     if not attempt.assignments and all(
         f.type is FaultType.HEALTH_CHECK_FAILED for f in attempt.faults
     ):
-        return replace_at_launch(c, now, attempt, reports)
-    taken = _preempted_away(c, attempt)
+        return replace_at_launch(view)
+    taken = _preempted_away(view)
     if taken is not None:
-        return rescale(c, now, attempt, taken, reports)
-    bug = _script_bug(c)
+        return rescale(view, taken)
+    bug = _script_bug(view)
     if bug is not None:
-        c._event(
-            now,
-            EventKind.SCRIPT_ERROR,
-            bug.reason,
-            data={"error": bug.error, "ranks": list(bug.ranks), "traceback": bug.traceback},
+        bug_data = {"error": bug.error, "ranks": list(bug.ranks), "traceback": bug.traceback}
+        return Decision(
+            events=(Note(EventKind.SCRIPT_ERROR, bug.reason, data=bug_data),),
+            finish=(JobPhase.FAILED, bug.reason),
         )
-        return c._finish(now, JobPhase.FAILED, bug.reason)
+    history, fault_times = view.history, view.node_fault_times
     decision = decide_restart(
-        now,
-        attempt.faults,
-        c.history,
-        c._node_fault_times,
-        c.nodes,
-        c.spares,
-        c.config.policy,
+        now, attempt.faults, history, fault_times, view.nodes, view.spares, cfg.policy
     )
     if isinstance(decision, GiveUp):
-        return c._finish(now, JobPhase.FAILED, decision.reason)
-    unhealthy = [n for n in decision.nodes if c.health.unusable(n) is not None]
-    if unhealthy and not c.config.fresh_node_moves:  # one machine: no fresh node
-        why = "; ".join(w for n in unhealthy if (w := c.health.unusable(n)) is not None)
-        return c._finish(now, JobPhase.FAILED, f"{why}; {_spares_left(c.spares)}")
-    c._health_events(now, attempt, [r for n in unhealthy if (r := c.health.relaunch(n))])
-    c.history.append(RestartRecord(now, decision.scope))
-    c.timeline.set_scope(attempt.number, decision.scope.value)
+        return Decision(finish=(JobPhase.FAILED, decision.reason))
+    unhealthy = tuple(n for n in decision.nodes if n in view.unusable)
+    if unhealthy and not cfg.fresh_node_moves:  # one machine: no fresh node
+        why = "; ".join(view.unusable[n] for n in unhealthy)
+        return Decision(finish=(JobPhase.FAILED, f"{why}; {_spares_left(view.spares)}"))
     used = set(decision.nodes)
-    c.spares = tuple(s for s in c.spares if s not in used)
-    retired = [n for n in c.nodes if n not in used]
-    c.nodes = decision.nodes
-    c.phase = JobPhase.RESTARTING
-    c._event(
-        now,
-        EventKind.RESTART_SCHEDULED,
-        f"{decision.scope.value}-level restart "
-        f"{c.restarts} of {c.config.max_restarts}: {decision.reason}",
-        attempt=attempt.number + 1,
-        data={"scope": decision.scope.value, "replaced": dict(decision.replaced)},
+    scope = decision.scope
+    message = (
+        f"{scope.value}-level restart {view.restarts + 1} of {cfg.max_restarts}: {decision.reason}"
     )
-    if decision.scope is not RestartScope.JOB:
-        return c._new_attempt(now, decision.scope, (), reports)
+    data = {"scope": scope.value, "replaced": dict(decision.replaced)}
+    restart = Decision(
+        relaunch=unhealthy,
+        scope=scope,
+        counted=True,
+        spares=tuple(s for s in view.spares if s not in used),
+        nodes=decision.nodes,
+        phase=JobPhase.RESTARTING,
+        events=(Note(EventKind.RESTART_SCHEDULED, message, attempt.number + 1, data=data),),
+        next=NextAttempt(scope),
+    )
+    if scope is not RestartScope.JOB:
+        return restart
     lost = [f.node for f in attempt.faults if f.node is not None and f.type.loses_node]
-    c.avoid_hosts = hosts_to_avoid(
-        c.avoid_hosts,
+    avoid = hosts_to_avoid(
+        view.avoid_hosts,
         [*lost, *decision.replaced],
-        c._hosts,
-        c.config.policy.max_num_repeat_offenders_to_avoid,
+        view.hosts,
+        cfg.policy.max_num_repeat_offenders_to_avoid,
     )
-    actions = c._new_attempt(now, decision.scope, launch=c.nodes, reports=reports, retire=retired)
+    timeout = cfg.elastic.faulty_scale_down_timeout if cfg.elastic else None
+    fresh = tuple(n for n in lost if n in decision.nodes)  # no spare took its place
+    activity = None
+    if timeout is not None and fresh:
+        activity = Launching(relaunching=fresh, deadline=now + timeout)
+    retired = tuple(n for n in view.nodes if n not in used)
+    keep: tuple[str, ...] = ()
     if decision.replaced and all(f.type is FaultType.NODE_LOST for f in attempt.faults):
         # Only nodes were lost, and spares took them: the others' agents may be kept.
-        keep = tuple(n for n in c.nodes if n in attempt.nodes and n not in lost)
-        actions = [replace(a, keep=keep) if isinstance(a, LaunchNodes) else a for a in actions]
-    timeout = c.config.elastic.faulty_scale_down_timeout if c.config.elastic else None
-    fresh = tuple(n for n in lost if n in c.nodes)  # no spare took its place
-    if timeout is not None and fresh:
-        c.attempts[-1].replacing, c.attempts[-1].faulty_deadline = fresh, now + timeout
-    return actions
+        keep = tuple(n for n in decision.nodes if n in attempt.nodes and n not in lost)
+    next_attempt = NextAttempt(scope, decision.nodes, retired, activity, keep)
+    return dataclasses.replace(restart, avoid_hosts=avoid, next=next_attempt)
 
 
-def faulty_scale_down(
-    c: JobController,
-    now: float,
-    attempt: Attempt,
-    late: Sequence[str],
-    reports: Mapping[str, NodeReport],
-) -> list[Action] | None:
+def faulty_scale_down(view: JobView, late: Sequence[str]) -> Decision | None:
     """Lost nodes restarting fresh are not up ``faultyScaleDownTimeoutInSeconds`` after
     the restart: go on without them, at the largest allowed size (None: that would be
     under ``minReplicas``: keep waiting)."""
-    assert c.elastic is not None
-    size = c.elastic.config.fit(len(c.nodes) - len(late))
+    assert view.elastic is not None
+    size = view.elastic.config.fit(len(view.nodes) - len(late))
     if size is None:
         return None
-    keep = [n for n in c.nodes if n not in late][:size]
-    drop = tuple(n for n in c.nodes if n not in keep)
-    before = len(c.nodes)
-    c.nodes, c.growth = tuple(keep), (*c.growth, *drop)
-    c.elastic.scaled(now, size)
-    c.checkpoints.world_size = size * c.config.nproc_per_node
-    timeout = c.elastic.config.faulty_scale_down_timeout
+    keep = tuple(n for n in view.nodes if n not in late)[:size]
+    drop = tuple(n for n in view.nodes if n not in keep)
+    before = len(view.nodes)
+    elastic = view.elastic.scaled(view.now, size)
+    timeout = elastic.config.faulty_scale_down_timeout
     reason = f"{', '.join(late)} not up {timeout:g} s after the restart"
-    c._end_attempt(now, attempt, AttemptPhase.FAILED, reason)
-    c._event(
-        now,
-        EventKind.ELASTIC_SCALING,
+    message = (
         f"scale down {before} -> {size} nodes: {reason} (faultyScaleDownTimeoutInSeconds; "
-        "not counted as a restart)",
-        attempt=attempt.number + 1,
-        data={"from": before, "to": size, "dropped": list(drop), "added": [], "faulty": True},
+        "not counted as a restart)"
     )
-    return c._new_attempt(now, attempt.scope, (), reports, retire=drop)
+    data = {"from": before, "to": size, "dropped": list(drop), "added": [], "faulty": True}
+    return Decision(
+        nodes=keep,
+        growth=(*view.growth, *drop),
+        elastic=elastic,
+        end=(AttemptPhase.FAILED, reason),
+        events=(Note(EventKind.ELASTIC_SCALING, message, view.attempt.number + 1, data=data),),
+        next=NextAttempt(view.attempt.scope, retire=drop),
+    )
 
 
-def _preempted_away(c: JobController, attempt: Attempt) -> Scale | None:
+def _preempted_away(view: JobView) -> Scale | None:
     """An elastic job whose only faults are preempted nodes lost (taken before it gave
-    them up): a scale-down without them, not a restart (None: not that case)."""
-    if c.elastic is None or not c.preempted or not attempt.faults:
+    them up): a scale-down without them, not a restart (None: not that case). The
+    watch's own memory is not kept: with nodes being taken away, it forgets any wait
+    for a scale-up, as its next look does."""
+    attempt = view.attempt
+    if view.elastic is None or not view.preempted or not attempt.faults:
         return None
     lost = {f.node for f in attempt.faults if f.type is FaultType.NODE_LOST}
     if not lost or any(f.type is not FaultType.NODE_LOST for f in attempt.faults):
         return None
-    if not lost <= set(c.preempted):
+    if not lost <= set(view.preempted):
         return None
-    return c.elastic.observe(
-        attempt.ended_at or attempt.started_at, attempt.nodes, c.capacity, c.preempted, None
+    return copy.copy(view.elastic).observe(
+        attempt.ended_at or attempt.started_at,
+        attempt.nodes,
+        view.capacity,
+        view.preempted,
+        None,
     )
 
 
-def replace_at_launch(
-    c: JobController, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-) -> list[Action]:
+def replace_at_launch(view: JobView) -> Decision:
     """Nodes failed their on-start checks before any rank started: swap them for
     spares and bring those up. No rank ran, so no restart is counted."""
+    attempt, spares = view.attempt, view.spares
     failed = list(dict.fromkeys(f.node for f in attempt.faults if f.node is not None))
-    if len(failed) > len(c.spares) and not c.config.fresh_node_moves:
-        why = "; ".join(w for n in failed if (w := c.health.unusable(n)) is not None)
-        return c._finish(now, JobPhase.FAILED, f"{why}; {_spares_left(c.spares)}")
-    replaced = dict(zip(failed, c.spares, strict=False))
-    c.spares = c.spares[len(replaced) :]
-    fresh = [n for n in failed if n not in replaced]  # no spare: a fresh one elsewhere
-    c._health_events(now, attempt, [r for n in fresh if (r := c.health.relaunch(n))])
-    c.nodes = tuple(replaced.get(n, n) for n in c.nodes)
-    c.timeline.set_scope(attempt.number, RestartScope.JOB.value)
-    c.avoid_hosts = hosts_to_avoid(
-        c.avoid_hosts, failed, c._hosts, len(failed) + len(c.avoid_hosts)
-    )
+    if len(failed) > len(spares) and not view.config.fresh_node_moves:
+        why = "; ".join(view.unusable[n] for n in failed if n in view.unusable)
+        return Decision(finish=(JobPhase.FAILED, f"{why}; {_spares_left(spares)}"))
+    replaced = dict(zip(failed, spares, strict=False))
+    fresh = tuple(n for n in failed if n not in replaced)  # no spare: a fresh one elsewhere
     swaps = [f"{old} -> {new}" for old, new in replaced.items()]
     swaps += [f"{n} -> a fresh {n} elsewhere" for n in fresh]
-    c._event(
-        now,
-        EventKind.NODES_REPLACED,
+    message = (
         f"replacing {', '.join(swaps)} before any rank started (failed on-start health "
-        "checks; not counted as a restart)",
-        attempt=attempt.number + 1,
-        data={"replaced": replaced, "fresh": fresh},
+        "checks; not counted as a restart)"
     )
-    launch = [*replaced.values(), *fresh]
-    retire = [n for n in failed if n in replaced]
-    return c._new_attempt(now, attempt.scope, launch, reports, retire=retire)
+    data = {"replaced": replaced, "fresh": list(fresh)}
+    avoid = hosts_to_avoid(
+        view.avoid_hosts, failed, view.hosts, len(failed) + len(view.avoid_hosts)
+    )
+    launch = (*replaced.values(), *fresh)
+    retire = tuple(n for n in failed if n in replaced)
+    return Decision(
+        spares=spares[len(replaced) :],
+        relaunch=fresh,
+        nodes=tuple(replaced.get(n, n) for n in view.nodes),
+        scope=RestartScope.JOB,
+        avoid_hosts=avoid,
+        events=(Note(EventKind.NODES_REPLACED, message, attempt.number + 1, data=data),),
+        next=NextAttempt(attempt.scope, launch, retire),
+    )
 
 
-def can_restart_in_place(
-    c: JobController, attempt: Attempt, reports: Mapping[str, NodeReport]
-) -> bool:
-    if not c.config.in_process or c.restarts >= c.config.max_restarts:
+def can_restart_in_place(view: JobView) -> bool:
+    cfg, attempt = view.config, view.attempt
+    if not cfg.in_process or view.restarts >= cfg.max_restarts:
         return False
-    if _script_bug(c) is not None:  # stopped, then failed by after_failure
+    if _script_bug(view) is not None:  # stopped, then failed by after_failure
         return False
     return inprocess.eligible(
-        attempt.faults,
-        attempt.number,
-        attempt.assignments,
-        reports,
-        c.config.contact_rule,
+        attempt.faults, attempt.number, attempt.assignments, view.reports, cfg.contact_rule
     )
 
 
-def restart_in_place(
-    c: JobController, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-) -> RejoinNodes:
-    scope = RestartScope.IN_PROCESS
+def restart_in_place(view: JobView) -> Decision:
+    attempt, scope = view.attempt, RestartScope.IN_PROCESS
     reason = attempt.faults[0].message
     dead = {f.rank for f in attempt.faults}
     survivors = tuple(
         w.rank
-        for _, status in attempt.watch.current(attempt.assignments, reports)
+        for _, status in attempt.watch.current(attempt.assignments, view.reports)
         for w in status.workers
         if w.state is WorkerState.RUNNING and w.rank not in dead
     )
-    c._end_attempt(now, attempt, AttemptPhase.FAILED, reason)
-    c.history.append(RestartRecord(now, scope))
-    c.timeline.set_scope(attempt.number, scope.value)
-    c.phase = JobPhase.RESTARTING
-    c._event(
-        now,
-        EventKind.RESTART_SCHEDULED,
-        f"in-process restart {c.restarts} of {c.config.max_restarts}: {reason}; "
-        "survivors keep their processes, dead ranks are replaced",
-        attempt=attempt.number + 1,
-        data={"scope": scope.value, "replaced": {}},
+    message = (
+        f"in-process restart {view.restarts + 1} of {view.config.max_restarts}: {reason}; "
+        "survivors keep their processes, dead ranks are replaced"
     )
-    new = Attempt(len(c.attempts), now, c.nodes, c._watch(len(c.attempts), now))
-    new.scope = scope
-    new.rejoin = Rejoin(now, survivors)
-    c.attempts.append(new)
-    host = attempt.endpoint if 0 in survivors and new.nodes[0] == attempt.nodes[0] else None
-    started = c._start_attempt(now, new, host)
-    return RejoinNodes(started.attempt, started.assignments)
+    data: dict[str, object] = {"scope": scope.value, "replaced": {}}
+    host = attempt.endpoint if 0 in survivors and view.nodes[0] == attempt.nodes[0] else None
+    return Decision(
+        end=(AttemptPhase.FAILED, reason),
+        scope=scope,
+        counted=True,
+        phase=JobPhase.RESTARTING,
+        events=(Note(EventKind.RESTART_SCHEDULED, message, attempt.number + 1, data=data),),
+        next=InPlace(survivors=survivors, host=host),
+    )
 
 
-def watch_rejoin(
-    c: JobController,
-    now: float,
-    attempt: Attempt,
-    rejoin: Rejoin,
-    reports: Mapping[str, NodeReport],
-) -> tuple[list[Action], list[Fault]]:
+def watch_rejoin(view: JobView) -> tuple[Decision, list[Fault]]:
     """While an in-process restart is under way: replace the ranks stuck in the failed
     attempt, and fault the ranks that miss the barrier."""
-    cfg = c.config
+    attempt, cfg = view.attempt, view.config
+    assert isinstance(view.activity, Rejoining)
     step = inprocess.watch_rejoin(
-        now,
+        view.now,
         attempt.number,
-        rejoin,
-        reports,
+        view.activity.rejoin,
+        view.reports,
         attempt.assignments,
         cfg.stuck_rank_timeout,
         cfg.barrier_timeout,
     )
-    if step.done:
-        attempt.rejoin = None
     node_of = {r: a.node_id for a in attempt.assignments for r in a.global_ranks}
     faults = [
-        barrier_fault(now, attempt.number, node_of[rank], rank, cfg.barrier_timeout)
+        barrier_fault(view.now, attempt.number, node_of[rank], rank, cfg.barrier_timeout)
         for rank in step.missed
     ]
-    actions: list[Action] = []
-    for node_id, ranks in step.replace.items():
-        actions.append(ReplaceRanks(attempt.number, node_id, ranks))
-        c._event(
-            now,
+    events = tuple(
+        Note(
             EventKind.STUCK_RANKS_REPLACED,
             f"{', '.join(f'rank {r}' for r in ranks)} did not leave attempt "
             f"{attempt.number - 1} within {cfg.stuck_rank_timeout:g} s (deadlocked in a "
             "collective); giving each a new process",
-            attempt=attempt.number,
-            node=node_id,
-            data={"ranks": list(ranks)},
+            attempt.number,
+            node_id,
+            {"ranks": list(ranks)},
         )
-    return actions, faults
+        for node_id, ranks in step.replace.items()
+    )
+    actions = tuple(ReplaceRanks(attempt.number, n, r) for n, r in step.replace.items())
+    done = Training() if step.done else None
+    return Decision(actions, events, activity=done), faults
 
 
 def _spares_left(spares: Sequence[str]) -> str:
@@ -351,9 +308,9 @@ def _spares_left(spares: Sequence[str]) -> str:
     return f"only {len(spares)} spare node{'s' if len(spares) > 1 else ''} left to replace them"
 
 
-def _script_bug(c: JobController) -> ScriptBug | None:
+def _script_bug(view: JobView) -> ScriptBug | None:
     """The job's attempts so far end in a script bug (control/script_bug.py)."""
-    ended = [a.faults for a in c.attempts if a.faults]
-    stepped = any(a.watch.progress is not None for a in c.attempts)
-    world = sum(len(a.global_ranks) for a in c.attempts[-1].assignments)
+    ended = [a.faults for a in view.attempts if a.faults]
+    stepped = any(a.watch.progress is not None for a in view.attempts)
+    world = sum(len(a.global_ranks) for a in view.attempts[-1].assignments)
     return script_bug(ended, stepped, world)

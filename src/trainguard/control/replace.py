@@ -18,106 +18,103 @@ No survivor restarts and no checkpoint is read: no step is lost. It counts as a 
 ``node_start_timeout``, or any other fault meanwhile, stops the attempt, and the policy
 restarts it as for any lost node (from the checkpoints).
 
-Pure, like the rest of the package.
+Planners over a :class:`~trainguard.control.decision.JobView` (control/decision.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
-from trainguard.control.actions import Action, AttemptPhase, LaunchNodes, StopMode
-from trainguard.control.attempt import Attempt
+from trainguard.control.actions import AttemptPhase, LaunchNodes, RetireNodes, StopMode
+from trainguard.control.attempt import Rejoining, ReplacingInPlace, Training
+from trainguard.control.decision import Decision, JobView, Note, Stop, chain
 from trainguard.control.events import EventKind, Fault, FaultType
-from trainguard.control.policy import RestartRecord, RestartScope
-from trainguard.control.reports import NodeReport
+from trainguard.control.policy import RestartScope
 from trainguard.control.rescale import reform, running, standby_up
 
-if TYPE_CHECKING:
-    from trainguard.control.controller import JobController
-
-__all__ = ["begin", "pending_faults", "watch"]
+__all__ = ["begin", "give_up", "pending_faults", "watch"]
 
 
-def begin(
-    c: JobController,
-    now: float,
-    attempt: Attempt,
-    faults: Sequence[Fault],
-    reports: Mapping[str, NodeReport],
-) -> list[Action] | None:
+def begin(view: JobView, faults: Sequence[Fault]) -> Decision | None:
     """Bring spares up for the lost nodes of ``faults``, to replace them in place; None:
     not that case (see the module doc)."""
+    cfg, attempt = view.config, view.attempt
     if (
-        not c.config.in_process
-        or attempt.rejoin is not None
-        or attempt.replacing_in_place
-        or c.restarts >= c.config.max_restarts
+        not cfg.in_process
+        or isinstance(view.activity, Rejoining | ReplacingInPlace)
+        or view.restarts >= cfg.max_restarts
         or not faults
         or any(f.type is not FaultType.NODE_LOST or f.node is None for f in faults)
     ):
         return None
     lost = tuple(dict.fromkeys(f.node for f in faults if f.node is not None))
-    if not set(lost) <= set(attempt.nodes) or len(lost) > len(c.spares):
+    if not set(lost) <= set(attempt.nodes) or len(lost) > len(view.spares):
         return None
-    if any(c.health.unusable(n) is not None for n in c.spares[: len(lost)]):
+    spares = view.spares[: len(lost)]
+    if any(n in view.unusable for n in spares):
         return None
     survivors = [n for n in attempt.nodes if n not in lost]
-    if not survivors or not running(c, attempt, survivors, reports):
+    if not survivors or not running(view, survivors):
         return None
-    spares = c.spares[: len(lost)]
-    c.spares = c.spares[len(lost) :]
-    for fault in faults:
-        c._record_fault(now, attempt, fault)
-    attempt.replacing_in_place = dict(zip(lost, spares, strict=True))
-    attempt.standby = spares
-    attempt.standby_deadline = now + c.config.node_start_timeout
-    swaps = ", ".join(f"{old} -> {new}" for old, new in attempt.replacing_in_place.items())
-    c._event(
-        now,
-        EventKind.NODE_REPLACING,
+    swap = dict(zip(lost, spares, strict=True))
+    swaps = ", ".join(f"{old} -> {new}" for old, new in swap.items())
+    message = (
         f"{faults[0].message}; bringing up {', '.join(spares)} to take its ranks in place "
-        f"({swaps}): the other ranks keep their processes",
-        attempt=attempt.number,
-        data={"replacing": dict(attempt.replacing_in_place)},
+        f"({swaps}): the other ranks keep their processes"
     )
-    return [LaunchNodes(spares, attempt.number, c.avoid_hosts)]
+    return Decision(
+        spares=view.spares[len(lost) :],
+        faults=tuple(faults),
+        activity=ReplacingInPlace(swap, view.now + cfg.node_start_timeout),
+        events=(Note(EventKind.NODE_REPLACING, message, attempt.number, data={"replacing": swap}),),
+        actions=(LaunchNodes(spares, attempt.number, view.avoid_hosts),),
+    )
 
 
-def pending_faults(attempt: Attempt, faults: Sequence[Fault]) -> list[Fault]:
+def pending_faults(replacing: ReplacingInPlace, faults: Sequence[Fault]) -> list[Fault]:
     """``faults`` without those of the nodes being replaced in place (they are lost:
     their silence is no news)."""
-    gone = set(attempt.replacing_in_place)
-    return [f for f in faults if f.node not in gone]
+    return [f for f in faults if f.node not in replacing.swap]
 
 
-def watch(
-    c: JobController, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-) -> list[Action]:
+def give_up(view: JobView) -> Decision:
+    """Another fault while spares came up to replace lost nodes in place: retire the
+    spares (back in the pool) and let the fault stop the attempt."""
+    assert isinstance(view.activity, ReplacingInPlace)
+    spares = view.activity.standby
+    return Decision(
+        spares=(*spares, *view.spares),
+        activity=Training(),
+        actions=(RetireNodes(spares),) if spares else (),
+    )
+
+
+def watch(view: JobView) -> Decision:
     """While the spares come up: once all are up and warm, the next attempt in place; a
     spare that does not come up stops the attempt (the policy takes over)."""
-    failed, up = standby_up(c, now, attempt, reports)
+    attempt, replacing = view.attempt, view.activity
+    assert isinstance(replacing, ReplacingInPlace)
+    failed, up = standby_up(view, replacing.standby, replacing.deadline)
     if failed:
         why = "; ".join(w for _, w in failed)
-        return [c._stop(now, attempt, StopMode.PROCESS, f"replacing in place failed: {why}")]
+        return Decision(stop=Stop(StopMode.PROCESS, f"replacing in place failed: {why}"))
     if not up:
-        return []
-    swap = dict(attempt.replacing_in_place)
-    attempt.take_standby()
+        return Decision()
+    swap = dict(replacing.swap)
     nodes = tuple(swap.get(n, n) for n in attempt.nodes)  # each spare in its node's place
-    lost = tuple(swap)
     reason = attempt.faults[0].message if attempt.faults else "nodes lost"
     scope = RestartScope.IN_PROCESS
-    c._end_attempt(now, attempt, AttemptPhase.FAILED, reason)
-    c.history.append(RestartRecord(now, scope))
-    c.timeline.set_scope(attempt.number, scope.value)
-    c._event(
-        now,
-        EventKind.RESTART_SCHEDULED,
-        f"in-process restart {c.restarts} of {c.config.max_restarts}: {reason}; "
+    message = (
+        f"in-process restart {view.restarts + 1} of {view.config.max_restarts}: {reason}; "
         f"{', '.join(f'{new} takes the ranks of {old}' for old, new in swap.items())}, the "
-        "other ranks keep their processes",
-        attempt=attempt.number + 1,
-        data={"scope": scope.value, "replaced": swap},
+        "other ranks keep their processes"
     )
-    return reform(c, now, attempt, nodes, tuple(swap.values()), lost)
+    data = {"scope": scope.value, "replaced": swap}
+    restart = Decision(
+        activity=Training(),
+        end=(AttemptPhase.FAILED, reason),
+        scope=scope,
+        counted=True,
+        events=(Note(EventKind.RESTART_SCHEDULED, message, attempt.number + 1, data=data),),
+    )
+    return chain(restart, reform(view, nodes, tuple(swap.values()), tuple(swap)))

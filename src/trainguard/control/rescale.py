@@ -24,151 +24,152 @@ running); otherwise, and for jobs without in-process restarts, a scaling stops t
 and restarts it at the new size from its checkpoint (:func:`recovery.rescale`). Neither
 counts against ``jobMaxRetryCount``.
 
-Functions over a :class:`~trainguard.control.controller.JobController`, pure.
+Planners over a :class:`~trainguard.control.decision.JobView` (control/decision.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+import copy
+from collections.abc import Sequence
 
-from trainguard.control.actions import (
-    Action,
-    AttemptPhase,
-    JobPhase,
-    LaunchNodes,
-    RejoinNodes,
-    RetireNodes,
-    StartNodes,
-    StopMode,
-)
-from trainguard.control.attempt import Attempt
+from trainguard.control.actions import AttemptPhase, JobPhase, LaunchNodes, RetireNodes, StopMode
+from trainguard.control.attempt import GrowingAhead, Rejoining, Rescaling, Training, standby
 from trainguard.control.contact import Contact, contact, launch_verdict
+from trainguard.control.decision import Decision, InPlace, JobView, Note, Stop, chain
 from trainguard.control.elastic import Scale
 from trainguard.control.events import EventKind, Fault, FaultType
-from trainguard.control.inprocess import Rejoin
-from trainguard.control.policy import RestartScope
+from trainguard.control.health import HealthBook
 from trainguard.control.reports import NodeReport
 from trainguard.wire.status import NodeState, WorkerState
-
-if TYPE_CHECKING:
-    from trainguard.control.controller import JobController
 
 __all__ = ["abandon_growth", "look", "preempted_lost", "reform", "running", "standby_up"]
 
 
-def look(
-    c: JobController, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-) -> list[Action]:
+def look(view: JobView) -> Decision:
     """One look at an elastic job's running attempt: what its size needs now (nothing,
     nodes to bring up, a scaling in place, or a stop to restart at the new size)."""
-    assert c.elastic is not None
-    actions: list[Action] = []
-    if attempt.standby and _taking_away(c, attempt):
-        actions += abandon_growth(c, now, attempt, "nodes are being taken away")
-    scale = c.elastic.observe(now, attempt.nodes, c.capacity, c.preempted, attempt.started_at)
+    assert view.elastic is not None
+    attempt = view.attempt
+    first = Decision()
+    if standby(view.activity) and _taking_away(view):
+        first = abandon_growth(view, "nodes are being taken away")
+    view = view.after(first)
+    elastic = copy.copy(view.elastic)
+    assert elastic is not None
+    scale = elastic.observe(
+        view.now, attempt.nodes, view.capacity, view.preempted, attempt.started_at
+    )
+    first = chain(first, Decision(elastic=elastic))
+    view = view.after(first)
     if scale is not None and scale.down:
-        return [*actions, *_scale(c, now, attempt, scale, reports)]
-    if scale is not None and attempt.scale_due is None:
-        attempt.scale_due = scale
-        if attempt.standby:
-            c._event(now, EventKind.SCALING_REQUESTED,
-                     f"{scale.reason}; with {', '.join(attempt.standby)}, brought up ahead",
-                     attempt=attempt.number, data={"added": list(attempt.standby)})  # fmt: skip
-    if attempt.standby:
-        return [*actions, *_watch_growth(c, now, attempt, reports)]
-    if attempt.scale_due is not None:  # decided with no node up ahead (after a failed try)
-        return [*actions, *_launch_growth(c, now, attempt, attempt.scale_due.size)]
-    target = c.elastic.room(len(attempt.nodes), c.capacity)
+        return chain(first, _scale(view, scale))
+    growth = view.activity if isinstance(view.activity, GrowingAhead) else GrowingAhead()
+    if scale is not None and growth.due is None:
+        growth = GrowingAhead(growth.standby, growth.deadline, scale)
+        events: tuple[Note, ...] = ()
+        if growth.standby:
+            added = ", ".join(growth.standby)
+            message = f"{scale.reason}; with {added}, brought up ahead"
+            data = {"added": list(growth.standby)}
+            events = (Note(EventKind.SCALING_REQUESTED, message, attempt.number, data=data),)
+        first = chain(first, Decision(events=events, activity=growth))
+        view = view.after(first)
+    if growth.standby:
+        return chain(first, _watch_growth(view, growth))
+    if growth.due is not None:  # decided with no node up ahead (after a failed try)
+        return chain(first, _launch_growth(view, growth.due.size))
+    target = elastic.room(len(attempt.nodes), view.capacity)
     if target is not None:
-        actions += _launch_growth(c, now, attempt, target)
-    return actions
+        return chain(first, _launch_growth(view, target))
+    return first
 
 
-def preempted_lost(
-    c: JobController,
-    now: float,
-    attempt: Attempt,
-    faults: Sequence[Fault],
-    reports: Mapping[str, NodeReport],
-) -> list[Action] | None:
+def preempted_lost(view: JobView, faults: Sequence[Fault]) -> Decision | None:
     """``faults`` are only preempted nodes lost before the job gave them up (taken without
     notice): a scale-down without them, in place where it can be, and no fault. None:
     not that case (other faults, or the rest is under ``minReplicas``)."""
-    if c.elastic is None or not faults or attempt.rejoin is not None:
+    attempt, elastic = view.attempt, view.elastic
+    if elastic is None or not faults or isinstance(view.activity, Rejoining):
         return None
     lost = {f.node for f in faults}
-    taken = set(c.preempted)
+    taken = set(view.preempted)
     if any(f.type is not FaultType.NODE_LOST or f.node not in taken for f in faults):
         return None
-    scale = c.elastic.observe(now, attempt.nodes, c.capacity, c.preempted, attempt.started_at)
+    elastic = copy.copy(elastic)
+    scale = elastic.observe(
+        view.now, attempt.nodes, view.capacity, view.preempted, attempt.started_at
+    )
     if scale is None or not lost <= set(scale.drop):
         return None
-    for fault in faults:
-        how = c.elastic.taken_as
-        message = f"{fault.message} ({how}: a scale-down, not a fault)"
-        c._event(now, EventKind.NODE_PREEMPTED, message, attempt=attempt.number, node=fault.node)
-    actions = abandon_growth(c, now, attempt, "nodes are being taken away")
-    return [*actions, *_scale(c, now, attempt, scale, reports)]
+    how = elastic.taken_as
+    events = tuple(
+        Note(
+            EventKind.NODE_PREEMPTED,
+            f"{f.message} ({how}: a scale-down, not a fault)",
+            attempt.number,
+            f.node,
+        )
+        for f in faults
+    )
+    first = chain(Decision(events=events), abandon_growth(view, "nodes are being taken away"))
+    first = chain(first, Decision(elastic=elastic))
+    return chain(first, _scale(view.after(first), scale))
 
 
-def _scale(
-    c: JobController, now: float, attempt: Attempt, scale: Scale, reports: Mapping[str, NodeReport]
-) -> list[Action]:
+def _scale(view: JobView, scale: Scale) -> Decision:
     """Carry a scale-down out: in place where every remaining rank runs, else by a stop."""
-    keep = [n for n in attempt.nodes if n not in scale.drop]
-    if not running(c, attempt, keep, reports):
-        return _stop_for(c, now, attempt, scale)
-    return _reform(c, now, attempt, tuple(keep), (), scale.drop, scale.reason)
+    keep = tuple(n for n in view.attempt.nodes if n not in scale.drop)
+    if not running(view, keep):
+        return _stop_for(view, scale)
+    return _reform(view, keep, (), scale.drop, scale.reason)
 
 
-def _stop_for(
-    c: JobController, now: float, attempt: Attempt, scale: Scale, announce: bool = True
-) -> list[Action]:
-    """Stop ``attempt`` to restart at ``scale.size`` (control/recovery.py ``rescale``;
+def _stop_for(view: JobView, scale: Scale, announce: bool = True) -> Decision:
+    """Stop the attempt to restart at ``scale.size`` (control/recovery.py ``rescale``;
     the nodes up ahead, if any, are in the next attempt)."""
-    attempt.scale = scale
-    if announce:
-        c._event(now, EventKind.SCALING_REQUESTED, scale.reason, attempt=attempt.number)
-    return [c._stop(now, attempt, StopMode.GRACEFUL, scale.reason)]
+    number = view.attempt.number
+    events = (Note(EventKind.SCALING_REQUESTED, scale.reason, number),) if announce else ()
+    return Decision(
+        activity=Rescaling(scale, standby(view.activity)),
+        events=events,
+        stop=Stop(StopMode.GRACEFUL, scale.reason),
+    )
 
 
-def abandon_growth(c: JobController, now: float, attempt: Attempt, why: str) -> list[Action]:
+def abandon_growth(view: JobView, why: str) -> Decision:
     """Retire the nodes brought up for a scale-up (the attempt ends, or shrinks); their
     ids go back to the pool to grow onto."""
-    added = attempt.take_standby()
+    added = standby(view.activity)
     if not added:
-        return []
-    c.growth = (*added, *c.growth)
-    c._event(
-        now,
-        EventKind.ELASTIC_SCALING_FAILED,
-        f"scale up given up: {why}; retiring {', '.join(added)}",
-        attempt=attempt.number,
-        data={"lost": list(added), "failures": c.elastic.failures if c.elastic else 0},
-    )
-    return [RetireNodes(added)]
-
-
-def _taking_away(c: JobController, attempt: Attempt) -> bool:
-    size = len(attempt.nodes)
-    return bool(set(c.preempted) & set(attempt.nodes)) or (
-        c.capacity is not None and c.capacity < size + len(attempt.standby)
+        return Decision()
+    a = view.activity
+    message = f"scale up given up: {why}; retiring {', '.join(added)}"
+    data = {"lost": list(added), "failures": view.elastic.failures if view.elastic else 0}
+    return Decision(
+        growth=(*added, *view.growth),
+        activity=Rescaling(a.scale) if isinstance(a, Rescaling) else Training(),
+        events=(Note(EventKind.ELASTIC_SCALING_FAILED, message, view.attempt.number, data=data),),
+        actions=(RetireNodes(added),),
     )
 
 
-def running(
-    c: JobController, attempt: Attempt, nodes: Sequence[str], reports: Mapping[str, NodeReport]
-) -> bool:
+def _taking_away(view: JobView) -> bool:
+    nodes = view.attempt.nodes
+    return bool(set(view.preempted) & set(nodes)) or (
+        view.capacity is not None and view.capacity < len(nodes) + len(standby(view.activity))
+    )
+
+
+def running(view: JobView, nodes: Sequence[str]) -> bool:
     """Whether a scaling may be made in place: in-process restarts on, and every node
     that stays up with its workers running the attempt."""
-    if not c.config.in_process:
+    if not view.config.in_process:
         return False
     for node_id in nodes:
-        report = reports.get(node_id)
-        if report is None or contact(report, c.config.contact_rule) is not Contact.UP:
+        report = view.reports.get(node_id)
+        if report is None or contact(report, view.config.contact_rule) is not Contact.UP:
             return False
-        status = report.about(attempt.number)
+        status = report.about(view.attempt.number)
         if status is None or status.state is not NodeState.RUNNING:
             return False
         if not status.workers or any(w.state is not WorkerState.RUNNING for w in status.workers):
@@ -182,135 +183,105 @@ def _warming(report: NodeReport | None) -> bool:
 
 
 def standby_up(
-    c: JobController, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
+    view: JobView, added: tuple[str, ...], deadline: float | None
 ) -> tuple[list[tuple[str, str]], bool]:
-    """The nodes brought up ahead of a change (``attempt.standby``): those lost (each with
-    why; late ones too, past ``standby_deadline``), and whether all are up, idle, done
-    with their health checks and their worker template warm (a warming node joins once
-    its workers can start at once)."""
-    assert attempt.standby_deadline is not None
-    added = attempt.standby
-    lost, waiting = launch_verdict(
-        added,
-        reports,
-        c.config.contact_rule,
-        now >= attempt.standby_deadline,
-        c.config.node_start_timeout,
-    )
-    busy = any(c.health.checking(reports.get(n)) or _warming(reports.get(n)) for n in added)
+    """The nodes brought up ahead of a change (``added``): those lost (each with why;
+    late ones too, past ``deadline``), and whether all are up, idle, done with their
+    health checks and their worker template warm (a warming node joins once its workers
+    can start at once)."""
+    assert deadline is not None
+    cfg, reports = view.config, view.reports
+    late = view.now >= deadline
+    lost, waiting = launch_verdict(added, reports, cfg.contact_rule, late, cfg.node_start_timeout)
+    busy = any(HealthBook.checking(reports.get(n)) or _warming(reports.get(n)) for n in added)
     return lost, not lost and not waiting and not busy
 
 
-def _launch_growth(c: JobController, now: float, attempt: Attempt, size: int) -> list[Action]:
-    """Bring up the nodes a scale-up of ``attempt`` to ``size`` nodes adds, while it trains
-    on: ahead of the decision (``scalingTimeoutInSeconds`` runs meanwhile), or after."""
-    added = c.growth[: max(0, size - len(c.nodes))]
+def _launch_growth(view: JobView, size: int) -> Decision:
+    """Bring up the nodes a scale-up of the attempt to ``size`` nodes adds, while it
+    trains on: ahead of the decision (``scalingTimeoutInSeconds`` runs meanwhile), or
+    after."""
+    assert view.elastic is not None
+    attempt = view.attempt
+    added = view.growth[: max(0, size - len(view.nodes))]
+    due = view.activity.due if isinstance(view.activity, GrowingAhead) else None
     if not added:
-        attempt.scale_due = None  # no node id left to grow onto
-        return []
-    c.growth = c.growth[len(added) :]
-    attempt.standby = added
-    attempt.standby_deadline = now + c.config.node_start_timeout
-    assert c.elastic is not None
-    due, names = attempt.scale_due, ", ".join(added)
+        return Decision(activity=Training())  # no node id left to grow onto
+    names = ", ".join(added)
     if due is None:
         kind = EventKind.SCALE_UP_PREPARING
         message = (
-            f"capacity for {c.capacity} nodes: bringing up {names} ahead of the scale-up "
-            f"(scalingTimeoutInSeconds: {c.elastic.config.scaling_timeout:g} s)"
+            f"capacity for {view.capacity} nodes: bringing up {names} ahead of the scale-up "
+            f"(scalingTimeoutInSeconds: {view.elastic.config.scaling_timeout:g} s)"
         )
     else:
-        kind, message = (
-            EventKind.SCALING_REQUESTED,
-            f"{due.reason}; bringing up {names} while it trains",
-        )
-    c._event(now, kind, message, attempt=attempt.number, data={"added": list(added)})
-    return [LaunchNodes(added, attempt.number, c.avoid_hosts)]
+        kind = EventKind.SCALING_REQUESTED
+        message = f"{due.reason}; bringing up {names} while it trains"
+    return Decision(
+        growth=view.growth[len(added) :],
+        activity=GrowingAhead(added, view.now + view.config.node_start_timeout, due),
+        events=(Note(kind, message, attempt.number, data={"added": list(added)}),),
+        actions=(LaunchNodes(added, attempt.number, view.avoid_hosts),),
+    )
 
 
-def _watch_growth(
-    c: JobController, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-) -> list[Action]:
+def _watch_growth(view: JobView, growth: GrowingAhead) -> Decision:
     """The nodes coming up for a scale-up: retired if lost, else they join once they are
     up and warm and the scale-up is decided: in place (the ranks rejoin, the new nodes
     start), or by a stop and a restart with them."""
-    assert c.elastic is not None
-    added = attempt.standby
-    lost, up = standby_up(c, now, attempt, reports)
+    assert view.elastic is not None
+    attempt, added = view.attempt, growth.standby
+    lost, up = standby_up(view, added, growth.deadline)
     if lost:
-        c.elastic.outcome(False)
-        return abandon_growth(c, now, attempt, "; ".join(why for _, why in lost))
-    if not up:
-        return []
-    due = attempt.scale_due
-    if due is None:
-        return []  # up and warm, ahead of the decision
+        first = Decision(elastic=view.elastic.outcome(False))
+        return chain(first, abandon_growth(view.after(first), "; ".join(w for _, w in lost)))
+    if not up or growth.due is None:
+        return Decision()  # not up, or up and warm ahead of the decision
     before = len(attempt.nodes)
     reason = f"scale up {before} -> {before + len(added)} nodes: {', '.join(added)} up"
-    if not c.config.in_process:
+    if not view.config.in_process:
         scale = Scale(before + len(added), reason)
-        return _stop_for(c, now, attempt, scale, announce=False)  # announced when decided
-    if not running(c, attempt, attempt.nodes, reports):
-        return []  # a rank is not running: its fault, if any, ends the attempt first
-    c.elastic.outcome(True)
-    attempt.take_standby()
-    return _reform(c, now, attempt, (*attempt.nodes, *added), added, (), reason)
+        return _stop_for(view, scale, announce=False)  # announced when decided
+    if not running(view, attempt.nodes):
+        return Decision()  # a rank is not running: its fault, if any, ends the attempt first
+    first = Decision(elastic=view.elastic.outcome(True), activity=Training())
+    return chain(first, _reform(view.after(first), (*attempt.nodes, *added), added, (), reason))
 
 
 def _reform(
-    c: JobController,
-    now: float,
-    attempt: Attempt,
+    view: JobView,
     nodes: tuple[str, ...],
     added: tuple[str, ...],
     dropped: tuple[str, ...],
     reason: str,
-) -> list[Action]:
+) -> Decision:
     """An elastic scaling in place: the next attempt on ``nodes`` (:func:`reform`)."""
-    assert c.elastic is not None
-    before = len(attempt.nodes)
-    c.growth = (*dropped, *c.growth)  # dropped ids may come back
-    c.elastic.scaled(now, len(nodes))
-    world = len(nodes) * c.config.nproc_per_node
-    c.checkpoints.world_size = world
-    c._end_attempt(now, attempt, AttemptPhase.STOPPED, reason)
-    c._event(
-        now,
-        EventKind.ELASTIC_SCALING,
+    assert view.elastic is not None
+    before = len(view.attempt.nodes)
+    elastic = view.elastic.scaled(view.now, len(nodes))
+    world = len(nodes) * view.config.nproc_per_node
+    message = (
         f"{reason}; in place at WORLD_SIZE {world}: the ranks keep their processes and "
-        "their state (not counted as a restart)",
-        attempt=attempt.number + 1,
-        data={"from": before, "to": len(nodes), "dropped": list(dropped),
-              "added": list(added), "in_place": True},
-    )  # fmt: skip
-    return reform(c, now, attempt, nodes, added, dropped)
+        "their state (not counted as a restart)"
+    )
+    data = {"from": before, "to": len(nodes), "dropped": list(dropped),
+            "added": list(added), "in_place": True}  # fmt: skip
+    scaling = Decision(
+        growth=(*dropped, *view.growth),  # dropped ids may come back
+        elastic=elastic,
+        end=(AttemptPhase.STOPPED, reason),
+        events=(Note(EventKind.ELASTIC_SCALING, message, view.attempt.number + 1, data=data),),
+    )
+    return chain(scaling, reform(view, nodes, added, dropped))
 
 
 def reform(
-    c: JobController,
-    now: float,
-    attempt: Attempt,
-    nodes: tuple[str, ...],
-    added: tuple[str, ...],
-    dropped: tuple[str, ...],
-) -> list[Action]:
-    """Start the attempt after ``attempt`` (ended) on ``nodes``, in place: the nodes that
-    ran ``attempt`` rejoin (their ranks keep their processes), ``added`` start, ``dropped``
+    view: JobView, nodes: tuple[str, ...], added: tuple[str, ...], dropped: tuple[str, ...]
+) -> Decision:
+    """Start the attempt after the current one (ended) on ``nodes``, in place: the nodes
+    that ran it rejoin (their ranks keep their processes), ``added`` start, ``dropped``
     are retired."""
-    c.nodes = nodes
-    c.phase = JobPhase.RESTARTING
-    number = len(c.attempts)
-    new = Attempt(number, now, nodes, c._watch(number, now), RestartScope.IN_PROCESS)
-    new.rejoin = Rejoin(now, ())  # every rank must join; none is replaced as stuck
-    c.attempts.append(new)
+    attempt = view.attempt
     # Every rank of the nodes kept runs: rank 0 keeps its process where node 0 stays.
     host = attempt.endpoint if nodes[0] == attempt.nodes[0] else None
-    started = c._start_attempt(now, new, host)
-    kept = tuple(a for a in started.assignments if a.node_id not in added)
-    actions: list[Action] = [RejoinNodes(started.attempt, kept)]
-    if added:
-        fresh = tuple(a for a in started.assignments if a.node_id in added)
-        actions.append(StartNodes(started.attempt, fresh, started.scope))
-    if dropped:
-        actions.append(RetireNodes(dropped))
-    return actions
+    return Decision(nodes=nodes, phase=JobPhase.RESTARTING, next=InPlace(added, dropped, host=host))

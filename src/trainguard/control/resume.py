@@ -24,6 +24,7 @@ from trainguard.control.actions import Action, AttemptPhase
 from trainguard.control.assignment import StoreEndpoint, assign_attempt
 from trainguard.control.attempt import Attempt
 from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.decision import NextAttempt
 from trainguard.control.events import EventKind, Fault, FaultType
 from trainguard.control.persist import CheckpointPlanner
 from trainguard.control.policy import RestartRecord, RestartScope
@@ -104,7 +105,7 @@ def restart(c: JobController, now: float, recorded: Recorded, why: str) -> list[
         f"controller resumed: {why}; restarting from the newest checkpoint",
         data={"mode": "restart", "why": why},
     )
-    return c._new_attempt(now, RestartScope.JOB, launch=c.nodes, reports={})
+    return c._new_attempt(now, NextAttempt(RestartScope.JOB, c.nodes), {})
 
 
 def _restore(

@@ -1,0 +1,146 @@
+"""What the planners see and what they decide: a frozen view in, a decision value out.
+
+The planners (control/recovery.py, replace.py, rescale.py) are functions of a
+:class:`JobView`, the job as the controller holds it at one look, that return a
+:class:`Decision`: how the attempt ends, the node pool after it, the next attempt (and
+how it starts), the actions and the events. :meth:`JobController._apply
+<trainguard.control.controller.JobController._apply>` is the one place that carries a
+decision out. The planners never change the view (the elastic watch they advance is a
+copy, returned in the decision), so each is tested with literal values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.control.actions import Action, AttemptPhase, JobPhase, StopMode
+from trainguard.control.assignment import StoreEndpoint
+from trainguard.control.attempt import Activity, Attempt
+from trainguard.control.config import ControlConfig
+from trainguard.control.elastic import ElasticWatch
+from trainguard.control.events import EventKind, Fault
+from trainguard.control.policy import RestartRecord, RestartScope
+from trainguard.control.reports import NodeReport
+
+__all__ = ["Decision", "InPlace", "JobView", "NextAttempt", "Note", "Stop", "chain"]
+
+
+@dataclass(frozen=True)
+class Note:
+    """An event to record (``attempt`` None: the current attempt's)."""
+
+    kind: EventKind
+    message: str
+    attempt: int | None = None
+    node: str | None = None
+    data: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop the current attempt's ranks."""
+
+    mode: StopMode
+    reason: str
+    capture: bool = False
+
+
+@dataclass(frozen=True)
+class NextAttempt:
+    """A new attempt on the decided nodes: ``launch`` these first (else start at once),
+    ``retire`` these; its activity while it launches; ``keep``: launched nodes whose live
+    agent may take the new incarnation (:class:`~trainguard.control.actions.LaunchNodes`)."""
+
+    scope: RestartScope
+    launch: tuple[str, ...] = ()
+    retire: tuple[str, ...] = ()
+    activity: Activity | None = None
+    keep: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """The next attempt in place, on the decided nodes: the ranks of the nodes kept
+    rejoin (``survivors``: those that keep their processes, the rest replaced; empty:
+    every rank must join), ``added`` start, ``dropped`` are retired; ``host``: the
+    rendezvous kept (rank 0 keeps its process)."""
+
+    added: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+    survivors: tuple[int, ...] = ()
+    host: StoreEndpoint | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do now. None fields are unchanged; applied in this order: the pool and the
+    activity, the faults, the attempt's end, the events, the actions, the stop, then
+    the job's end or the next attempt, then ``then``."""
+
+    actions: tuple[Action, ...] = ()
+    events: tuple[Note, ...] = ()
+    faults: tuple[Fault, ...] = ()
+    relaunch: tuple[str, ...] = ()  # nodes restarting fresh elsewhere: Schedulable again
+    nodes: tuple[str, ...] | None = None
+    spares: tuple[str, ...] | None = None
+    growth: tuple[str, ...] | None = None
+    avoid_hosts: tuple[str, ...] | None = None
+    elastic: ElasticWatch | None = None
+    activity: Activity | None = None
+    phase: JobPhase | None = None
+    scope: RestartScope | None = None  # the ended attempt's recovery, in the timeline
+    counted: bool = False  # a restart against jobMaxRetryCount (of ``scope``)
+    end: tuple[AttemptPhase, str] | None = None
+    stop: Stop | None = None
+    finish: tuple[JobPhase, str] | None = None
+    next: NextAttempt | InPlace | None = None
+
+    then: Decision | None = None  # applied after this one (made on ``view.after(this)``)
+
+
+def chain(first: Decision, *rest: Decision) -> Decision:
+    """``first``, then each of ``rest`` in turn."""
+    if not rest:
+        return first
+    later = chain(*rest) if first.then is None else chain(first.then, *rest)
+    return dataclasses.replace(first, then=later)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The job at one look, as the planners see it (never changed by them)."""
+
+    now: float
+    config: ControlConfig
+    attempt: Attempt  # the current attempt (read only)
+    activity: Activity  # the current attempt's, as decided so far
+    reports: Mapping[str, NodeReport]
+    nodes: tuple[str, ...]
+    spares: tuple[str, ...] = ()
+    growth: tuple[str, ...] = ()
+    avoid_hosts: tuple[str, ...] = ()
+    history: tuple[RestartRecord, ...] = ()
+    attempts: tuple[Attempt, ...] = ()  # every attempt so far, the current one last
+    hosts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    node_fault_times: Mapping[str, Sequence[float]] = dataclasses.field(default_factory=dict)
+    unusable: Mapping[str, str] = dataclasses.field(default_factory=dict)  # node -> why
+    capacity: int | None = None
+    preempted: tuple[str, ...] = ()
+    elastic: ElasticWatch | None = None
+
+    @property
+    def restarts(self) -> int:
+        return len(self.history)
+
+    def after(self, decision: Decision) -> JobView:
+        """The view once ``decision``'s pool and activity are applied."""
+        view: JobView = self
+        step: Decision | None = decision
+        while step is not None:
+            names = ("nodes", "spares", "growth", "avoid_hosts", "elastic", "activity")
+            changes = {n: v for n in names if (v := getattr(step, n)) is not None}
+            view, step = dataclasses.replace(view, **changes), step.then
+        return view

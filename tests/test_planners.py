@@ -1,0 +1,192 @@
+"""The planners (control/recovery.py, replace.py, rescale.py) as pure functions: a literal
+JobView in, a Decision value out. No controller, no processes."""
+
+from __future__ import annotations
+
+import control_helpers as h
+from trainguard.control import recovery, replace, rescale
+from trainguard.control.actions import (
+    AttemptPhase,
+    JobPhase,
+    LaunchNodes,
+    RetireNodes,
+    StopMode,
+)
+from trainguard.control.assignment import StoreEndpoint, assign_attempt
+from trainguard.control.attempt import (
+    Activity,
+    Attempt,
+    GrowingAhead,
+    Launching,
+    ReplacingInPlace,
+    Training,
+)
+from trainguard.control.config import ControlConfig
+from trainguard.control.decision import Decision, InPlace, JobView, NextAttempt, Stop, chain
+from trainguard.control.detect import AttemptWatch
+from trainguard.control.elastic import ElasticConfig, ElasticWatch, Scale
+from trainguard.control.events import EventKind, Fault, FaultType
+from trainguard.control.policy import PolicyConfig, RestartRecord, RestartScope
+from trainguard.control.reports import NodeReport, NodeState
+
+NODES = ("node-0", "node-1")
+HOST = StoreEndpoint("10.0.0.1", 29500)
+
+
+def config(**kw: object) -> ControlConfig:
+    kw.setdefault("policy", PolicyConfig.from_spec(None, 3))
+    return ControlConfig("job", NODES, 2, **kw)  # type: ignore[arg-type]
+
+
+def attempt(
+    cfg: ControlConfig, faults: tuple[Fault, ...] = (), activity: Activity | None = None
+) -> Attempt:
+    """Attempt 0 on NODES, started (ranks assigned), with these faults."""
+    watch = AttemptWatch(0, 0.0, (), None, contact_rule=cfg.contact_rule)
+    a = Attempt(0, 0.0, NODES, watch, phase=AttemptPhase.RUNNING, endpoint=HOST)
+    a.assignments = assign_attempt(cfg, NODES, 0, HOST)
+    a.faults = list(faults)
+    a.activity = activity or Training()
+    return a
+
+
+def view(
+    cfg: ControlConfig,
+    a: Attempt,
+    reports: dict[str, NodeReport] | None = None,
+    now: float = 10.0,
+    **kw: object,
+) -> JobView:
+    """The job at ``now`` on ``cfg``'s nodes and spares, ``a`` its only attempt."""
+    kw.setdefault("spares", cfg.spare_node_ids)
+    return JobView(now, cfg, a, a.activity, reports or {}, cfg.node_ids, attempts=(a,), **kw)  # type: ignore[arg-type]
+
+
+def lost(node: str) -> Fault:
+    return Fault(FaultType.NODE_LOST, 5.0, 0, node, message=f"{node} lost")
+
+
+def running(*nodes: str) -> dict[str, NodeReport]:
+    return {n: h.report(n, NodeState.RUNNING, 0, workers=h.workers(i)) for i, n in enumerate(nodes)}
+
+
+def test_a_lost_node_is_swapped_for_a_spare_in_a_counted_job_restart() -> None:
+    cfg = config(spare_node_ids=("node-2",))
+    decided = recovery.after_failure(view(cfg, attempt(cfg, (lost("node-1"),))))
+    assert decided.nodes == ("node-0", "node-2") and decided.spares == ()
+    assert decided.scope is RestartScope.JOB and decided.counted
+    assert decided.phase is JobPhase.RESTARTING and decided.finish is None
+    assert decided.next == NextAttempt(RestartScope.JOB, ("node-0", "node-2"), ("node-1",))
+    [note] = decided.events
+    assert note.kind is EventKind.RESTART_SCHEDULED and note.attempt == 1
+    assert note.data is not None and note.data["replaced"] == {"node-1": "node-2"}
+
+
+def test_the_restart_budget_spent_fails_the_job() -> None:
+    cfg = config(spare_node_ids=("node-2",))
+    spent = tuple(RestartRecord(float(t), RestartScope.JOB) for t in range(3))
+    decided = recovery.after_failure(view(cfg, attempt(cfg, (lost("node-1"),)), history=spent))
+    assert decided.finish is not None and decided.finish[0] is JobPhase.FAILED
+    assert decided.next is None and decided.nodes is None
+
+
+def test_nodes_failing_their_checks_at_launch_are_swapped_uncounted_or_fail_the_job() -> None:
+    cfg = config(spare_node_ids=("node-2",))
+    checked = Fault(FaultType.HEALTH_CHECK_FAILED, 1.0, 0, "node-1", message="gpu check failed")
+    a = attempt(cfg, (checked,))
+    a.assignments = ()  # no rank started
+    decided = recovery.after_failure(view(cfg, a))
+    assert decided.nodes == ("node-0", "node-2") and decided.spares == ()
+    assert decided.scope is RestartScope.JOB and not decided.counted
+    assert decided.next == NextAttempt(RestartScope.PROCESS, ("node-2",), ("node-1",))
+    # No spare left, and nowhere else to go: the job fails, saying why.
+    alone = config(fresh_node_moves=False)
+    why = {"node-1": "node-1 is Unschedulable: gpu check failed"}
+    decided = recovery.after_failure(view(alone, a, unusable=why))
+    assert decided.finish == (
+        JobPhase.FAILED,
+        "node-1 is Unschedulable: gpu check failed; no spare node is left to replace it",
+    )
+
+
+def test_a_failed_rank_with_survivors_restarts_in_place_keeping_rank_0s_rendezvous() -> None:
+    cfg = config(in_process=True, barrier_timeout=30.0, stuck_rank_timeout=3.0)
+    dead = Fault(FaultType.WORKER_CRASH, 5.0, 0, "node-1", rank=3, message="rank 3 died")
+    reports = running(*NODES)
+    failed = h.workers(1, r3=h.failed_worker(3))
+    reports["node-1"] = h.report("node-1", NodeState.RUNNING, 0, workers=failed)
+    a = attempt(cfg, (dead,))
+    assert recovery.can_restart_in_place(view(cfg, a, reports))
+    decided = recovery.restart_in_place(view(cfg, a, reports))
+    assert decided.end == (AttemptPhase.FAILED, "rank 3 died")
+    assert decided.scope is RestartScope.IN_PROCESS and decided.counted
+    assert decided.next == InPlace(survivors=(0, 1, 2), host=HOST)
+
+
+def test_a_lost_node_with_a_spare_is_replaced_in_place_then_reformed() -> None:
+    cfg = config(in_process=True, spare_node_ids=("node-2",))
+    a = attempt(cfg)
+    reports = running("node-0")
+    begun = replace.begin(view(cfg, a, reports), [lost("node-1")])
+    assert begun is not None and begun.spares == () and begun.faults == (lost("node-1"),)
+    assert begun.activity == ReplacingInPlace({"node-1": "node-2"}, 10.0 + cfg.node_start_timeout)
+    assert begun.actions == (LaunchNodes(("node-2",), 0),)
+    # Without in-process restarts, not this planner's case.
+    assert replace.begin(view(config(), a, reports), [lost("node-1")]) is None
+    # The spare came up idle: the next attempt in place, node-2 in node-1's place.
+    a.activity = begun.activity
+    a.faults = [lost("node-1")]
+    up = {**reports, "node-2": h.report("node-2", NodeState.READY, None)}
+    decided = replace.watch(view(cfg, a, up))
+    assert decided.end == (AttemptPhase.FAILED, "node-1 lost") and decided.counted
+    assert decided.then is not None and decided.then.nodes == ("node-0", "node-2")
+    assert decided.then.next == InPlace(("node-2",), ("node-1",), host=HOST)
+    # The spare late: the attempt stops, the policy takes over.
+    late = view(cfg, a, reports, now=10.0 + cfg.node_start_timeout + 1)
+    stop = replace.watch(late).stop
+    assert stop is not None and stop.mode is StopMode.PROCESS
+
+
+def test_a_scale_up_whose_nodes_did_not_come_up_goes_on_without_them() -> None:
+    cfg = config(elastic=ElasticConfig(1, 3))
+    watch = ElasticWatch(ElasticConfig(1, 3))
+    a = attempt(cfg, activity=Launching(growing=("node-1",)))
+    decided = recovery.scale_up_failed(view(cfg, a, elastic=watch, growth=("node-3",)), ["node-1"])
+    assert decided.nodes == ("node-0",) and decided.growth == ("node-3", "node-1")
+    assert decided.elastic is not None and decided.elastic.failures == 1
+    assert watch.failures == 0  # the view's watch is left as it was
+    assert decided.end == (AttemptPhase.FAILED, "node-1 did not come up")
+    assert decided.next == NextAttempt(RestartScope.PROCESS, retire=("node-1",))
+
+
+def test_a_rescale_restarts_with_the_nodes_up_ahead_and_fresh_ones_from_the_pool() -> None:
+    cfg = config(elastic=ElasticConfig(1, 4))
+    a = attempt(cfg, activity=GrowingAhead(("node-2",), 20.0))
+    v = view(cfg, a, elastic=ElasticWatch(ElasticConfig(1, 4)), growth=("node-3", "node-4"))
+    decided = recovery.rescale(v, Scale(4, "scale up 2 -> 4 nodes"))
+    assert decided.nodes == ("node-0", "node-1", "node-2", "node-3")
+    assert decided.growth == ("node-4",) and decided.activity == Training()
+    growing = Launching(growing=("node-2", "node-3"))
+    assert decided.next == NextAttempt(RestartScope.PROCESS, ("node-3",), (), growing)
+
+
+def test_growth_is_abandoned_when_nodes_are_taken_away_and_the_view_follows_the_chain() -> None:
+    cfg = config(elastic=ElasticConfig(1, 3))
+    a = attempt(cfg, activity=GrowingAhead(("node-2",), 20.0))
+    v = view(cfg, a, elastic=ElasticWatch(ElasticConfig(1, 3)), capacity=2)
+    decided = rescale.look(v)
+    assert decided.actions == (RetireNodes(("node-2",)),)
+    assert decided.growth == ("node-2",) and decided.activity == Training()
+    assert v.after(decided).activity == Training() and v.after(decided).growth == ("node-2",)
+    assert v.activity == GrowingAhead(("node-2",), 20.0)  # the view itself is unchanged
+
+
+def test_chain_applies_in_order_and_after_folds_every_step() -> None:
+    first = Decision(nodes=("a",), stop=Stop(StopMode.GRACEFUL, "why"))
+    second = Decision(spares=("s",))
+    third = Decision(nodes=("b",))
+    chained = chain(chain(first, second), third)
+    assert chained.then == Decision(spares=("s",), then=third)
+    cfg = config()
+    folded = view(cfg, attempt(cfg)).after(chained)
+    assert (folded.nodes, folded.spares) == (("b",), ("s",))
