@@ -76,7 +76,10 @@ def test_a_lost_node_is_swapped_for_a_spare_in_a_counted_job_restart() -> None:
     assert decided.nodes == ("node-0", "node-2") and decided.spares == ()
     assert decided.scope is RestartScope.JOB and decided.counted
     assert decided.phase is JobPhase.RESTARTING and decided.finish is None
-    assert decided.next == NextAttempt(RestartScope.JOB, ("node-0", "node-2"), ("node-1",))
+    # node-0 lost nothing: its live agent may take the new attempt (a spare took node-1).
+    assert decided.next == NextAttempt(
+        RestartScope.JOB, ("node-0", "node-2"), ("node-1",), keep=("node-0",)
+    )
     [note] = decided.events
     assert note.kind is EventKind.RESTART_SCHEDULED and note.attempt == 1
     assert note.data is not None and note.data["replaced"] == {"node-1": "node-2"}
