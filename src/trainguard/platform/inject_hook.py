@@ -14,21 +14,49 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from trainguard.agent.client import AgentError
 from trainguard.control.controller import JobController
 from trainguard.control.reports import NodeReport
 from trainguard.platform.base import Observation
-from trainguard.platform.inject import Injector, Targets
+from trainguard.platform.inject import Injection, Injector, Targets
 from trainguard.platform.local_platform import LocalPlatform
+from trainguard.spec.plan import JobPlan
 from trainguard.wire.requests import InjectRequest, StepInjection
 from trainguard.wire.status import WorkerState
 
-__all__ = ["InjectionHook"]
+__all__ = ["InjectionHook", "injector_for"]
 
 logger = logging.getLogger(__name__)
+
+
+def injector_for(injections: Sequence[Injection], plan: JobPlan, across_hosts: bool) -> Injector:
+    """The injector of ``plan``'s job; ValueError naming the SPEC of one it cannot take
+    (a target out of range, capacity of a job that is not elastic, a partition of one
+    host, a check the job does not run)."""
+    injector = Injector(injections, plan.world_size, plan.nnodes, delegate_steps=True)
+    checks = plan.job.spec.trainguard.health_checks.checks
+    for injection in injections:
+        if injection.kind in ("preempt", "capacity") and plan.job.spec.elastic_policy is None:
+            raise ValueError(
+                f"--inject {injection.text!r}: only an elastic job (spec.elasticPolicy, "
+                "or --nnodes MIN:MAX) has capacity to take away or give"
+            )
+        if injection.kind == "partition" and (not across_hosts or injection.node == 0):
+            where = (
+                "node 0 is the controller's host" if across_hosts else "the job runs on one host"
+            )
+            raise ValueError(
+                f"--inject {injection.text!r}: a partition cuts another host off ({where})"
+            )
+        if injection.kind == "health" and injection.check not in checks:
+            raise ValueError(
+                f"--inject {injection.text!r}: the job runs no {injection.check} check "
+                f"(spec.trainguard.healthChecks.onStart: {', '.join(checks) or 'none'})"
+            )
+    return injector
 
 
 class InjectionHook:

@@ -47,8 +47,8 @@ from trainguard.platform.control_config import control_config, fence_after
 from trainguard.platform.drive import drive
 from trainguard.platform.follow import LineSource
 from trainguard.platform.inbox import Inbox
-from trainguard.platform.inject import Injection, Injector
-from trainguard.platform.inject_hook import InjectionHook
+from trainguard.platform.inject import Injection
+from trainguard.platform.inject_hook import InjectionHook, injector_for
 from trainguard.platform.local_platform import HostsWiring, LocalPlatform
 from trainguard.platform.node import AgentLauncher, HealthLaunch, NodeLauncher
 from trainguard.platform.procs import tune_gc_for_a_controller
@@ -192,24 +192,7 @@ class LocalRunner:
         # Each node's memory tier: RAM that outlives its workers; removed when the job ends.
         self.memory_root = MEMORY_ROOT / self.job_id
         # Raises ValueError naming the SPEC when a target is out of range.
-        self.injector = Injector(injections, plan.world_size, plan.nnodes, delegate_steps=True)
-        checks = plan.job.spec.trainguard.health_checks.checks
-        for injection in injections:
-            if injection.kind in ("preempt", "capacity") and plan.job.spec.elastic_policy is None:
-                raise ValueError(
-                    f"--inject {injection.text!r}: only an elastic job (spec.elasticPolicy, "
-                    "or --nnodes MIN:MAX) has capacity to take away or give"
-                )
-            if injection.kind == "partition" and (hosts is None or injection.node == 0):
-                where = "node 0 is the controller's host" if hosts else "the job runs on one host"
-                raise ValueError(
-                    f"--inject {injection.text!r}: a partition cuts another host off ({where})"
-                )
-            if injection.kind == "health" and injection.check not in checks:
-                raise ValueError(
-                    f"--inject {injection.text!r}: the job runs no {injection.check} check "
-                    f"(spec.trainguard.healthChecks.onStart: {', '.join(checks) or 'none'})"
-                )
+        self.injector = injector_for(injections, plan, across_hosts=hosts is not None)
         self.config, self.groups = control_config(
             plan, self.job_id, durable=True, hosts=hosts is not None
         )
