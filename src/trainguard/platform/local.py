@@ -290,9 +290,7 @@ class LocalRunner:
                 )
                 transport.start()
                 if self.hosts is not None and (missing := self._wait_for_hosts()):
-                    if (why := self._interrupted_by()) is not None:
-                        return self._stopped_before_start(controller, why)
-                    return self._hosts_missing(controller, missing)
+                    return self._not_joined(controller, missing)
                 begin = None
                 if self.resume is not None:
                     begin = resumed_begin(
@@ -494,22 +492,23 @@ class LocalRunner:
 
         return hosts.service.wait_for(self.config.node_ids, hosts.join_timeout, stop=stop)
 
-    def _stopped_before_start(self, controller: JobController, why: str) -> JobResult:
-        """Ctrl-C or SIGTERM while hosts were still joining: the job ends ``Stopped`` (not
-        ``Lost``), and the hosts that joined are told, in the caller's ``finally``."""
-        reason = f"{why} while waiting for hosts to join"
-        return self._end_before_start(controller, reason, JobPhase.STOPPED)
-
-    def _hosts_missing(self, controller: JobController, missing: list[str]) -> JobResult:
+    def _not_joined(self, controller: JobController, missing: list[str]) -> JobResult:
+        """The wait for hosts ended with nodes missing: Ctrl-C or SIGTERM (the job ends
+        ``Stopped``, not ``Lost``; the hosts that joined are told, in the caller's
+        ``finally``), joiners that exited, or ``--join-timeout`` (``Failed``)."""
         assert self.hosts is not None
+        if (why := self._interrupted_by()) is not None:
+            reason = f"{why} while waiting for hosts to join"
+            return self._end_before_start(controller, reason, JobPhase.STOPPED)
+        reason = f"no host joined as {', '.join(missing)}"
         if self._joiners_failed:
-            reason = f"no host joined as {', '.join(missing)}: " + "; ".join(self._joiners_failed)
-            return self._end_before_start(controller, reason, JobPhase.FAILED)
-        reason = (
-            f"no host joined as {', '.join(missing)} within {self.hosts.join_timeout:g}s "
-            f"(--join-timeout): start `trainguard run` on every host, with the same "
-            f"--rdzv-endpoint {self.hosts.endpoint} and the same job"
-        )
+            reason += ": " + "; ".join(self._joiners_failed)
+        else:
+            reason += (
+                f" within {self.hosts.join_timeout:g}s (--join-timeout): start `trainguard run` "
+                f"on every host, with the same --rdzv-endpoint {self.hosts.endpoint} and the "
+                "same job"
+            )
         return self._end_before_start(controller, reason, JobPhase.FAILED)
 
     def _end_before_start(

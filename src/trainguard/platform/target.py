@@ -1,13 +1,6 @@
 """Where ``trainguard run`` (or ``resume``) runs a job: a typed target, given to
-:class:`~trainguard.platform.local.LocalRunner` when it is built.
-
-- :class:`Local`: every node an agent process on this machine;
-- :class:`Hosts`: the job spans hosts and this is the controller's
-  (:mod:`trainguard.hosts.controller_host`); the other hosts join it;
-- :class:`Slurm`: the same, in a Slurm allocation's batch script: the other nodes join
-  through steps of their own (:mod:`trainguard.slurm.steps`), the job's id is the Slurm
-  job's, and a stop fits in Slurm's ``KillWait``;
-- :class:`Resume`: a Lost job (its controller died) goes on under its own id.
+:class:`~trainguard.platform.local.LocalRunner` when it is built (one machine, the
+controller's host of a job across hosts, a Slurm batch script, a Lost job resumed).
 """
 
 from __future__ import annotations
