@@ -15,7 +15,6 @@ from trainguard.control.reports import Refusal
 from trainguard.hosts.launcher import RemoteNode
 from trainguard.hosts.roster import HostRecord
 from trainguard.platform.book import ReportBook
-from trainguard.platform.inject import Injector
 from trainguard.platform.local_platform import LocalPlatform
 from trainguard.platform.store import Store
 from trainguard.platform.transport import Delivery
@@ -94,7 +93,7 @@ def test_no_request_goes_to_a_fenced_hosts_node(tmp_path: Path) -> None:
     transport = _Transport()
     platform = LocalPlatform(
         "job", Store(tmp_path / "state"), transport, lambda *args: None,  # type: ignore[arg-type]
-        memory_root=tmp_path / "memory", injector=Injector((), 4, 2), say=lambda line: None,
+        memory_root=tmp_path / "memory", say=lambda line: None,
         pump=lambda stream: None, interrupted=lambda: None,
     )  # fmt: skip
     platform.nodes = {"node-0": _node("http://127.0.0.1:1", False), "node-1": _node("", True)}

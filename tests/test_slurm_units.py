@@ -4,6 +4,9 @@ The real thing runs in tests/test_slurm_platform.py, against a real Slurm."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import sys
 from pathlib import Path
 
@@ -11,10 +14,10 @@ import pytest
 
 import trainguard.slurm.allocation as allocation
 from conftest import SCRIPTS, write_job
-from trainguard.cli import _parser, main, parse_command_line, run_flags_taking_a_value
+from trainguard.cli import _parser, main, parse_command_line
 from trainguard.hosts.addresses import JobEndpoint
 from trainguard.slurm.allocation import Allocation, SlurmError, spare_count
-from trainguard.slurm.run import daemon_argv
+from trainguard.slurm.run import CONTROLLER_ONLY, daemon_argv
 from trainguard.slurm.submit import batch_script
 from trainguard.spec import load_job, resolve_plan
 
@@ -56,34 +59,60 @@ def test_the_nodes_beyond_the_job_are_spares() -> None:
 
 
 def test_the_other_nodes_run_the_same_command_joined_to_the_controller() -> None:
-    endpoint = JobEndpoint("10.0.0.1", 4242)
+    endpoint, parser = JobEndpoint("10.0.0.1", 4242), _parser()
     spec_form = ["run", "-f", "job.yaml", "--inject", "kill:rank=1@step=5", "--metrics-port=9"]
-    assert daemon_argv(spec_form, endpoint) == [
+    assert daemon_argv(spec_form, endpoint, parser) == [
         "run", "-f", "job.yaml", "--rdzv-endpoint", "10.0.0.1:4242"
     ]  # fmt: skip
-    torchrun_form = ["run", "--nproc-per-node", "2", "train.py", "--inject", "x"]
-    assert daemon_argv(torchrun_form, endpoint) == [
-        "run", "--nproc-per-node", "2", "--rdzv-endpoint", "10.0.0.1:4242", "train.py",
-        "--inject", "x",
+    torchrun_form = ["--state-dir", "s", "run", "--nproc-per-node", "2", "--inj", "x",
+                     "train.py", "--inject", "x"]  # fmt: skip
+    assert daemon_argv(torchrun_form, endpoint, parser) == [
+        "--state-dir", "s", "run", "--nproc-per-node", "2", "--rdzv-endpoint",
+        "10.0.0.1:4242", "train.py", "--inject", "x",
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("flag", sorted(run_flags_taking_a_value()))
-def test_every_run_flag_that_takes_a_value_keeps_the_script_and_its_arguments(flag: str) -> None:
+def _value_flags() -> list[tuple[str, str]]:
+    """Every option string of ``trainguard run`` that takes a value, with a value its
+    parser accepts: read from the parser, so a new flag is covered without a word here."""
+    parser, found = _parser(), []
+    run = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for action in run.choices["run"]._actions:
+        if not action.option_strings or action.nargs == 0:
+            continue
+        candidates = [str(c) for c in action.choices or ()] or ["1", "10.0.0.1:29500", "V"]
+        for option in action.option_strings:
+            value = next(v for v in candidates if _parses(parser, [option, v]))
+            found.append((option, value))
+    return found
+
+
+def _parses(parser: argparse.ArgumentParser, flag: list[str]) -> bool:
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            parser.parse_args(["run", *flag, "train.py"])
+    except SystemExit:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("flag", "value"), _value_flags())
+@pytest.mark.parametrize("form", ["apart", "attached"])
+def test_every_run_flag_that_takes_a_value_keeps_the_script_and_its_arguments(
+    flag: str, value: str, form: str
+) -> None:
     # `--shutdown-timeout 30 train.py` once lost the script: the flags came from a list
     # kept by hand, which had fallen behind the parser.
-    endpoint = JobEndpoint("10.0.0.1", 4242)
-    argv = ["run", "--nproc-per-node", "1", flag, "V", "train.py", "--lr", "1"]
-    other = daemon_argv(argv, endpoint)
-    assert other[-5:] == ["--rdzv-endpoint", "10.0.0.1:4242", "train.py", "--lr", "1"]
-    dropped = flag in ("--inject", "--metrics-port", "--metrics-host", "--metrics-linger")
-    assert (flag in other) is not dropped
-
-
-def test_the_flags_that_take_a_value_come_from_the_parser() -> None:
-    flags = run_flags_taking_a_value()
-    assert {"-f", "--nnodes", "--shutdown-timeout", "--state-dir", "--inject"} <= flags
-    assert not {"--no-python", "--standalone"} & flags
+    endpoint, parser = JobEndpoint("10.0.0.1", 4242), _parser()
+    attached = f"{flag}={value}" if flag.startswith("--") else flag + value
+    given = [flag, value] if form == "apart" else [attached]
+    argv = ["run", "--nproc-per-node", "1", *given, "train.py", "--lr", flag]
+    other = daemon_argv(argv, endpoint, parser)
+    assert other[-5:] == ["--rdzv-endpoint", "10.0.0.1:4242", "train.py", "--lr", flag]
+    want, got = vars(parser.parse_args(argv)), vars(parser.parse_args(other))
+    for dest in CONTROLLER_ONLY:  # the controller's host alone takes these
+        want[dest] = parser.parse_args(["run", "train.py"]).__dict__[dest]
+    assert got == {**want, "rdzv_endpoint": "10.0.0.1:4242"}
 
 
 def test_the_batch_script_asks_for_replicas_and_spares_and_keeps_running_on_a_lost_node(

@@ -385,27 +385,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def run_flags_taking_a_value() -> frozenset[str]:
-    """Every option string of ``trainguard run`` that takes a value (``--nnodes``, ``-f``,
-    ``--shutdown-timeout``...), read from the parser itself: the Slurm steps' command
-    line is cut where these say, so no hand-kept list can fall behind the parser."""
-    run = _subparser(_parser(), "run")
-    return frozenset(
-        option
-        for action in run._actions
-        if action.option_strings and action.nargs != 0
-        for option in action.option_strings
-    )
-
-
-def _subparser(parser: argparse.ArgumentParser, verb: str) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            found: argparse.ArgumentParser = action.choices[verb]
-            return found
-    raise KeyError(verb)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = _main(argv)

@@ -17,7 +17,7 @@ import signal
 import ssl
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
 
@@ -40,25 +40,17 @@ from trainguard.hosts.security import (
 from trainguard.netlimits import raise_nofile
 from trainguard.observe.terminal import safe_cell
 from trainguard.platform.control_config import control_config, fence_after
-from trainguard.platform.inbox import ListenError
-from trainguard.platform.inject import Injection
-from trainguard.platform.local import (
-    EXIT_INTERRUPTED,
-    MEMORY_ROOT,
-    LocalRunner,
-    MetricsOptions,
-    agent_launcher,
-)
+from trainguard.platform.launch import JobToRun, launch, usage
+from trainguard.platform.local import EXIT_INTERRUPTED, MEMORY_ROOT, agent_launcher
 from trainguard.platform.node import AgentLauncher
 from trainguard.platform.store import JobNotFound, Store
+from trainguard.platform.target import Hosts
 from trainguard.platform.views import JOINED
 from trainguard.spec.plan import JobPlan
 from trainguard.spec.secrets import redact_spec
 from trainguard.wire.hosts import JoinReply
 
 __all__ = ["endpoint_of", "loopback_endpoint", "run_on_hosts"]
-
-EXIT_USAGE = 2
 
 
 def endpoint_of(args: argparse.Namespace, nnodes: int) -> JobEndpoint | None:
@@ -98,20 +90,9 @@ def _is_address(host: str) -> bool:
     return True
 
 
-def run_on_hosts(
-    args: argparse.Namespace,
-    plan: JobPlan,
-    source: str,
-    store: Store,
-    endpoint: JobEndpoint,
-    injections: Sequence[Injection],
-    live: bool,
-    metrics: MetricsOptions | None,
-) -> int:
-    def usage(message: str) -> int:
-        print(f"trainguard: {message}", file=sys.stderr)
-        return EXIT_USAGE
-
+def run_on_hosts(args: argparse.Namespace, job: JobToRun, endpoint: JobEndpoint) -> int:
+    """Where ``endpoint`` is this host, the job's controller and node 0; anywhere else a
+    host daemon that joins it. The exit code."""
     raise_nofile()  # listening beyond loopback: the most descriptors this user may have
     try:
         token = job_token(args.token_file)
@@ -123,36 +104,23 @@ def run_on_hosts(
         local = route_to(endpoint.host, endpoint.port)
     except OSError as exc:
         return usage(f"--rdzv-endpoint {endpoint}: no route to {endpoint.host}: {exc}")
-    partition = plan.job.spec.trainguard.partition_timeout_seconds
-    if is_local(endpoint.host):
-        if (why := loopback_endpoint(endpoint, local)) is not None:
-            print(f"[trainguard] warning: {why}", file=sys.stderr, flush=True)
-        if args.node_rank not in (None, 0):
-            return usage(
-                f"--node-rank {args.node_rank}: the host that owns --rdzv-endpoint "
-                f"({endpoint.host}) runs the controller and node 0"
-            )
-        hosts = ControllerHost(
-            endpoint, local, token, args.join_timeout, partition, tls_server, tls_client,
-            args.tls_ca if tls_server is not None else None,
-        )  # fmt: skip
-        try:
-            runner = LocalRunner(
-                plan, store, source, injections, live=live, metrics=metrics, hosts=hosts
-            )
-        except ValueError as exc:  # an --inject target outside the job
-            return usage(str(exc))
-        try:
-            result = runner.run()
-        except ListenError as exc:  # the endpoint's port is taken; not a fault mid-job
-            return usage(f"--rdzv-endpoint {endpoint}: cannot listen: {exc.strerror or exc}")
-        except KeyboardInterrupt:
-            print("[trainguard] interrupted; every worker was stopped", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        return EXIT_INTERRUPTED if runner.interrupted else result.exit_code
-    if injections:
-        return usage("--inject: give injections on the host that runs the controller")
-    return _join(args, plan, store, endpoint, local, token, tls_server, tls_client)
+    if not is_local(endpoint.host):
+        if job.injections:
+            return usage("--inject: give injections on the host that runs the controller")
+        return _join(args, job.plan, job.store, endpoint, local, token, tls_server, tls_client)
+    if (why := loopback_endpoint(endpoint, local)) is not None:
+        print(f"[trainguard] warning: {why}", file=sys.stderr, flush=True)
+    if args.node_rank not in (None, 0):
+        return usage(
+            f"--node-rank {args.node_rank}: the host that owns --rdzv-endpoint "
+            f"({endpoint.host}) runs the controller and node 0"
+        )
+    partition = job.plan.job.spec.trainguard.partition_timeout_seconds
+    controller = ControllerHost(
+        endpoint, local, token, args.join_timeout, partition, tls_server, tls_client,
+        args.tls_ca if tls_server is not None else None,
+    )  # fmt: skip
+    return launch(job, Hosts(controller))
 
 
 def _join(

@@ -52,7 +52,7 @@ from trainguard.platform.book import ReportBook
 from trainguard.platform.control_config import control_config
 from trainguard.platform.drive import drive
 from trainguard.platform.inbox import Inbox
-from trainguard.platform.resume import attach_all
+from trainguard.platform.resume import reattached
 from trainguard.platform.transport import AgentTransport
 from trainguard.spec import parse_job
 
@@ -262,26 +262,19 @@ class KubeJob:
             why = reason or why
             if pods:
                 platform.adopt([(p.node_id, p.pod, p.url) for p in pods])
-                clients = [
-                    c for p in pods if (c := platform.transport.client(p.node_id)) is not None
-                ]
-                failed = attach_all(clients, report_url) if report_url else []
-                if not failed:
-                    nodes = [p.node_id for p in pods]
+                nodes = [p.node_id for p in pods]
+                begin, refused = reattached(
+                    controller, record, nodes, platform.transport, platform.retire, report_url
+                )
+                if begin is not None:
                     logger.info(
                         "%s: adopted the %d running pods of attempt %d",
                         self.source,
                         len(pods),
                         newest.number,
                     )
-
-                    def reattach(now: float) -> list[Action]:
-                        resume.adopt(controller, now, record, nodes)
-                        return []
-
-                    return reattach
-                why = f"an agent refused to be attached ({failed[0]})"
-                platform.retire(list(platform.nodes))
+                    return begin
+                why = refused
         logger.info(
             "%s: cannot adopt (%s): restarting from the newest checkpoint", self.source, why
         )

@@ -34,11 +34,15 @@ from trainguard.control.actions import (
 from trainguard.control.controller import JobController
 from trainguard.control.persist import PersistCheckpoint
 from trainguard.control.reports import Refusal, RequestKind
-from trainguard.platform.base import Platform
+from trainguard.platform.base import Observation, Platform
 from trainguard.platform.transport import Delivery
 from trainguard.wire.requests import PersistRequest, ReplaceRequest, StopRequest
 
-__all__ = ["deliveries", "drive", "execute"]
+__all__ = ["TurnHook", "deliveries", "drive", "execute"]
+
+TurnHook = Callable[[JobController, Observation], None]
+"""Called at the end of each turn with what was observed (fault injection): what it
+adds to the controller (its notes) is told and recorded with the turn."""
 
 
 def drive(
@@ -46,9 +50,11 @@ def drive(
     platform: Platform,
     clock: Callable[[], float] = time.time,
     begin: Callable[[float], Sequence[Action]] | None = None,
+    hooks: Sequence[TurnHook] = (),
 ) -> None:
     """Run the job until the controller says it ended (see the module docstring);
-    ``begin``: the first actions, instead of ``controller.start`` (a resumed job)."""
+    ``begin``: the first actions, instead of ``controller.start`` (a resumed job);
+    ``hooks``: called at the end of each turn, before the record (``--inject``)."""
     first = (begin or controller.start)(clock())
     platform.announce(controller)
     refusals = execute(platform, first)
@@ -67,6 +73,8 @@ def drive(
         actions += controller.observe(now, seen.reports, [*seen.refusals, *refusals])
         platform.announce(controller)  # what was decided is said before it is done
         refusals = execute(platform, actions)
+        for hook in hooks:
+            hook(controller, seen)
         platform.record(controller, seen)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -31,7 +32,7 @@ from trainguard.agent.workers import HOST_WORKERS_ENV
 from trainguard.checkpoint.tier_dir import user_root
 from trainguard.control.controller import JobController, JobPhase
 from trainguard.hosts.addresses import resolve
-from trainguard.hosts.controller_host import AGENT_CONTACT_TIMEOUT, ControllerHost, interface_env
+from trainguard.hosts.controller_host import AGENT_CONTACT_TIMEOUT, interface_env
 from trainguard.hosts.launcher import HostsLauncher
 from trainguard.hosts.security import write_token_file
 from trainguard.http_server import RouteServer
@@ -46,12 +47,14 @@ from trainguard.platform.control_config import control_config, fence_after
 from trainguard.platform.drive import drive
 from trainguard.platform.follow import LineSource
 from trainguard.platform.inbox import Inbox
-from trainguard.platform.inject import Injection, Injector
-from trainguard.platform.local_platform import LocalPlatform
+from trainguard.platform.inject import Injection
+from trainguard.platform.inject_hook import InjectionHook, injector_for
+from trainguard.platform.local_platform import HostsWiring, LocalPlatform
 from trainguard.platform.node import AgentLauncher, HealthLaunch, NodeLauncher
 from trainguard.platform.procs import tune_gc_for_a_controller
 from trainguard.platform.resume import resumed_begin
-from trainguard.platform.store import JobNotFound, JobRow, Store
+from trainguard.platform.store import JobNotFound, Store
+from trainguard.platform.target import LOCAL, Hosts, Resume, Slurm, Target
 from trainguard.platform.throttle import LineThrottle
 from trainguard.platform.transport import DEFAULT_CONTACT_TIMEOUT, AgentTransport
 from trainguard.rendezvous.client import (
@@ -164,22 +167,13 @@ class LocalRunner:
         err: TextIO | None = None,
         live: bool = False,
         metrics: MetricsOptions | None = None,
-        resume: JobRow | None = None,
-        restart_blocked: str | None = None,
-        hosts: ControllerHost | None = None,
-        job_id: str | None = None,
-        continue_record: bool = False,
-        stop_within: float | None = None,
+        target: Target = LOCAL,
     ) -> None:
-        """``hosts``: the job spans hosts and this is the controller's
-        (:mod:`trainguard.hosts.controller_host`); ``job_id``: the job's id, when it is
-        not made up (a Slurm job's: the same in every run of a requeued job), and
-        ``continue_record``: carry on the record an earlier run of it left;
-        ``stop_within``: the seconds a stop may take at most, the ranks' grace and the
-        nodes' time to report included (a Slurm job's: SIGKILL follows ``scancel``)."""
-        self.continue_record = continue_record
-        # Told of a node no host can run (across hosts); the job then ends, failed.
-        self.on_no_host: Callable[[str], None] | None = None
+        """``target``: where the job runs (:mod:`trainguard.platform.target`)."""
+        self.target = target
+        hosts = target.controller if isinstance(target, Hosts | Slurm) else None
+        slurm = target if isinstance(target, Slurm) else None
+        self.continue_record = slurm is not None and slurm.continue_record
         self.hosts = hosts
         self.plan = plan
         self.store = store
@@ -187,37 +181,22 @@ class LocalRunner:
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         # A resumed job (its controller died) keeps its id, directory and token.
-        self.resume = resume
-        self.restart_blocked = restart_blocked  # why a resume may not start new agents
-        self.job_id = resume.id if resume is not None else job_id or new_job_id(plan.name)
+        self.resume = target.job if isinstance(target, Resume) else None
+        # Why a resume may not start new agents.
+        self.restart_blocked = target.restart_blocked if isinstance(target, Resume) else None
+        job_id = self.resume.id if self.resume else slurm.job_id if slurm else None
+        self.job_id = job_id or new_job_id(plan.name)
         self.job_dir = store.root / "jobs" / self.job_id
         self.logs_dir = self.job_dir / "logs"
         self.token_file = self.job_dir / "token"
         # Each node's memory tier: RAM that outlives its workers; removed when the job ends.
         self.memory_root = MEMORY_ROOT / self.job_id
         # Raises ValueError naming the SPEC when a target is out of range.
-        self.injector = Injector(injections, plan.world_size, plan.nnodes, delegate_steps=True)
-        checks = plan.job.spec.trainguard.health_checks.checks
-        for injection in injections:
-            if injection.kind in ("preempt", "capacity") and plan.job.spec.elastic_policy is None:
-                raise ValueError(
-                    f"--inject {injection.text!r}: only an elastic job (spec.elasticPolicy, "
-                    "or --nnodes MIN:MAX) has capacity to take away or give"
-                )
-            if injection.kind == "partition" and (hosts is None or injection.node == 0):
-                where = "node 0 is the controller's host" if hosts else "the job runs on one host"
-                raise ValueError(
-                    f"--inject {injection.text!r}: a partition cuts another host off ({where})"
-                )
-            if injection.kind == "health" and injection.check not in checks:
-                raise ValueError(
-                    f"--inject {injection.text!r}: the job runs no {injection.check} check "
-                    f"(spec.trainguard.healthChecks.onStart: {', '.join(checks) or 'none'})"
-                )
+        self.injector = injector_for(injections, plan, across_hosts=hosts is not None)
         self.config, self.groups = control_config(
             plan, self.job_id, durable=True, hosts=hosts is not None
         )
-        if stop_within is not None:
+        if slurm is not None and (stop_within := slurm.stop_within) is not None:
             grace = min(self.config.stop_grace_seconds, stop_within / 2)
             self.config = dataclasses.replace(
                 self.config,
@@ -229,7 +208,7 @@ class LocalRunner:
         self._interrupts = 0
         self._first_signal = 0
         # Why a SIGTERM stops the job (a Slurm job's is scancel or its time limit).
-        self.sigterm_reason = "terminated (SIGTERM)"
+        self.sigterm_reason = slurm.sigterm_reason if slurm else "terminated (SIGTERM)"
         self._out_lock = threading.Lock()
         self._console_log: RotatingFile | None = None  # capped like a rank's log
         self._gone: list[TextIO] = []  # console streams whose reader went away
@@ -237,6 +216,7 @@ class LocalRunner:
         self.metrics = metrics  # serve Prometheus metrics (--metrics-port)
         self._live_wanted = live  # the live line on ``out`` (a terminal; observe/live.py)
         self._live: LiveLine | None = None
+        self._joiners_failed: list[str] = []  # the joiners that exited before joining
 
     @property
     def interrupted(self) -> bool:
@@ -285,7 +265,6 @@ class LocalRunner:
             transport,
             self.launcher or self._agent_launcher(),
             memory_root=self.memory_root,
-            injector=self.injector,
             hooks_root=self.job_dir / "health",
             preempt_grace=self._open_capacity_pool(),
             say=self._say,
@@ -294,28 +273,11 @@ class LocalRunner:
             observer=observer,
             live=self._live,
             address=self.hosts.local.addr if self.hosts is not None else "127.0.0.1",
+            hosts=self._hosts_wiring(),
         )
+        injection = InjectionHook(platform, self.injector)
         platform.console_dir = self.logs_dir  # adopted agents' consoles (resume)
         platform.rendezvous = self._rendezvous(token)
-        if self.hosts is not None:
-            platform.listeners += [self.hosts.on_event, *self.hosts.listeners]
-            if self.hosts.service is not None:
-                platform.progress_listeners.append(self.hosts.service.set_phase)
-            if isinstance(platform.launcher, HostsLauncher):
-                platform.launcher.busy = lambda: set(platform.nodes)
-            if self.config.elastic is not None:
-                platform.capacity_of = self._hosts_capacity(platform)
-                platform.taken_as = "cut off (its host went silent)"
-            platform.partitioner = self.hosts.partition
-            if isinstance(platform.launcher, HostsLauncher):
-                platform.launcher.on_no_host = self._no_host(platform)
-                if self.on_no_host is None:  # (a Slurm job requeues itself instead)
-                    # A restart that needs a host waits for one to join or rejoin, as
-                    # torchrun's rendezvous waits for its nodes.
-                    platform.host_wait = self.hosts.join_timeout
-                    self.config = dataclasses.replace(
-                        self.config, host_wait=self.hosts.join_timeout
-                    )
         controller = JobController(self.config, platform.endpoint)
         previous = self._install_signal_handlers()
         console_log = RotatingFile(self.logs_dir / "console.log", self.config.log_limits)
@@ -328,18 +290,17 @@ class LocalRunner:
                 )
                 transport.start()
                 if self.hosts is not None and (missing := self._wait_for_hosts()):
-                    if (why := self._interrupted_by()) is not None:
-                        return self._stopped_before_start(controller, why)
-                    return self._hosts_missing(controller, missing)
+                    return self._not_joined(controller, missing)
                 begin = None
                 if self.resume is not None:
                     begin = resumed_begin(
                         self.store, self.resume, token, platform, controller, self._say,
                         restart_blocked=self.restart_blocked,
                     )  # fmt: skip
-                drive(controller, platform, begin=begin)
+                drive(controller, platform, begin=begin, hooks=[injection])
                 return self._result(controller)
             finally:
+                injection.close()  # stopped workers resumed: they can be shut down
                 platform.close()
                 if self.hosts is not None:
                     phase = controller.phase
@@ -442,7 +403,10 @@ class LocalRunner:
             fail=fail, host=hosts.local.addr, host_env=interface_env(hosts.local, user_env),
             fence_after=fence_after(self.config.lost_after), tls_ca=hosts.tls_ca,
         )  # fmt: skip
-        return HostsLauncher(hosts.service, local, hosts.token, hosts.tls_client)
+        launcher = HostsLauncher(hosts.service, local, hosts.token, hosts.tls_client)
+        launcher.busy = lambda: set(self.platform.nodes) if self.platform else set()
+        launcher.on_no_host = self._no_host
+        return launcher
 
     def _inbox(self) -> Inbox:
         """Where agents push; across hosts, the endpoint every host joins."""
@@ -461,14 +425,31 @@ class LocalRunner:
         address = resolve(hosts.endpoint.host)
         return Inbox(address, hosts.endpoint.port, routes=service.routes(), tls=hosts.tls_server)
 
-    def _hosts_capacity(self, platform: LocalPlatform) -> Callable[[], tuple[int, tuple[str, ...]]]:
-        """An elastic job across hosts: its capacity is the hosts that renew their lease;
-        a node whose host goes silent is taken away, a little before it could be declared
-        lost (its agent is fenced by then: agent/lease.py)."""
-        service = self.hosts.service if self.hosts is not None else None
+    def _hosts_wiring(self) -> HostsWiring | None:
+        """A job on several hosts, to its platform: the hosts hear of its events and
+        progress, an elastic job's capacity is the hosts that renew their lease (a node
+        whose host goes silent is taken away a little before it could be declared lost:
+        its agent is fenced by then, agent/lease.py), and a restart that needs a host
+        waits for one to join or rejoin, as torchrun's rendezvous waits for its nodes
+        (not a Slurm job's: it requeues itself instead)."""
+        hosts = self.hosts
+        if hosts is None:
+            return None
+        service = hosts.service
         assert service is not None
-        silent_after = max(self.config.lost_after - 1.0, fence_after(self.config.lost_after))
-        return lambda: service.capacity(set(platform.nodes), silent_after)
+        capacity_of = None
+        if self.config.elastic is not None:
+            silent_after = max(self.config.lost_after - 1.0, fence_after(self.config.lost_after))
+            capacity_of = functools.partial(service.capacity, silent_after=silent_after)
+        host_wait = 0.0 if isinstance(self.target, Slurm) else hosts.join_timeout
+        self.config = dataclasses.replace(self.config, host_wait=host_wait)
+        return HostsWiring(
+            [hosts.on_event, *hosts.listeners],
+            [service.set_phase],
+            hosts.partition,
+            capacity_of,
+            host_wait,
+        )
 
     def _has_record(self) -> bool:
         try:
@@ -477,46 +458,56 @@ class LocalRunner:
             return False
         return True
 
-    def _no_host(self, platform: LocalPlatform) -> Callable[[str], None]:
-        """A node no host can run: with ``on_no_host`` (a Slurm job, which requeues
-        itself), the job ends (failed) and it is told."""
-
-        def no_host(node_id: str) -> None:
-            if self.on_no_host is None:
-                return  # the node is lost, and the restart policy goes on
-            platform.cancel = Cancel(f"no host is left to run {node_id}", phase=JobPhase.FAILED)
-            self.on_no_host(node_id)
-
-        return no_host
+    def _no_host(self, node_id: str) -> None:
+        """A node no host can run: a Slurm job (which requeues itself) ends, failed, and
+        is told; any other job's node is lost, and the restart policy goes on."""
+        if isinstance(self.target, Slurm) and self.platform is not None:
+            reason = f"no host is left to run {node_id}"
+            self.platform.cancel = Cancel(reason, phase=JobPhase.FAILED)
+            self.target.on_no_host(node_id)
 
     def _wait_for_hosts(self) -> list[str]:
-        """Wait (``--join-timeout``) for a host to hold every node; the ones missing."""
+        """Wait (``--join-timeout``) for a host to hold every node; the ones missing. A
+        joiner that exits first (a Slurm step) is said at once, with its error; when
+        those left can no longer hold every node, the wait ends (:attr:`_joiners_failed`)."""
         hosts = self.hosts
         assert hosts is not None and hosts.service is not None
-        others = len(self.config.node_ids) - 1
+        joiners = self.target.joiners if isinstance(self.target, Slurm) else None
+        needed = len(self.config.node_ids)
         self._say(
-            f"waiting for {others} more hosts to join at {hosts.endpoint} "
+            f"waiting for {needed - 1} more hosts to join at {hosts.endpoint} "
             f"(--join-timeout {hosts.join_timeout:g}s)"
         )
-        return hosts.service.wait_for(
-            self.config.node_ids,
-            hosts.join_timeout,
-            stop=lambda: self._interrupted_by() is not None,
-        )
 
-    def _stopped_before_start(self, controller: JobController, why: str) -> JobResult:
-        """Ctrl-C or SIGTERM while hosts were still joining: the job ends ``Stopped`` (not
-        ``Lost``), and the hosts that joined are told, in the caller's ``finally``."""
-        reason = f"{why} while waiting for hosts to join"
-        return self._end_before_start(controller, reason, JobPhase.STOPPED)
+        def stop() -> bool:
+            if self._interrupted_by() is not None:
+                return True
+            if joiners is None:
+                return False
+            for line in joiners.exited():
+                self._joiners_failed.append(line)
+                self._say(line)
+            return bool(self._joiners_failed) and joiners.running() + 1 < needed
 
-    def _hosts_missing(self, controller: JobController, missing: list[str]) -> JobResult:
+        return hosts.service.wait_for(self.config.node_ids, hosts.join_timeout, stop=stop)
+
+    def _not_joined(self, controller: JobController, missing: list[str]) -> JobResult:
+        """The wait for hosts ended with nodes missing: Ctrl-C or SIGTERM (the job ends
+        ``Stopped``, not ``Lost``; the hosts that joined are told, in the caller's
+        ``finally``), joiners that exited, or ``--join-timeout`` (``Failed``)."""
         assert self.hosts is not None
-        reason = (
-            f"no host joined as {', '.join(missing)} within {self.hosts.join_timeout:g}s "
-            f"(--join-timeout): start `trainguard run` on every host, with the same "
-            f"--rdzv-endpoint {self.hosts.endpoint} and the same job"
-        )
+        if (why := self._interrupted_by()) is not None:
+            reason = f"{why} while waiting for hosts to join"
+            return self._end_before_start(controller, reason, JobPhase.STOPPED)
+        reason = f"no host joined as {', '.join(missing)}"
+        if self._joiners_failed:
+            reason += ": " + "; ".join(self._joiners_failed)
+        else:
+            reason += (
+                f" within {self.hosts.join_timeout:g}s (--join-timeout): start `trainguard run` "
+                f"on every host, with the same --rdzv-endpoint {self.hosts.endpoint} and the "
+                "same job"
+            )
         return self._end_before_start(controller, reason, JobPhase.FAILED)
 
     def _end_before_start(

@@ -5,19 +5,19 @@ It implements :class:`~trainguard.platform.base.Platform` for
 :class:`~trainguard.platform.node.NodeLauncher`), finds their ports, knows when their
 processes exit, talks to them through an
 :class:`~trainguard.platform.transport.AgentTransport`, and records the job in the
-SQLite store (one transaction per turn, only the rows that changed). It also fires the
-``--inject`` faults, since only this platform can signal the processes.
+SQLite store (one transaction per turn, only the rows that changed). The ``--inject``
+faults are a hook of the loop (:mod:`trainguard.platform.inject_hook`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainguard.agent.client import AgentError
@@ -36,16 +36,15 @@ from trainguard.observe.summary import event_line
 from trainguard.platform.base import Cancel, Observation, Replace
 from trainguard.platform.book import ReportBook
 from trainguard.platform.follow import FollowedFile, LineSource
-from trainguard.platform.inject import Injector, Targets
 from trainguard.platform.node import LaunchedNode, NoCapacity, NodeLauncher
 from trainguard.platform.procs import free_port, start_time
 from trainguard.platform.store import JobRow, NodeRow, Store
 from trainguard.platform.transport import AgentTransport, Delivery
 from trainguard.rendezvous.client import StoreServiceHandle
-from trainguard.wire.requests import AssignRequest, InjectRequest, StepInjection
+from trainguard.wire.requests import AssignRequest
 from trainguard.wire.status import WorkerState
 
-__all__ = ["LocalPlatform"]
+__all__ = ["HostsWiring", "LocalPlatform"]
 
 FOLLOWER_DRAIN_SECONDS = 10.0  # an adopted agent's last console lines, at the end
 
@@ -56,6 +55,25 @@ LOCATE_INTERVAL = 0.02  # how often the loop looks for a starting agent's port f
 FAST_LOCATE_MAX = 64  # more starting agents than this: found at the loop's own pace
 # What the store's ``desired`` asks of a running job, and the reason it is stopped with.
 STOP_REQUESTS = {"delete": "deleted by user", "stop": "stopped by user"}
+
+
+@dataclass(frozen=True)
+class HostsWiring:
+    """A job on several hosts, as its platform sees it (given at construction)."""
+
+    # Told every event the controller records (the host of a node declared lost is
+    # fenced), and the job's phase and restarts when they change (every host gets them
+    # with its lease).
+    listeners: Sequence[Callable[[Event], None]]
+    progress_listeners: Sequence[Callable[[str, int], None]]
+    # Cuts a node's host off the network for so many seconds (None: for good); why it
+    # could not, or None.
+    partitioner: Callable[[str, float | None], str | None]
+    # An elastic job's capacity, from the nodes running: the hosts that renew their
+    # lease, and the running nodes whose host went silent (cut off); None: not elastic.
+    capacity_of: Callable[[set[str]], tuple[int, tuple[str, ...]]] | None = None
+    # How long a node no host can run yet waits for one to join (0: lost at once).
+    host_wait: float = 0.0
 
 
 class LocalPlatform:
@@ -69,7 +87,6 @@ class LocalPlatform:
         launcher: NodeLauncher,
         *,
         memory_root: Path,
-        injector: Injector,
         hooks_root: Path | None = None,
         preempt_grace: float | None = None,
         say: Callable[[str], None],
@@ -78,30 +95,23 @@ class LocalPlatform:
         observer: JobObserver | None = None,
         live: LiveLine | None = None,
         address: str = "127.0.0.1",
+        hosts: HostsWiring | None = None,
     ) -> None:
         """``address``: this host's address where other hosts reach it (a job on several
-        hosts; node 0 is this host's, so every attempt's rendezvous is here)."""
+        hosts; node 0 is this host's, so every attempt's rendezvous is here); ``hosts``:
+        how a job on several hosts is wired in (None: one machine)."""
         self.address = address
-        # Called with every event the controller records (a job on several hosts fences
-        # the host of a node declared lost).
-        self.listeners: list[Callable[[Event], None]] = []
-        # Called with the job's phase and restarts when they change (a job on several
-        # hosts hands them to every host with its lease).
-        self.progress_listeners: list[Callable[[str, int], None]] = []
-        # Where the job's capacity comes from when not the store's pool (a job on several
-        # hosts: the hosts that renew their lease), and the nodes taken away with it.
-        self.capacity_of: Callable[[], tuple[int, tuple[str, ...]]] | None = None
-        self.taken_as = "preempted"  # how capacity_of's nodes are taken away, in events
-        # Cuts a node's host off the network for so many seconds (None: for good); None
-        # where the platform cannot (one machine). Returns why it could not, or None.
-        self.partitioner: Callable[[str, float | None], str | None] | None = None
+        self.listeners = list(hosts.listeners) if hosts else []
+        self.progress_listeners = list(hosts.progress_listeners) if hosts else []
+        self.capacity_of = hosts.capacity_of if hosts else None
+        self.partitioner = hosts.partitioner if hosts else None
         # A stop decided outside the controller (no host left to run a node), taken at
         # the next look.
         self.cancel: Cancel | None = None
         # How long a node no host can run yet waits for one (ControlConfig.host_wait; 0:
         # lost at once), and the nodes waiting: their incarnation and peers, looked for
         # a host again at every turn.
-        self.host_wait = 0.0
+        self.host_wait = hosts.host_wait if hosts else 0.0
         self._awaiting: dict[str, tuple[str, Peers]] = {}
         # The job's log directory, where adopted agents write their orphaned console.
         self.console_dir: Path | None = None
@@ -115,7 +125,6 @@ class LocalPlatform:
         self.book: ReportBook = transport.book
         self.launcher = launcher
         self.memory_root = memory_root
-        self.injector = injector
         self.hooks_root = hooks_root  # each agent's rehearsal hooks (xid, disk-full)
         # Elastic jobs (None: not elastic): how long a preempted node lives on, and when
         # each preempted node's time is up.
@@ -123,18 +132,15 @@ class LocalPlatform:
         self._preempted: dict[str, float] = {}
         self.nodes: dict[str, LaunchedNode] = {}  # the live agent of each node id
         self._unlocated: set[str] = set()  # launched, port not known yet
-        self._say = say  # a line to the user
+        self.say = self._say = say  # a line to the user
         self._pump = pump  # copies an agent's console to the job's
         self._interrupted = interrupted
         self.observer = observer  # samples for the store, metrics
         self._live = live  # the live line on the terminal, if one
         self._launches = 0
-        self._first_step_at: float | None = None
         self._replacements_seen = 0  # node replacement requests handed on so far
         self._written: dict[str, object] = {}  # what the store has, by row key
         self._announced: list[Event] = []  # events told this turn, to be stored
-        # What each node's agent holds of the step injections: (its incarnation, them).
-        self._injections_out: dict[str, tuple[str, tuple[StepInjection, ...]]] = {}
         # Each node's recorded pids (agent, workers) and their start times, read once per pid.
         self._pid_starts: dict[str, tuple[tuple[int | None, ...], tuple[str | None, ...]]] = {}
 
@@ -256,7 +262,6 @@ class LocalPlatform:
 
     def close(self) -> None:
         """Shut every agent down (the job ended, or the runner is going away)."""
-        self.injector.close()  # resume stopped workers so they can be shut down
         self._shutdown(list(self.nodes))
         self._closed.set()  # the agents are gone: the followers read what they left
         for follower in self._followers:
@@ -317,8 +322,8 @@ class LocalPlatform:
         capacity = job.capacity if self.preempt_grace is not None else None
         preempted, taken_as = tuple(self._preempted), "preempted"
         if self.capacity_of is not None:
-            capacity, preempted = self.capacity_of()
-            taken_as = self.taken_as
+            capacity, preempted = self.capacity_of(set(self.nodes))
+            taken_as = "cut off (its host went silent)"
         return Observation(
             self.book.reports(),
             cancel,
@@ -327,6 +332,12 @@ class LocalPlatform:
             preempted=preempted,
             taken_as=taken_as,
         )
+
+    def preempt(self, node_id: str, now: float) -> None:
+        """``node_id``'s capacity is taken away (``--inject preempt``): it has the grace
+        of a preempted node to leave, then it is taken (:meth:`_take_preempted`)."""
+        self.store.set_capacity(self.job_id, -1, delta=True)
+        self._preempted[node_id] = now + (self.preempt_grace or 0.0)
 
     def _take_preempted(self, now: float) -> None:
         """A preempted node still in the job when its grace is over is taken: its agent
@@ -387,8 +398,6 @@ class LocalPlatform:
         self._announced += events
 
     def record(self, controller: JobController, observation: Observation | None) -> None:
-        if observation is not None:
-            self._inject(controller, observation.reports)
         self.announce(controller)  # what the acts added
         events, self._announced = self._announced, []
         if self._live is not None:
@@ -498,104 +507,6 @@ class LocalPlatform:
             return False
         self._written[key] = row
         return True
-
-    # -- fault injection -------------------------------------------------------------------
-
-    def _inject(self, controller: JobController, reports: Mapping[str, NodeReport]) -> None:
-        self._agents_inject(controller, reports)
-        attempt = controller.current
-        if not self.injector.pending or attempt is None:
-            return
-        progress = attempt.watch.progress
-        if progress is not None and self._first_step_at is None:
-            self._first_step_at = progress.first_time
-        node_ranks = {a.node_id: a.node_rank for a in attempt.assignments}
-        nodes = frozenset(r for n, r in node_ranks.items() if n in self.nodes)
-        rank_pids: dict[int, int] = {}
-        node_pids: dict[int, tuple[int, tuple[int, ...]]] = {}
-        agents_see: set[int] = set()
-        for node_id, report in reports.items():
-            status = report.about(attempt.number)
-            node = self.nodes.get(node_id)
-            if status is None or node is None or node_id not in node_ranks:
-                continue
-            alive = {
-                w.rank: w.pid
-                for w in status.workers
-                if w.pid is not None and w.state is WorkerState.RUNNING
-            }
-            rank_pids.update(alive)
-            if status.monitor.progress is not None:
-                agents_see.update(w.rank for w in status.workers)
-            if node.pid is not None:
-                node_pids[node_ranks[node_id]] = (node.pid, tuple(alive.values()))
-        now = time.time()
-        hooks = (
-            {rank: self.hooks_root / node_id for node_id, rank in node_ranks.items()}
-            if self.hooks_root is not None
-            else {}
-        )
-        fired = self.injector.poll(
-            now,
-            progress.step if progress else None,
-            self._first_step_at,
-            Targets(rank_pids, node_pids, frozenset(agents_see), hooks, nodes),
-        )
-        by_rank = {v: k for k, v in node_ranks.items()}
-        for f in fired:
-            if f.injection.kind == "capacity" and f.injection.code is not None:
-                self.store.set_capacity(self.job_id, f.injection.code, delta=True)
-            if f.injection.kind == "preempt" and f.node is not None:
-                self.store.set_capacity(self.job_id, -1, delta=True)
-                self._preempted[by_rank[f.node]] = now + (self.preempt_grace or 0.0)
-            if f.injection.kind in ("capacity", "preempt"):
-                self.book.wake()  # the capacity changed: look again now, not a poll later
-            if f.injection.kind == "partition" and f.node is not None:
-                self._partition(by_rank[f.node], f.injection.duration)
-            if f.injection.kind == "node-kill" and f.node is not None:
-                # A lost node loses its RAM: its memory tier goes with it.
-                shutil.rmtree(self.memory_root / by_rank[f.node], ignore_errors=True)
-            target = None if f.node is None else by_rank.get(f.node)
-            controller.note_injection(f.time, f.injection.text, f.rank, target, f.step)
-
-    def _partition(self, node_id: str, seconds: float | None) -> None:
-        """Cut ``node_id``'s host off the network (``--inject partition``): only a job on
-        several hosts can (its host daemon does it: :attr:`partitioner`)."""
-        if self.partitioner is None:
-            self._say(f"partition of {node_id} not injected: the job runs on one host")
-            return
-        why = self.partitioner(node_id, seconds)
-        if why is not None:
-            self._say(f"partition of {node_id} not injected: {why}")
-
-    def _agents_inject(self, controller: JobController, reports: Mapping[str, NodeReport]) -> None:
-        """Record the step injections agents fired; hand the pending ones to every agent
-        that answers (again when they change, or the agent is a new one)."""
-        if not self._injections_out and not self.injector.delegated():
-            return
-        attempt = controller.current
-        node_ranks = {a.node_id: a.node_rank for a in attempt.assignments} if attempt else {}
-        for node_id, report in reports.items():
-            for fault in report.status.injected if report.status is not None else ():
-                hit = self.injector.confirm(fault, node_ranks.get(node_id))
-                if hit is not None:
-                    controller.note_injection(
-                        hit.time, hit.injection.text, hit.rank, node_id, hit.step
-                    )
-        delegated = self.injector.delegated()
-        for node_id, report in reports.items():
-            status, client = report.status, self.transport.client(node_id)
-            if status is None or client is None:
-                continue
-            sent = (status.incarnation, delegated)
-            if self._injections_out.get(node_id) == sent:
-                continue
-            try:
-                client.inject(InjectRequest(injections=delegated))
-            except AgentError as exc:
-                logger.warning("could not hand injections to %s: %s", node_id, exc)
-                continue
-            self._injections_out[node_id] = sent
 
     def _say_event(self, event: Event) -> None:
         self._say(event_line(event))

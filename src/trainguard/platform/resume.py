@@ -32,6 +32,7 @@ from trainguard.control.resume import Recorded, RecordedAttempt
 from trainguard.platform.node import WorkerPids
 from trainguard.platform.procs import kill_recorded, runs, start_time
 from trainguard.platform.store import JobRow, Store
+from trainguard.platform.transport import AgentTransport
 from trainguard.wire.requests import AttachRequest
 from trainguard.wire.status import NodeState, NodeStatus
 
@@ -203,6 +204,34 @@ def attach_all(clients: Sequence[AgentClient], report_url: str) -> list[str]:
     return failed
 
 
+Begin = Callable[[float], list[Action]]
+
+
+def reattached(
+    controller: JobController,
+    record: Recorded,
+    nodes: Sequence[str],
+    transport: AgentTransport,
+    retire: Callable[[list[str]], None],
+    report_url: str | None,
+) -> tuple[Begin | None, str]:
+    """The takeover both platforms share (a resumed local job, a job a new operator
+    replica takes over): the adopted ``nodes``' agents are told to report to this
+    controller (``report_url``; None: they are polled only); when every one took it,
+    how the job begins (adopted as it runs); else they are retired, and why."""
+    clients = [c for n in nodes if (c := transport.client(n)) is not None]
+    failed = attach_all(clients, report_url) if report_url is not None else []
+    if failed:
+        retire(list(nodes))
+        return None, f"an agent refused to be attached ({failed[0]})"
+
+    def reattach(now: float) -> list[Action]:
+        control.adopt(controller, now, record, list(nodes))
+        return []
+
+    return reattach, ""
+
+
 def resumed_begin(
     store: Store,
     job: JobRow,
@@ -211,7 +240,7 @@ def resumed_begin(
     controller: JobController,
     say: Callable[[str], None],
     restart_blocked: str | None = None,
-) -> Callable[[float], list[Action]]:
+) -> Begin:
     """How a resumed job begins: re-attach to its live agents, or restart it from the
     newest checkpoint (``say`` tells which, and why)."""
     rec = recorded(store, job)
@@ -219,22 +248,17 @@ def resumed_begin(
     agents, why = live_agents(store, job, token, newest.number if newest else None)
     if agents:
         platform.adopt([AdoptedNode(a) for a in agents], [a.url for a in agents])
-        clients = [c for a in agents if (c := platform.transport.client(a.node_id)) is not None]
-        failed = attach_all(clients, platform.transport.report_url or "")
-        if not failed:
+        nodes = [a.node_id for a in agents]
+        transport = platform.transport
+        begin, why = reattached(
+            controller, rec, nodes, transport, platform.retire, transport.report_url
+        )
+        if begin is not None:
             say(
                 f"re-attached to the {len(agents)} node agents of the running attempt: "
                 f"training went on; its output is in `trainguard logs {job.id}`"
             )
-            nodes = [a.node_id for a in agents]
-
-            def reattach(now: float) -> list[Action]:
-                control.adopt(controller, now, rec, nodes)
-                return []
-
-            return reattach
-        why = f"an agent refused to be attached ({failed[0]})"
-        platform.retire([a.node_id for a in agents])
+            return begin
     else:
         _shut_down_leftovers(store, job, token)
     reason = why or "its agents are gone"

@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from collections.abc import Sequence
 
-from trainguard.platform.local import EXIT_INTERRUPTED, LocalRunner
+from trainguard.platform.launch import JobToRun, launch, usage
 from trainguard.platform.store import JobNotFound, JobRow, StateDirError, Store, open_store
+from trainguard.platform.target import Resume
 from trainguard.platform.views import effective_phase
 from trainguard.spec import SpecError, load_job, parse_job, resolve_plan
 from trainguard.spec.plan import JobPlan
@@ -24,7 +24,6 @@ from trainguard.spec.secrets import SecretSource, redact_spec
 
 __all__ = ["lost_twin", "resume_command", "resume_job"]
 
-EXIT_USAGE = 2
 REDACTED = "***"  # what a redacted value (or a URL's password) reads in a stored spec
 
 
@@ -32,14 +31,12 @@ def resume_command(args: argparse.Namespace) -> int:
     try:
         store = open_store(args.state_dir)
     except StateDirError as exc:
-        print(f"trainguard: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage(str(exc))
     try:
         try:
             job = store.job(args.job)
         except JobNotFound as exc:
-            print(f"trainguard: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+            return usage(str(exc))
         return resume_job(store, job, args.file, args.env_file or [])
     finally:
         store.close()
@@ -60,37 +57,21 @@ def resume_job(store: Store, job: JobRow, file: str | None, env_files: Sequence[
     phase = effective_phase(job)
     if phase != "Lost":
         what = "is still running" if phase not in ("Succeeded", "Failed", "Stopped") else "ended"
-        print(
-            f"trainguard: job {job.id} {what} (phase {phase}); only a Lost job (its controller "
-            "died) can be resumed",
-            file=sys.stderr,
+        return usage(
+            f"job {job.id} {what} (phase {phase}); only a Lost job (its controller died) "
+            "can be resumed"
         )
-        return EXIT_USAGE
     try:
         source = file or f"the stored spec of {job.id}"
         spec = load_job(file) if file else parse_job(json.loads(job.spec_json), source)
         if spec.metadata.name != job.name:
-            print(
-                f"trainguard: {file}: metadata.name is {spec.metadata.name!r}, but job {job.id} "
-                f"is {job.name!r}",
-                file=sys.stderr,
+            return usage(
+                f"{file}: metadata.name is {spec.metadata.name!r}, but job {job.id} is {job.name!r}"
             )
-            return EXIT_USAGE
         plan = resolve_plan(spec, source, SecretSource.load(env_files, os.environ))
-    except SpecError as exc:
-        for line in str(exc).splitlines():
-            print(f"trainguard: {line}", file=sys.stderr)
-        return EXIT_USAGE
-    except ValueError as exc:  # an unreadable --env-file
-        print(f"trainguard: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except (SpecError, ValueError) as exc:  # ValueError: an unreadable --env-file
+        return usage(str(exc))
     blocked = None
     if not file and REDACTED in job.spec_json:
         blocked = f"its stored spec has redacted secrets: resume it with -f {job.source or 'FILE'}"
-    runner = LocalRunner(plan, store, job.source or source, resume=job, restart_blocked=blocked)
-    try:
-        result = runner.run()
-    except KeyboardInterrupt:
-        print("[trainguard] interrupted; every worker was stopped", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    return EXIT_INTERRUPTED if runner.interrupted else result.exit_code
+    return launch(JobToRun(plan, store, job.source or source), Resume(job, blocked))

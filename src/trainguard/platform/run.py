@@ -10,14 +10,11 @@ from trainguard.hosts.addresses import JobEndpoint
 from trainguard.hosts.run import endpoint_of
 from trainguard.observe.live import live_wanted
 from trainguard.platform.inject import parse_injection
-from trainguard.platform.local import (
-    EXIT_INTERRUPTED,
-    LocalRunner,
-    MetricsOptions,
-    MetricsPortError,
-)
+from trainguard.platform.launch import JobToRun, launch, usage
+from trainguard.platform.local import MetricsOptions
 from trainguard.platform.resume_command import lost_twin, resume_job
 from trainguard.platform.store import StateDirError, open_store
+from trainguard.platform.target import LOCAL
 from trainguard.rendezvous.client import rendezvous_mode
 from trainguard.slurm.allocation import Allocation, SlurmError, in_allocation, spare_count
 from trainguard.spec import SpecError, TrainingJob, cli_job, load_job, resolve_plan
@@ -27,7 +24,6 @@ from trainguard.spec.plan import check_local_size
 from trainguard.spec.scripts import check_scripts
 from trainguard.spec.secrets import SecretSource
 
-EXIT_USAGE = 2
 _TORCHRUN_FLAGS = (
     "nnodes", "nproc_per_node", "max_restarts", "module", "no_python", "name",
     "pre_train_script", "pre_train_args", "post_train_script", "post_train_args",
@@ -88,22 +84,14 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             check_local_size(plan, source)  # one machine: far fewer nodes than a cluster
         injections = [parse_injection(text) for text in args.inject]
         rendezvous_mode()  # TRAINGUARD_RENDEZVOUS_STORE: service or rank0
-    except (ValueError, SlurmError) as exc:  # a bad --inject SPEC, an unreadable --env-file
-        print(f"trainguard: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except SpecError as exc:
-        return _spec_error(exc)
+    except (ValueError, SlurmError, SpecError) as exc:  # a bad --inject SPEC, --env-file
+        return usage(str(exc))
     try:
         store = open_store(args.state_dir)
     except StateDirError as exc:
-        print(f"trainguard: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage(str(exc))
     try:
         check_scripts(plan, source)  # a missing script would fail every attempt
-    except SpecError as exc:
-        store.close()
-        return _spec_error(exc)
-    try:
         lost = lost_twin(store, plan) if args.file and not injections and not batch else None
         if lost is not None:
             print(
@@ -116,31 +104,18 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         metrics = None
         if args.metrics_port is not None:
             metrics = MetricsOptions(args.metrics_port, args.metrics_host, args.metrics_linger)
+        to_run = JobToRun(plan, store, source, injections, live, metrics)
         if batch:  # the batch script of a Slurm job: the controller, steps for the others
             from trainguard.slurm.run import run_in_allocation
 
-            argv = sys.argv[1:]
-            return run_in_allocation(args, plan, source, store, injections, live, metrics, argv)
+            return run_in_allocation(args, to_run, sys.argv[1:], parser)
         if endpoint is not None:
             from trainguard.hosts.run import run_on_hosts
 
-            return run_on_hosts(args, plan, source, store, endpoint, injections, live, metrics)
-        try:
-            runner = LocalRunner(plan, store, source, injections, live=live, metrics=metrics)
-        except ValueError as exc:  # an --inject target outside the job
-            print(f"trainguard: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        try:
-            result = runner.run()
-        except MetricsPortError as exc:
-            print(f"trainguard: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        except KeyboardInterrupt:
-            print("[trainguard] interrupted; every worker was stopped", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        if runner.interrupted:
-            return EXIT_INTERRUPTED
-        return result.exit_code
+            return run_on_hosts(args, to_run, endpoint)
+        return launch(to_run, LOCAL)
+    except SpecError as exc:
+        return usage(str(exc))
     finally:
         store.close()
 
@@ -169,12 +144,6 @@ def slurm_step_endpoint(args: argparse.Namespace) -> JobEndpoint:
     if args.node_rank is None:
         args.node_rank = alloc.step_node
     return in_step_endpoint(alloc, args.master_port)
-
-
-def _spec_error(exc: SpecError) -> int:
-    for line in str(exc).splitlines():
-        print(f"trainguard: {line}", file=sys.stderr)
-    return EXIT_USAGE
 
 
 def cold_started(job: TrainingJob) -> TrainingJob:

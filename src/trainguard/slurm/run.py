@@ -20,92 +20,98 @@ Two ways, both on top of :mod:`trainguard.hosts` (the same job on several hosts)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 
-from trainguard.cli import run_flags_taking_a_value
 from trainguard.control.events import Event, EventKind, FaultType
 from trainguard.hosts.addresses import JobEndpoint, LocalAddress, resolve, route_to
 from trainguard.hosts.controller_host import ControllerHost
 from trainguard.hosts.security import TOKEN_ENV, TokenError, client_tls, server_tls
 from trainguard.observe.terminal import safe_cell
-from trainguard.platform.inject import Injection
-from trainguard.platform.local import (
-    EXIT_INTERRUPTED,
-    MEMORY_ROOT,
-    LocalRunner,
-    MetricsOptions,
-)
+from trainguard.platform.launch import EXIT_USAGE, JobToRun, launch
+from trainguard.platform.local import MEMORY_ROOT
 from trainguard.platform.procs import free_port
-from trainguard.platform.store import Store
+from trainguard.platform.target import Slurm
 from trainguard.slurm.allocation import Allocation, SlurmError
-from trainguard.slurm.commands import drain, kill_wait, node_step, requeue
+from trainguard.slurm.commands import drain, kill_wait, requeue
+from trainguard.slurm.steps import NodeSteps
 from trainguard.spec.plan import JobPlan
 
 __all__ = ["DRAINED_FAULTS", "daemon_argv", "in_step_endpoint", "run_in_allocation"]
 
-EXIT_USAGE = 2
 KILL_WAIT_MARGIN = 3.0  # of Slurm's KillWait, kept for the controller to record the stop
-STEP_EXIT_SECONDS = 30.0  # how long the nodes' steps get to end after the job
 DRAINED_FAULTS = frozenset(
     {FaultType.NODE_LOST, FaultType.NODE_UNHEALTHY, FaultType.HEALTH_CHECK_FAILED}
 )
 """Faults that drain the node (a lost machine, a failed check, an XID)."""
 
 
-def daemon_argv(argv: Sequence[str], endpoint: JobEndpoint) -> list[str]:
-    """The command the other nodes run: this one (without the flags only the controller's
-    host takes), joined to ``endpoint``; the script's own arguments as they were."""
-    split = _script_index(argv)
+CONTROLLER_ONLY = frozenset({"inject", "metrics_port", "metrics_host", "metrics_linger"})
+"""The ``trainguard run`` options (by ``dest``) only the controller's host takes."""
+
+
+def daemon_argv(
+    argv: Sequence[str], endpoint: JobEndpoint, parser: argparse.ArgumentParser
+) -> list[str]:
+    """The command the other nodes run: ``argv`` (this one, as ``parser`` reads it)
+    without the options only the controller's host takes, joined to ``endpoint``; the
+    script's own arguments as they were. Where the options end is the parser's word (a
+    value-taking flag, an abbreviation, ``--flag=value``, ``-fFILE``), not a list kept
+    by hand."""
+    args, _ = parser.parse_known_args(argv)
+    split = len(argv) - (len(args.script_args) + 1 if args.script else 0)
+    run = _run_parser(parser)
     head: list[str] = []
     skip = False
     for arg in argv[:split]:
         if skip:
             skip = False
             continue
-        name = arg.split("=", 1)[0]
-        if name in ("--inject", "--metrics-port", "--metrics-host", "--metrics-linger"):
-            skip = "=" not in arg
+        action, attached = _option(run, arg)
+        if action is not None and action.dest in CONTROLLER_ONLY:
+            skip = not attached and action.nargs != 0
             continue
         head.append(arg)
     return [*head, "--rdzv-endpoint", str(endpoint), *argv[split:]]
 
 
-def _script_index(argv: Sequence[str]) -> int:
-    """Where the flags of ``run`` end (the torchrun form's script, or the end)."""
-    takes_value = run_flags_taking_a_value()
-    i = 1 if argv and argv[0] == "run" else 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("-"):
-            return i
-        i += 2 if arg in takes_value else 1
-    return len(argv)
+def _run_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            run: argparse.ArgumentParser = action.choices["run"]
+            return run
+    raise KeyError("run")
+
+
+def _option(run: argparse.ArgumentParser, arg: str) -> tuple[argparse.Action | None, bool]:
+    """The option ``arg`` names as argparse reads it (an exact name, a unique prefix of
+    a long one, ``--name=value``, ``-fVALUE``), and whether its value is attached."""
+    if not arg.startswith("-") or arg == "-":
+        return None, False
+    options = run._option_string_actions
+    name, eq, _ = arg.partition("=")
+    if name in options:
+        return options[name], bool(eq)
+    if arg.startswith("--"):
+        found = [a for o, a in options.items() if o.startswith(name) and o.startswith("--")]
+        return (found[0], bool(eq)) if len({id(a) for a in found}) == 1 else (None, False)
+    return options.get(arg[:2]), len(arg) > 2
 
 
 def run_in_allocation(
-    args: argparse.Namespace,
-    plan: JobPlan,
-    source: str,
-    store: Store,
-    injections: Sequence[Injection],
-    live: bool,
-    metrics: MetricsOptions | None,
-    argv: Sequence[str],
+    args: argparse.Namespace, job: JobToRun, argv: Sequence[str], parser: argparse.ArgumentParser
 ) -> int:
     """The batch script's ``trainguard run`` (see the module doc); ``argv``: its own
-    command line, which the other nodes run too."""
+    command line as ``parser`` reads it, which the other nodes run too."""
 
     def say(line: str) -> None:  # one line, however a worker's error it quotes reads
         print(f"[trainguard] {safe_cell(line)}", file=sys.stderr, flush=True)
 
+    plan = job.plan
     try:
         alloc = Allocation.from_env()
         tls_server = server_tls(args.tls_cert, args.tls_key)
@@ -132,40 +138,29 @@ def run_in_allocation(
     job_id = f"{plan.name}-slurm{alloc.job_id}"
     if alloc.restart_count == 0:  # a tier by this name is another job's (ids wrap, reinstalls)
         shutil.rmtree(MEMORY_ROOT / job_id, ignore_errors=True)
-    # scancel's SIGTERM (to every process of the job) is followed by SIGKILL after
-    # KillWait: the stop, and its record, fit in it.
-    stop_within = max(1.0, kill_wait() - KILL_WAIT_MARGIN)
-    requeue_for: list[str] = []
-    runner = LocalRunner(
-        plan, store, source, injections, live=live, metrics=metrics, hosts=hosts,
-        job_id=job_id, continue_record=alloc.restart_count > 0, stop_within=stop_within,
-    )  # fmt: skip
-    runner.on_no_host = requeue_for.append
-    runner.sigterm_reason = "cancelled by Slurm (SIGTERM: scancel, or the job's time limit)"
     if plan.job.spec.trainguard.drain_nodes:
         hosts.listeners.append(_drainer(hosts, say))
-    logs = store.root / "jobs" / job_id / "logs"
+    logs = job.store.root / "jobs" / job_id / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    steps_argv = [sys.executable, "-m", "trainguard.cli", *daemon_argv(argv, endpoint)]
+    steps_argv = [sys.executable, "-m", "trainguard.cli", *daemon_argv(argv, endpoint, parser)]
     say(
         f"Slurm job {alloc.job_id}: controller and node 0 on {alloc.this_node}; "
         f"{len(others)} more nodes join through their own steps"
         + (f" (requeued {alloc.restart_count} times)" if alloc.restart_count else "")
     )
-    steps = [node_step(n, steps_argv, os.environ, logs / f"step-{n}.log") for n in others]
+    requeue_for: list[str] = []
+    steps = NodeSteps(others, steps_argv, os.environ, logs)
     try:
-        try:
-            result = runner.run()
-        except KeyboardInterrupt:
-            say("interrupted; every worker was stopped")
-            return EXIT_INTERRUPTED
-        if runner.interrupted:
-            return EXIT_INTERRUPTED
-        if requeue_for and result.exit_code != 0:
-            return _requeue(alloc, plan, requeue_for, say)
-        return result.exit_code
+        # scancel's SIGTERM (to every process of the job) is followed by SIGKILL after
+        # KillWait: the stop, and its record, fit in it.
+        target = Slurm(
+            hosts, job_id, steps, requeue_for.append, continue_record=alloc.restart_count > 0,
+            stop_within=max(1.0, kill_wait() - KILL_WAIT_MARGIN),
+        )  # fmt: skip
+        code = launch(job, target)
+        return _requeue(alloc, plan, requeue_for, say) if requeue_for and code == 1 else code
     finally:
-        _end_steps(steps)
+        steps.end()
 
 
 Say = Callable[[str], None]
@@ -216,22 +211,6 @@ def _requeue(alloc: Allocation, plan: JobPlan, nodes: list[str], say: Say) -> in
         return 1
     time.sleep(60)  # Slurm ends this script; should it not, the job ends as failed
     return 1
-
-
-def _end_steps(steps: Sequence[subprocess.Popen[bytes]]) -> None:
-    """The nodes' steps end with the job (their daemons learn it from their lease); any
-    still running after :data:`STEP_EXIT_SECONDS` is signalled."""
-    deadline = time.monotonic() + STEP_EXIT_SECONDS
-    for step in steps:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            step.wait(max(0.1, deadline - time.monotonic()))
-    for step in steps:
-        if step.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(step.pid, signal.SIGTERM)
-    for step in steps:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            step.wait(5.0)
 
 
 def in_step_endpoint(alloc: Allocation, port: int) -> JobEndpoint:
