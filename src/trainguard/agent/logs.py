@@ -21,15 +21,20 @@ at most C x (K + 1). A worker's ``stdout.log``/``stderr.log`` is a spool
 disk space of what it has read once C/8 has piled up; an unread backlog past C/4 (a worker
 writing faster than the tailer reads) is skipped but for its newest C/16, and
 ``rank-{R}.log`` says how many bytes were skipped. Per rank, at most C x (K + 2) at each
-look of the tailer; between two looks a worker adds what it writes in 20 ms (the tailer
-looks at once while a worker is ahead of it). A spool the tailer has finished with is
-truncated past 1 MiB (all of it is in ``rank-{R}.log``).
+look of the tailer; between two looks a worker adds what it writes in 20 ms while it
+writes fast (a pass read 64 KiB or more), or in ``interval`` when it starts a flood after
+a quiet pass (the tailer looks at once while a worker is ahead of it). A spool the tailer
+has finished with is truncated past 1 MiB (all of it is in ``rank-{R}.log``).
 
 Between passes the tailer sleeps on an ``inotify`` watch of the ranks' directories
 (:mod:`trainguard.agent.filewatch`): a write wakes it (a pass at once after a quiet spell,
 at most one per ``interval`` while a worker keeps writing, with the 20 ms look for a flood
-in between), and a node whose workers print nothing costs no wake-ups but one pass a
-second. Where inotify is missing it polls: a pass every ``interval``, a look every 20 ms.
+in between only after a busy pass), and a node whose workers print nothing costs no
+wake-ups but one pass a second. Where inotify is missing it polls: a pass every
+``interval``, a look every 20 ms.
+
+A chunk's complete lines go to the rank's log in one write and to the console in one
+write + flush (:meth:`Console.write_lines`), then one by one to ``on_line``.
 """
 
 from __future__ import annotations
