@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import select
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -199,3 +200,16 @@ def test_a_burst_is_one_console_write_and_a_rule_still_fires_on_its_middle_line(
     assert snapshot.detections[0].line.startswith("Batch 1000 Loss: nan")
     assert snapshot.rules["loss"].matches == 2000
     assert snapshot.progress is not None and snapshot.progress.step == 2000
+
+
+def test_a_console_write_holds_whole_lines_and_at_most_pipe_buf_bytes() -> None:
+    """Agents may share one pipe: a write of more than PIPE_BUF bytes could interleave with
+    another's mid-line, so a burst goes out in whole-line writes of at most PIPE_BUF (a
+    longer line alone)."""
+    stream = RecordingStream()
+    lines = [b"x" * 100] * 300 + [b"y" * 10_000, b"z"]
+    Console(stream).write_lines(2, lines)
+    assert b"".join(stream.writes) == b"".join(b"[rank2]: " + line + b"\n" for line in lines)
+    assert all(w.endswith(b"\n") for w in stream.writes)
+    assert all(len(w) <= select.PIPE_BUF for w in stream.writes if b"y" not in w)
+    assert 1 < len(stream.writes) < 20

@@ -33,13 +33,15 @@ in between only after a busy pass), and a node whose workers print nothing costs
 wake-ups but one pass a second. Where inotify is missing it polls: a pass every
 ``interval``, a look every 20 ms.
 
-A chunk's complete lines go to the rank's log in one write and to the console in one
-write + flush (:meth:`Console.write_lines`), then one by one to ``on_line``.
+A chunk's complete lines go to the rank's log in one write and to the console in writes
+of whole lines up to ``PIPE_BUF`` bytes (:meth:`Console.write_lines`), then one by one to
+``on_line``.
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import sys
 import threading
 import time
@@ -121,27 +123,38 @@ class Console:
         self.write_lines(rank, (line,))
 
     def write_lines(self, rank: int, lines: Sequence[bytes]) -> None:
-        """Several lines of ``rank``, each prefixed as :meth:`write_line` does, in one
-        write + flush (whole lines: they cannot interleave with another agent's)."""
+        """Several lines of ``rank``, each prefixed as :meth:`write_line` does, a few
+        whole lines per write + flush: each write holds at most ``PIPE_BUF`` bytes (or one
+        longer line), so that on a shared pipe it cannot interleave with another agent's."""
         if not lines:
             return
         prefix = b"[rank%d]: " % rank
-        data = b"".join(
-            (line if line.startswith(prefix) else prefix + line) + b"\n" for line in lines
-        )
+        shown = [(line if line.startswith(prefix) else prefix + line) + b"\n" for line in lines]
+        pieces: list[bytes] = []
+        start, size = 0, 0
+        for end, line in enumerate(shown):
+            if size and size + len(line) > select.PIPE_BUF:
+                pieces.append(b"".join(shown[start:end]))
+                start, size = end, 0
+            size += len(line)
+        pieces.append(b"".join(shown[start:]))
         with self._lock:
             if not self._broken:
-                try:
-                    self._stream.write(data)
-                    self._stream.flush()
+                for index, piece in enumerate(pieces):
+                    try:
+                        self._stream.write(piece)
+                        self._stream.flush()
+                    except (OSError, ValueError):
+                        self._broken = True
+                        pieces = pieces[index:]  # from the piece that broke it on
+                        break
+                else:
                     return
-                except (OSError, ValueError):
-                    self._broken = True
             if self._fallback is None:
                 return
             try:
                 with self._fallback.open("ab") as out:
-                    out.write(data)
+                    out.write(b"".join(pieces))
             except OSError:
                 self._fallback = None  # no room, no directory: the echo is lost, not the job
 
