@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import io
+import select
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from trainguard.agent.logs import Console, LogLayout, LogTailer
+from trainguard.monitor.progress import ProgressMatcher
+from trainguard.monitor.rules import LogRuleSpec, NodeLogMonitor
 
 INTERVAL = 0.02
 
@@ -164,3 +167,49 @@ def test_relabelled_ranks_log_their_next_lines_as_the_new_ranks(tmp_path: Path) 
     assert tailer.stop(timeout=10)
     assert lines == [(5, "stdout", "before"), (3, "stdout", "after")]
     assert layout.combined(3).read_text().splitlines() == ["after"]
+
+
+def test_a_burst_is_one_console_write_and_a_rule_still_fires_on_its_middle_line(
+    tmp_path: Path,
+) -> None:
+    """A worker's burst of lines is read in chunks: the console gets whole prefixed lines in
+    one write per chunk (not one per line), and every line still reaches the log rules: a
+    NaN loss in the middle of 2000 lines is detected, and the progress is the last step."""
+    rule = LogRuleSpec(name="loss", log_pattern=r".*Loss: ([^,]+),")
+    monitor = NodeLogMonitor([rule], ProgressMatcher())
+    stream = RecordingStream()
+    layout = LogLayout(tmp_path)
+    layout.rank_dir(0, 4).mkdir(parents=True)
+    tailer = LogTailer(
+        layout, 0, {0: 4}, interval=INTERVAL, console=Console(stream), on_line=monitor.on_line
+    )
+    burst = b"".join(
+        b"Batch %d Loss: %s, Speed: 10.0 samples/sec\n" % (i, b"nan" if i == 1000 else b"0.5")
+        for i in range(1, 2001)
+    )
+    layout.stdout(0, 4).write_bytes(burst)
+    tailer.start()
+    assert tailer.stop(timeout=10)
+
+    shown = b"".join(stream.writes)
+    assert shown.count(b"\n") == 2000 and shown.startswith(b"[rank4]: Batch 1 Loss: 0.5,")
+    assert len(stream.writes) < 100  # chunks, not lines
+    assert layout.combined(4).read_bytes().endswith(burst)
+    snapshot = monitor.snapshot()
+    assert [(d.kind, d.rank) for d in snapshot.detections] == [("NaNMetric", 4)]
+    assert snapshot.detections[0].line.startswith("Batch 1000 Loss: nan")
+    assert snapshot.rules["loss"].matches == 2000
+    assert snapshot.progress is not None and snapshot.progress.step == 2000
+
+
+def test_a_console_write_holds_whole_lines_and_at_most_pipe_buf_bytes() -> None:
+    """Agents may share one pipe: a write of more than PIPE_BUF bytes could interleave with
+    another's mid-line, so a burst goes out in whole-line writes of at most PIPE_BUF (a
+    longer line alone)."""
+    stream = RecordingStream()
+    lines = [b"x" * 100] * 300 + [b"y" * 10_000, b"z"]
+    Console(stream).write_lines(2, lines)
+    assert b"".join(stream.writes) == b"".join(b"[rank2]: " + line + b"\n" for line in lines)
+    assert all(w.endswith(b"\n") for w in stream.writes)
+    assert all(len(w) <= select.PIPE_BUF for w in stream.writes if b"y" not in w)
+    assert 1 < len(stream.writes) < 20

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from trainguard.monitor.progress import ProgressMatcher
+from trainguard.monitor.regex import compile_regex, match_line
 from trainguard.monitor.rules import (
     MAX_DETECTIONS,
     MAX_LINE_CHARS,
@@ -418,3 +419,26 @@ def test_on_line_and_snapshot_from_two_threads() -> None:
         json.dumps(monitor.snapshot().to_json())
     thread.join()
     assert rule_view(monitor, "loss")["matches"] == lines
+
+
+@pytest.mark.parametrize(
+    ("pattern", "line"),
+    [
+        (r".*Loss: ([0-9.e+-]+|nan)", "Batch 3 Loss: 0.25, Speed: 1.0"),
+        (r".*Loss: ([0-9.e+-]+|nan)", "Batch 3 Loss: nan"),
+        (r".*Loss: ([0-9.e+-]+|nan)", "no loss here"),
+        (r"(?i)step (\d+)(?:/(\d+))?", "STEP 7"),
+        (r"(?P<name>\w+)=(\d+)", "lr=3 momentum"),
+        (r".*é (\w+)", "café au lait"),  # not ASCII: matched as text
+        (r".*\xff(\d)", "bad \xff7 byte"),
+        (r"x*", ""),
+    ],
+)
+def test_a_line_matched_as_bytes_gives_what_re2_gives_on_the_text(pattern: str, line: str) -> None:
+    """match_line matches an ASCII line as its bytes (cheaper); what it finds is the same."""
+    compiled = compile_regex(pattern)
+    expected, found = compiled.match(line), match_line(compiled, line)
+    assert (expected is None) == (found is None)
+    if expected is not None and found is not None:
+        for index in range(compiled.groups + 1):
+            assert found.group(index) == expected.group(index)

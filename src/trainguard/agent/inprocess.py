@@ -119,6 +119,10 @@ class ResilientGroup(WorkerGroup):
             self._replenish_spares()
         return new
 
+    def settling(self) -> bool:
+        """Waiting for the ranks' acks to start new spares (files: no exit wakes it)."""
+        return self._replenish_at is not None
+
     # -- in-process restarts ------------------------------------------------------------
 
     @property

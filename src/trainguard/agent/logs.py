@@ -21,24 +21,31 @@ at most C x (K + 1). A worker's ``stdout.log``/``stderr.log`` is a spool
 disk space of what it has read once C/8 has piled up; an unread backlog past C/4 (a worker
 writing faster than the tailer reads) is skipped but for its newest C/16, and
 ``rank-{R}.log`` says how many bytes were skipped. Per rank, at most C x (K + 2) at each
-look of the tailer; between two looks a worker adds what it writes in 20 ms (the tailer
-looks at once while a worker is ahead of it). A spool the tailer has finished with is
-truncated past 1 MiB (all of it is in ``rank-{R}.log``).
+look of the tailer; between two looks a worker adds what it writes in 20 ms while it
+writes fast (a pass read 64 KiB or more), or in ``interval`` when it starts a flood after
+a quiet pass (the tailer looks at once while a worker is ahead of it). A spool the tailer
+has finished with is truncated past 1 MiB (all of it is in ``rank-{R}.log``).
 
 Between passes the tailer sleeps on an ``inotify`` watch of the ranks' directories
 (:mod:`trainguard.agent.filewatch`): a write wakes it (a pass at once after a quiet spell,
 at most one per ``interval`` while a worker keeps writing, with the 20 ms look for a flood
-in between), and a node whose workers print nothing costs no wake-ups but one pass a
-second. Where inotify is missing it polls: a pass every ``interval``, a look every 20 ms.
+in between only after a busy pass), and a node whose workers print nothing costs no
+wake-ups but one pass a second. Where inotify is missing it polls: a pass every
+``interval``, a look every 20 ms.
+
+A chunk's complete lines go to the rank's log in one write and to the console in writes
+of whole lines up to ``PIPE_BUF`` bytes (:meth:`Console.write_lines`), then one by one to
+``on_line``.
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Final
@@ -60,6 +67,7 @@ _READ_CHUNK = 64 * 1024
 _CHECK_EVERY = 4 * _READ_CHUNK  # while reading, how often to look how far the writer is
 _WATCH_INTERVAL = 0.02  # between passes, how often to look whether a spool grows fast
 _QUIET_PASS = 1.0  # watched by inotify: a pass after this long without a change anyway
+_BUSY_BYTES = _READ_CHUNK  # a pass that read this much: look for a flood till the next
 SPOOL_KEPT_WHEN_DONE: Final = 1024 * 1024
 """A finished worker's spool file (all of it in rank-{R}.log) is emptied past this size."""
 
@@ -112,21 +120,41 @@ class Console:
     def write_line(self, rank: int, line: bytes) -> None:
         """``[rank{R}]: line``; a line that already starts so (torch.distributed's
         excepthook prefixes each line of a rank's traceback the same way) is left as is."""
+        self.write_lines(rank, (line,))
+
+    def write_lines(self, rank: int, lines: Sequence[bytes]) -> None:
+        """Several lines of ``rank``, each prefixed as :meth:`write_line` does, a few
+        whole lines per write + flush: each write holds at most ``PIPE_BUF`` bytes (or one
+        longer line), so that on a shared pipe it cannot interleave with another agent's."""
+        if not lines:
+            return
         prefix = b"[rank%d]: " % rank
-        data = (line if line.startswith(prefix) else prefix + line) + b"\n"
+        shown = [(line if line.startswith(prefix) else prefix + line) + b"\n" for line in lines]
+        pieces: list[bytes] = []
+        start, size = 0, 0
+        for end, line in enumerate(shown):
+            if size and size + len(line) > select.PIPE_BUF:
+                pieces.append(b"".join(shown[start:end]))
+                start, size = end, 0
+            size += len(line)
+        pieces.append(b"".join(shown[start:]))
         with self._lock:
             if not self._broken:
-                try:
-                    self._stream.write(data)
-                    self._stream.flush()
+                for index, piece in enumerate(pieces):
+                    try:
+                        self._stream.write(piece)
+                        self._stream.flush()
+                    except (OSError, ValueError):
+                        self._broken = True
+                        pieces = pieces[index:]  # from the piece that broke it on
+                        break
+                else:
                     return
-                except (OSError, ValueError):
-                    self._broken = True
             if self._fallback is None:
                 return
             try:
                 with self._fallback.open("ab") as out:
-                    out.write(data)
+                    out.write(b"".join(pieces))
             except OSError:
                 self._fallback = None  # no room, no directory: the echo is lost, not the job
 
@@ -192,6 +220,7 @@ class LogTailer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._hook_failed = False
+        self._read_bytes = 0  # read by the tailer's thread since its last pass began
         self._thread = threading.Thread(
             target=self._run, name=f"trainguard-tail-attempt-{attempt}", daemon=True
         )
@@ -264,11 +293,12 @@ class LogTailer:
         try:
             while True:
                 final = self._stop.is_set()
+                self._read_bytes = 0
                 behind = self._pass(final)
                 if final:
                     return
                 # A worker that writes faster than one pass reads: look again at once.
-                self._idle(0 if behind else self.interval)
+                self._idle(0 if behind else self.interval, self._read_bytes >= _BUSY_BYTES)
         except Exception:
             logger.exception("log tailer for attempt %d failed", self._attempt)
         finally:
@@ -281,10 +311,11 @@ class LogTailer:
                     self._watch.close()
                     self._watch = None
 
-    def _idle(self, seconds: float) -> None:
+    def _idle(self, seconds: float, busy: bool) -> None:
         """Wait for the next pass. Watched (inotify): until a worker writes, or a rank
         finishes, or :data:`_QUIET_PASS` passes; no sooner than ``seconds`` after the last
-        pass unless a worker floods. Else polling: ``seconds``, or less (a flood)."""
+        pass unless a worker floods. Else polling: ``seconds``, or less (a flood).
+        ``busy``: the last pass read :data:`_BUSY_BYTES` or more (look for a flood)."""
         if seconds <= 0:
             return
         deadline = time.monotonic() + seconds
@@ -294,11 +325,16 @@ class LogTailer:
             changed, poked = watch.wait(_QUIET_PASS)
             if poked or not changed:
                 return
-        self._pace(deadline)
+        self._pace(deadline, busy or watch is None)
 
-    def _pace(self, deadline: float) -> None:
-        """Wait until ``deadline``, or less: until stopped, or until a worker has written
-        a lot since (a flood starts between two passes: its spool stays small)."""
+    def _pace(self, deadline: float, flood_watch: bool) -> None:
+        """Wait until ``deadline``, or less: until stopped, or (``flood_watch``) until a
+        worker has written a lot since (a flood starts between two passes: its spool
+        stays small). Without ``flood_watch`` (the workers wrote little lately) one
+        sleep: a worker's first burst waits for the next pass, the skip bounds it."""
+        if not flood_watch:
+            self._stop.wait(max(0.0, deadline - time.monotonic()))
+            return
         while (left := deadline - time.monotonic()) > 0:
             if self._stop.wait(min(left, _WATCH_INTERVAL)):
                 return
@@ -357,12 +393,12 @@ class LogTailer:
 
     def _feed(self, followed: _Followed, chunk: bytes) -> None:
         """Emit the complete lines of ``chunk`` (after what is pending); keep the rest."""
+        self._read_bytes += len(chunk)
         *lines, followed.pending = (followed.pending + chunk).split(b"\n")
-        for line in lines:
-            self._emit(followed, line)
         if len(followed.pending) > self._max_line:  # no newline in sight: cut it
-            self._emit(followed, followed.pending)
+            lines.append(followed.pending)
             followed.pending = b""
+        self._emit_lines(followed, lines)
 
     def _skip(self, followed: _Followed) -> None:
         """The writer is too far ahead: skip its backlog but the newest part, and say so."""
@@ -386,13 +422,23 @@ class LogTailer:
             self._console.write_line(followed.rank, line)
 
     def _emit(self, followed: _Followed, line: bytes) -> None:
+        self._emit_lines(followed, [line])
+
+    def _emit_lines(self, followed: _Followed, lines: list[bytes]) -> None:
+        """A chunk's complete lines: one write to the rank's log and one to the console
+        (not one per line), then each line to ``on_line``."""
+        if not lines:
+            return
         t = time.time()
-        self._combined[followed.rank].write(line + b"\n")
+        self._combined[followed.rank].write(b"\n".join(lines) + b"\n")
         if self._console is not None:
-            self._console.write_line(followed.rank, line)
-        if self._on_line is not None:
+            self._console.write_lines(followed.rank, lines)
+        if self._on_line is None:
+            return
+        rank, stream, hook = followed.rank, followed.stream, self._on_line
+        for line in lines:
             try:
-                self._on_line(followed.rank, followed.stream, line.decode(errors="replace"), t)
+                hook(rank, stream, line.decode(errors="replace"), t)
             except Exception:
                 if not self._hook_failed:
                     logger.exception("on_line hook failed (further failures not logged)")

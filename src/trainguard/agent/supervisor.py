@@ -70,6 +70,8 @@ class AgentTimings:
     """Every interval and timeout of the agent, in seconds, with its default."""
 
     poll_interval: float = 0.1  # how often the supervisor looks at its workers unwoken
+    # ... while every worker's exit wakes it (pidfds) and nothing else is awaited
+    watched_interval: float = 2.0
     tail_interval: float = 0.1  # how often the tailer reads the workers' log files
     reap_timeout: float = 5.0  # wait for a process to vanish after SIGKILL
     drain_timeout: float = 30.0  # wait for the tailer to drain the logs of an attempt
@@ -319,9 +321,7 @@ class AgentSupervisor:
             )
             while True:
                 try:
-                    command: _Command | None = self._commands.get(
-                        timeout=self._timings.poll_interval
-                    )
+                    command: _Command | None = self._commands.get(timeout=self._wait())
                 except queue.Empty:
                     command = None
                 if isinstance(command, _Shutdown):
@@ -516,6 +516,14 @@ class AgentSupervisor:
         if tailer is not None and group is not None:
             armed = self._injector.armed_for(list(group.ranks.values()))
             tailer.interval = FAST_TAIL_INTERVAL if armed else self._timings.tail_interval
+
+    def _wait(self) -> float:
+        """How long to wait for a command before looking at the workers unwoken: long
+        where each worker's exit wakes the supervisor (pidfds), else ``poll_interval``."""
+        group = self._group
+        if group is not None and self._exits.supported and not group.settling():
+            return self._timings.watched_interval
+        return self._timings.poll_interval
 
     def _check_workers(self) -> None:
         """Record exits at once; report; clean up only once every worker has exited."""

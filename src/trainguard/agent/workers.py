@@ -296,6 +296,11 @@ class WorkerGroup:
     def all_exited(self) -> bool:
         return len(self._exitcodes) == len(self.ranks)
 
+    def settling(self) -> bool:
+        """Whether :meth:`poll` waits for something no exit wakes (look often); False:
+        only exits change it, and the supervisor is woken by them."""
+        return False
+
     def error_message(self, local: int) -> str | None:
         """What the worker's error file says (torch elastic's ``@record``), else the
         exception of the last traceback it wrote to stderr: where the log tailer has not

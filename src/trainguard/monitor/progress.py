@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from trainguard.monitor.regex import RegexError, compile_regex
+from trainguard.monitor.regex import RegexError, compile_regex, match_line
 
 __all__ = ["DEFAULT_PROGRESS_PATTERN", "ProgressMatcher"]
 
@@ -58,7 +58,7 @@ class ProgressMatcher:
 
     def match(self, line: str) -> int | None:
         """The step of a completed-step line, or None for any other line."""
-        found = self._regex.match(line)
+        found = match_line(self._regex, line)
         if found is None:
             return None
         text = found.group(1)

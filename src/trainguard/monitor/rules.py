@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 from trainguard.monitor.progress import ProgressMatcher
-from trainguard.monitor.regex import Pattern, RegexError, compile_regex
+from trainguard.monitor.regex import Pattern, RegexError, compile_regex, match_line
 from trainguard.wire.status import (
     Detection,
     DetectionKind,
@@ -294,11 +294,11 @@ class NodeLogMonitor:
 
     def _apply(self, rule: LogRuleSpec, state: _RuleState, rank: int, line: str, t: float) -> None:
         stop = rule.stop
-        if stop is not None and stop.match(line):
+        if stop is not None and match_line(stop, line):
             state.stopped = True
             return
         pattern = rule.pattern
-        found = pattern.match(line)
+        found = match_line(pattern, line)
         if found is None:
             return
         state.matches += 1

@@ -5,10 +5,11 @@ orphaned console (:func:`trainguard.agent.logs.orphaned_console`)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-__all__ = ["FollowedFile", "LineSource"]
+__all__ = ["FollowedFile", "LineSource", "line_batches"]
 
 POLL_SECONDS = 0.2
 
@@ -17,6 +18,30 @@ class LineSource(Protocol):
     """What a console pump reads: an agent's stdout pipe, or a followed file."""
 
     def readline(self) -> bytes: ...
+
+
+BATCH_BYTES = 64 * 1024
+
+
+def line_batches(source: LineSource, size: int = BATCH_BYTES) -> Iterator[list[bytes]]:
+    """``source``'s lines (each with its newline), a batch at a time until its end: from a
+    pipe (a source with ``read1``), the complete lines of each read of up to ``size``
+    bytes, so a worker's burst costs its reader one wake-up, not one per line; from any
+    other source, a line at a time. A last line without a newline comes at the end."""
+    read1 = getattr(source, "read1", None)
+    if read1 is None:
+        for line in iter(source.readline, b""):
+            yield [line]
+        return
+    pending = b""
+    while chunk := read1(size):
+        data = pending + chunk
+        cut = data.rfind(b"\n") + 1
+        pending = data[cut:]
+        if cut:
+            yield [line + b"\n" for line in data[: cut - 1].split(b"\n")]
+    if pending:
+        yield [pending]
 
 
 class FollowedFile:

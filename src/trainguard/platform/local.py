@@ -45,7 +45,7 @@ from trainguard.platform.base import Cancel
 from trainguard.platform.book import ReportBook
 from trainguard.platform.control_config import control_config, fence_after
 from trainguard.platform.drive import drive
-from trainguard.platform.follow import LineSource
+from trainguard.platform.follow import LineSource, line_batches
 from trainguard.platform.inbox import Inbox
 from trainguard.platform.inject import Injection
 from trainguard.platform.inject_hook import InjectionHook, injector_for
@@ -544,12 +544,13 @@ class LocalRunner:
     def _pump(self, stream: LineSource) -> None:
         """Copy an agent's console (every rank's lines, prefixed) to ours and to console.log."""
         try:
-            for raw in iter(stream.readline, b""):
+            for lines in line_batches(stream):  # one write per batch of lines, not per line
                 with self._out_lock:
-                    if self._terminal.admit():  # the terminal gets its share; the file all
-                        self._show(self.out, safe_bytes(raw))  # shown, never obeyed
-                    if self._console_log is not None:
-                        self._console_log.write(raw)
+                    shown = [line for line in lines if self._terminal.admit()]  # its share
+                    if shown:
+                        self._show(self.out, safe_bytes(b"".join(shown)))  # shown, never obeyed
+                    if self._console_log is not None:  # the file gets all
+                        self._console_log.write(b"".join(lines))
                         self._console_log.flush()
                     self._say_lines_not_shown(locked=True)
         except (OSError, ValueError):
