@@ -3,7 +3,9 @@
 :class:`LocalRunner` sets a job up (its directory, token, store row, the inbox agents
 push to), runs :func:`~trainguard.platform.drive.drive` over a
 :class:`~trainguard.platform.local_platform.LocalPlatform`, and tears everything down
-whatever happens (every agent and worker stopped, the memory tiers removed).
+whatever happens (every agent and worker stopped, the memory tiers removed). What the
+user sees is its :class:`~trainguard.platform.console.Console`; what a job across hosts
+adds, its :class:`~trainguard.platform.across_hosts.AcrossHosts`.
 """
 
 from __future__ import annotations
