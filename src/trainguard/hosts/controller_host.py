@@ -1,9 +1,10 @@
 """What the controller's host adds to ``trainguard run`` when the job spans hosts.
 
 The host that owns ``--rdzv-endpoint`` runs the job as on one machine
-(:class:`~trainguard.platform.local.LocalRunner`), with these differences, all gathered
-here: the server agents push to listens on the endpoint (with the join and lease routes
-of :class:`~trainguard.hosts.service.HostsService`), off loopback, so the job's token is
+(:class:`~trainguard.platform.local.LocalRunner`), with these differences, gathered here
+and in :class:`~trainguard.platform.across_hosts.AcrossHosts`: the server agents push
+to listens on the endpoint (with the join and lease routes of
+:class:`~trainguard.hosts.service.HostsService`), off loopback, so the job's token is
 required; node 0 is this host's, its agent and every rendezvous at this host's address;
 the other nodes are launched through their hosts' daemons
 (:class:`~trainguard.hosts.launcher.HostsLauncher`); the run waits for the hosts to

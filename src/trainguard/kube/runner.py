@@ -51,7 +51,7 @@ from trainguard.observe.metrics import Metrics
 from trainguard.platform.book import ReportBook
 from trainguard.platform.control_config import control_config
 from trainguard.platform.drive import drive
-from trainguard.platform.inbox import Inbox
+from trainguard.platform.inbox import Inbox, agent_transport
 from trainguard.platform.resume import reattached
 from trainguard.platform.transport import AgentTransport
 from trainguard.spec import parse_job
@@ -194,18 +194,13 @@ class KubeJob:
             except KubeError as exc:
                 if exc.status != 409:
                     raise
-        report_url = None
-        if self.inbox is not None:
-            book = self.book
-            report_url = self.inbox.register(
-                self.source, token, lambda status: book.answered(status, push=True)
-            )
-        transport = self.transport = AgentTransport(
-            self.book,
+        transport = self.transport = agent_transport(
+            self.inbox,
+            self.source,
             token,
             poll_interval=self.config.poll_interval,
             timeout=self.settings.agent_timeout_seconds,
-            report_url=report_url,
+            book=self.book,
         )
         platform = self.platform = KubePlatform(
             self.api,
@@ -222,7 +217,7 @@ class KubeJob:
             node_health=self.node_health,
             kueue=KueueWorkload.create(self.api, self.body, self.config.poll_interval),
         )
-        begin = self._take_over(token, platform, report_url)
+        begin = self._take_over(token, platform)
         platform.reap()  # pods of an earlier operator that were not adopted
         transport.start()
         return platform, begin
@@ -237,9 +232,7 @@ class KubeJob:
                 return
             self.book.wait(kueue.interval)
 
-    def _take_over(
-        self, token: str, platform: KubePlatform, report_url: str | None
-    ) -> Begin | None:
+    def _take_over(self, token: str, platform: KubePlatform) -> Begin | None:
         """How a job an earlier operator ran goes on (:mod:`trainguard.kube.adopt`):
         adopted as it runs, or restarted from its newest checkpoint; None for a new job."""
         status = self.body.get("status") or {}
@@ -264,7 +257,7 @@ class KubeJob:
                 platform.adopt([(p.node_id, p.pod, p.url) for p in pods])
                 nodes = [p.node_id for p in pods]
                 begin, refused = reattached(
-                    controller, record, nodes, platform.transport, platform.retire, report_url
+                    controller, record, nodes, platform.transport, platform.retire
                 )
                 if begin is not None:
                     logger.info(

@@ -9,7 +9,7 @@ It is cut to the terminal's width, so it never wraps.
 Where its output goes. In a local run every rank's line reaches the terminal through
 this process: a worker writes to files, its agent tails them and writes each line,
 prefixed, to its stdout, a pipe that the runner copies to ours
-(:meth:`LocalRunner._pump <trainguard.platform.local.LocalRunner._pump>`); the events
+(:meth:`Console.pump <trainguard.platform.console.Console.pump>`); the events
 go to stderr (``[trainguard] ...``). No other process writes to the terminal, so the
 runner draws the live line itself: every line, stdout's or stderr's, goes through
 :meth:`LiveLine.above`, which erases the live line, writes the line and draws the live

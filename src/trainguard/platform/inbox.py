@@ -22,11 +22,12 @@ from aiohttp import web
 
 from trainguard.auth import bearer_ok
 from trainguard.http_server import ListenError, RouteServer
-from trainguard.platform.book import Taken
+from trainguard.platform.book import ReportBook, Taken
+from trainguard.platform.transport import AgentTransport
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.status import NodeStatus
 
-__all__ = ["Inbox", "ListenError", "RouteServer"]
+__all__ = ["Inbox", "ListenError", "RouteServer", "agent_transport"]
 
 
 @dataclass(frozen=True)
@@ -83,3 +84,25 @@ class Inbox(RouteServer):
                 status=409,
             )
         return web.json_response({"accepted": True}, status=202)
+
+
+def agent_transport(
+    inbox: Inbox | None,
+    key: str,
+    token: str,
+    *,
+    poll_interval: float,
+    timeout: float,
+    book: ReportBook | None = None,
+) -> AgentTransport:
+    """A job's line to its agents, wired alike on every platform: the report book (a new
+    one unless given), the job's key in ``inbox`` (its agents push there into the book;
+    None: polled only), and the transport that polls them and sends them requests (its
+    ``book`` and ``report_url``). The caller starts and closes it, and unregisters ``key``."""
+    book = book or ReportBook()
+    report_url = None
+    if inbox is not None:
+        report_url = inbox.register(key, token, lambda status: book.answered(status, push=True))
+    return AgentTransport(
+        book, token, poll_interval=poll_interval, timeout=timeout, report_url=report_url
+    )

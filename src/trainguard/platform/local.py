@@ -3,12 +3,13 @@
 :class:`LocalRunner` sets a job up (its directory, token, store row, the inbox agents
 push to), runs :func:`~trainguard.platform.drive.drive` over a
 :class:`~trainguard.platform.local_platform.LocalPlatform`, and tears everything down
-whatever happens (every agent and worker stopped, the memory tiers removed).
+whatever happens (every agent and worker stopped, the memory tiers removed). What the
+user sees is its :class:`~trainguard.platform.console.Console`; what a job across hosts
+adds, its :class:`~trainguard.platform.across_hosts.AcrossHosts`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -25,38 +26,31 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from trainguard.agent.logcap import RotatingFile
 from trainguard.agent.train_scripts import TrainScripts
 from trainguard.agent.warm import StartOptions
 from trainguard.agent.workers import HOST_WORKERS_ENV
 from trainguard.checkpoint.tier_dir import user_root
 from trainguard.control.controller import JobController, JobPhase
-from trainguard.hosts.addresses import resolve
-from trainguard.hosts.controller_host import AGENT_CONTACT_TIMEOUT, interface_env
-from trainguard.hosts.launcher import HostsLauncher
+from trainguard.hosts.controller_host import AGENT_CONTACT_TIMEOUT
 from trainguard.hosts.security import write_token_file
 from trainguard.http_server import RouteServer
 from trainguard.observe.cause import failure_cause
 from trainguard.observe.job import JobObserver
-from trainguard.observe.live import LiveLine
 from trainguard.observe.summary import fault_summary
-from trainguard.observe.terminal import safe_bytes, safe_cell, silence
-from trainguard.platform.base import Cancel
-from trainguard.platform.book import ReportBook
-from trainguard.platform.control_config import control_config, fence_after
+from trainguard.platform.across_hosts import AcrossHosts
+from trainguard.platform.console import Console
+from trainguard.platform.control_config import control_config
 from trainguard.platform.drive import drive
-from trainguard.platform.follow import LineSource, line_batches
-from trainguard.platform.inbox import Inbox
+from trainguard.platform.inbox import Inbox, agent_transport
 from trainguard.platform.inject import Injection
 from trainguard.platform.inject_hook import InjectionHook, injector_for
-from trainguard.platform.local_platform import HostsWiring, LocalPlatform
+from trainguard.platform.local_platform import LocalPlatform
 from trainguard.platform.node import AgentLauncher, HealthLaunch, NodeLauncher
 from trainguard.platform.procs import tune_gc_for_a_controller
 from trainguard.platform.resume import resumed_begin
 from trainguard.platform.store import JobNotFound, Store
 from trainguard.platform.target import LOCAL, Hosts, Resume, Slurm, Target
-from trainguard.platform.throttle import LineThrottle
-from trainguard.platform.transport import DEFAULT_CONTACT_TIMEOUT, AgentTransport
+from trainguard.platform.transport import DEFAULT_CONTACT_TIMEOUT
 from trainguard.rendezvous.client import (
     StoreServiceHandle,
     find_service,
@@ -171,15 +165,12 @@ class LocalRunner:
     ) -> None:
         """``target``: where the job runs (:mod:`trainguard.platform.target`)."""
         self.target = target
-        hosts = target.controller if isinstance(target, Hosts | Slurm) else None
         slurm = target if isinstance(target, Slurm) else None
         self.continue_record = slurm is not None and slurm.continue_record
-        self.hosts = hosts
+        across = isinstance(target, Hosts | Slurm)
         self.plan = plan
         self.store = store
         self.source = source
-        self.out = out or sys.stdout
-        self.err = err or sys.stderr
         # A resumed job (its controller died) keeps its id, directory and token.
         self.resume = target.job if isinstance(target, Resume) else None
         # Why a resume may not start new agents.
@@ -187,15 +178,15 @@ class LocalRunner:
         job_id = self.resume.id if self.resume else slurm.job_id if slurm else None
         self.job_id = job_id or new_job_id(plan.name)
         self.job_dir = store.root / "jobs" / self.job_id
+        self.console = Console(self.job_id, out or sys.stdout, err or sys.stderr)
+        self._say = self.console.say  # a line to the user
         self.logs_dir = self.job_dir / "logs"
         self.token_file = self.job_dir / "token"
         # Each node's memory tier: RAM that outlives its workers; removed when the job ends.
         self.memory_root = MEMORY_ROOT / self.job_id
         # Raises ValueError naming the SPEC when a target is out of range.
-        self.injector = injector_for(injections, plan, across_hosts=hosts is not None)
-        self.config, self.groups = control_config(
-            plan, self.job_id, durable=True, hosts=hosts is not None
-        )
+        self.injector = injector_for(injections, plan, across_hosts=across)
+        self.config, self.groups = control_config(plan, self.job_id, durable=True, hosts=across)
         if slurm is not None and (stop_within := slurm.stop_within) is not None:
             grace = min(self.config.stop_grace_seconds, stop_within / 2)
             self.config = dataclasses.replace(
@@ -203,20 +194,20 @@ class LocalRunner:
                 stop_grace_seconds=grace,
                 stop_slack_seconds=min(self.config.stop_slack_seconds, stop_within - grace),
             )
+        self.hosts: AcrossHosts | None = None
+        if isinstance(target, Hosts | Slurm):
+            self.hosts = AcrossHosts(
+                target, self.job_id, plan, self.config, self._say, self._interrupted_by
+            )
+            self.config = dataclasses.replace(self.config, host_wait=self.hosts.host_wait)
         self.launcher: NodeLauncher | None = None
         self.platform: LocalPlatform | None = None
         self._interrupts = 0
         self._first_signal = 0
         # Why a SIGTERM stops the job (a Slurm job's is scancel or its time limit).
         self.sigterm_reason = slurm.sigterm_reason if slurm else "terminated (SIGTERM)"
-        self._out_lock = threading.Lock()
-        self._console_log: RotatingFile | None = None  # capped like a rank's log
-        self._gone: list[TextIO] = []  # console streams whose reader went away
-        self._terminal = LineThrottle()  # worker lines to the terminal: a share of them
         self.metrics = metrics  # serve Prometheus metrics (--metrics-port)
         self._live_wanted = live  # the live line on ``out`` (a terminal; observe/live.py)
-        self._live: LiveLine | None = None
-        self._joiners_failed: list[str] = []  # the joiners that exited before joining
 
     @property
     def interrupted(self) -> bool:
@@ -232,7 +223,7 @@ class LocalRunner:
             token = self.token_file.read_text().strip()
             self.store.update_job(self.job_id, controller_pid=os.getpid(), phase="Running")
         else:
-            token = self.hosts.token if self.hosts is not None else secrets.token_urlsafe(32)
+            token = self.hosts.controller.token if self.hosts else secrets.token_urlsafe(32)
             write_token_file(self.token_file, token)
         if self.resume is None and self.continue_record and self._has_record():
             self.store.update_job(self.job_id, controller_pid=os.getpid(), phase="Running")
@@ -248,15 +239,14 @@ class LocalRunner:
             )
         self._warn_of_credentials()
         if self._live_wanted:
-            self._live = LiveLine(self.out)
-        book = ReportBook()
-        inbox = self._inbox()
-        report_url = inbox.register(self.job_id, token, lambda s: book.answered(s, push=True))
-        transport = AgentTransport(
-            book,
+            self.console.start_live()
+        durable_url = self.plan.job.spec.checkpointing.durable_url or str(self.job_dir / "durable")
+        inbox = self.hosts.inbox(durable_url) if self.hosts else Inbox()
+        transport = agent_transport(
+            inbox,
+            self.job_id,
             token,
             poll_interval=self.config.poll_interval,
-            report_url=report_url,
             timeout=AGENT_CONTACT_TIMEOUT if self.hosts is not None else DEFAULT_CONTACT_TIMEOUT,
         )
         platform = self.platform = LocalPlatform(
@@ -268,29 +258,29 @@ class LocalRunner:
             hooks_root=self.job_dir / "health",
             preempt_grace=self._open_capacity_pool(),
             say=self._say,
-            pump=self._pump,
+            pump=self.console.pump,
             interrupted=self._interrupted_by,
             observer=observer,
-            live=self._live,
-            address=self.hosts.local.addr if self.hosts is not None else "127.0.0.1",
-            hosts=self._hosts_wiring(),
+            live=self.console.live,
+            address=self.hosts.controller.local.addr if self.hosts else "127.0.0.1",
+            hosts=self.hosts.wiring() if self.hosts else None,
         )
+        if self.hosts is not None:
+            self.hosts.platform = platform
         injection = InjectionHook(platform, self.injector)
         platform.console_dir = self.logs_dir  # adopted agents' consoles (resume)
         platform.rendezvous = self._rendezvous(token)
         controller = JobController(self.config, platform.endpoint)
         previous = self._install_signal_handlers()
-        console_log = RotatingFile(self.logs_dir / "console.log", self.config.log_limits)
-        with contextlib.closing(console_log):
-            self._console_log = console_log
+        with self.console.copied_to(self.logs_dir / "console.log", self.config.log_limits):
             try:
                 self._say(
                     f"job {self.job_id}: {self.plan.nnodes} nodes x {self.plan.nproc_per_node} "
                     f"processes; state in {self.job_dir}"
                 )
                 transport.start()
-                if self.hosts is not None and (missing := self._wait_for_hosts()):
-                    return self._not_joined(controller, missing)
+                if self.hosts is not None and (missing := self.hosts.wait()):
+                    return self._end_before_start(controller, *self.hosts.not_joined(missing))
                 begin = None
                 if self.resume is not None:
                     begin = resumed_begin(
@@ -303,18 +293,12 @@ class LocalRunner:
                 injection.close()  # stopped workers resumed: they can be shut down
                 platform.close()
                 if self.hosts is not None:
-                    phase = controller.phase
-                    code = 0 if phase is JobPhase.SUCCEEDED else 1
-                    self.hosts.finish(phase.value, code, controller.reason or phase.value)
-                self._say_lines_not_shown(final=True)
+                    self.hosts.finish(controller)
                 inbox.close()
                 shutil.rmtree(self.memory_root, ignore_errors=True)
-                if self._live is not None:
-                    self._live.close()
+                self.console.end()
                 if server is not None:
                     self._stop_metrics(server)
-                with self._out_lock:
-                    self._console_log = None
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
@@ -366,12 +350,12 @@ class LocalRunner:
             return found
         grace = self.plan.job.spec.trainguard.controller_grace_seconds
         log = self.logs_dir / "rendezvous.log"
-        hosts = self.hosts
-        if hosts is None or hosts.service is None:
+        if self.hosts is None:
             return start_service(state, token, grace, log)
         peers = self.job_dir / "rendezvous-peers.json"
-        hosts.service.peers_file = peers  # each joined host's address, before its launch
-        return start_service(state, token, grace, log, host=hosts.local.addr, peers_file=peers)
+        self.hosts.service.peers_file = peers  # each joined host's address, before its launch
+        addr = self.hosts.controller.local.addr
+        return start_service(state, token, grace, log, host=addr, peers_file=peers)
 
     def _warn_of_credentials(self) -> None:
         options = self.plan.job.spec.checkpointing.storage_options
@@ -389,67 +373,15 @@ class LocalRunner:
             for rank, checks in self.injector.health_failures.items()
             if rank < len(node_ids)
         }
-        hosts = self.hosts
-        if hosts is None:
-            most = max(len(node_ids), self.config.elastic.max_nodes if self.config.elastic else 0)
-            return agent_launcher(
-                self.plan, self.job_dir, self.token_file, self.memory_root, self.groups,
-                fail=fail, host_workers=most * self.plan.nproc_per_node,
-            )  # fmt: skip
-        assert hosts.service is not None
-        user_env = {k: v for _, g in self.groups.values() for k, v in g.env.items()}
-        local = agent_launcher(
-            self.plan, self.job_dir, self.token_file, self.memory_root, self.groups,
-            fail=fail, host=hosts.local.addr, host_env=interface_env(hosts.local, user_env),
-            fence_after=fence_after(self.config.lost_after), tls_ca=hosts.tls_ca,
+        local: Callable[..., AgentLauncher] = functools.partial(
+            agent_launcher, self.plan, self.job_dir, self.token_file, self.memory_root,
+            self.groups, fail=fail,
         )  # fmt: skip
-        launcher = HostsLauncher(hosts.service, local, hosts.token, hosts.tls_client)
-        launcher.busy = lambda: set(self.platform.nodes) if self.platform else set()
-        launcher.on_no_host = self._no_host
-        return launcher
-
-    def _inbox(self) -> Inbox:
-        """Where agents push; across hosts, the endpoint every host joins."""
-        hosts = self.hosts
-        if hosts is None:
-            return Inbox()
-        service = hosts.start(
-            self.job_id,
-            self.config.node_ids,
-            self.config.spare_node_ids,
-            self.config.elastic_node_ids,
-            redact_spec(self.plan.job.model_dump(mode="json", by_alias=True)),
-            self.plan.job.spec.checkpointing.durable_url or str(self.job_dir / "durable"),
-            self._say,
-        )
-        address = resolve(hosts.endpoint.host)
-        return Inbox(address, hosts.endpoint.port, routes=service.routes(), tls=hosts.tls_server)
-
-    def _hosts_wiring(self) -> HostsWiring | None:
-        """A job on several hosts, to its platform: the hosts hear of its events and
-        progress, an elastic job's capacity is the hosts that renew their lease (a node
-        whose host goes silent is taken away a little before it could be declared lost:
-        its agent is fenced by then, agent/lease.py), and a restart that needs a host
-        waits for one to join or rejoin, as torchrun's rendezvous waits for its nodes
-        (not a Slurm job's: it requeues itself instead)."""
-        hosts = self.hosts
-        if hosts is None:
-            return None
-        service = hosts.service
-        assert service is not None
-        capacity_of = None
-        if self.config.elastic is not None:
-            silent_after = max(self.config.lost_after - 1.0, fence_after(self.config.lost_after))
-            capacity_of = functools.partial(service.capacity, silent_after=silent_after)
-        host_wait = 0.0 if isinstance(self.target, Slurm) else hosts.join_timeout
-        self.config = dataclasses.replace(self.config, host_wait=host_wait)
-        return HostsWiring(
-            [hosts.on_event, *hosts.listeners],
-            [service.set_phase],
-            hosts.partition,
-            capacity_of,
-            host_wait,
-        )
+        if self.hosts is not None:
+            user_env = {k: v for _, g in self.groups.values() for k, v in g.env.items()}
+            return self.hosts.launcher(local, user_env)
+        most = max(len(node_ids), self.config.elastic.max_nodes if self.config.elastic else 0)
+        return local(host_workers=most * self.plan.nproc_per_node)
 
     def _has_record(self) -> bool:
         try:
@@ -457,58 +389,6 @@ class LocalRunner:
         except JobNotFound:
             return False
         return True
-
-    def _no_host(self, node_id: str) -> None:
-        """A node no host can run: a Slurm job (which requeues itself) ends, failed, and
-        is told; any other job's node is lost, and the restart policy goes on."""
-        if isinstance(self.target, Slurm) and self.platform is not None:
-            reason = f"no host is left to run {node_id}"
-            self.platform.cancel = Cancel(reason, phase=JobPhase.FAILED)
-            self.target.on_no_host(node_id)
-
-    def _wait_for_hosts(self) -> list[str]:
-        """Wait (``--join-timeout``) for a host to hold every node; the ones missing. A
-        joiner that exits first (a Slurm step) is said at once, with its error; when
-        those left can no longer hold every node, the wait ends (:attr:`_joiners_failed`)."""
-        hosts = self.hosts
-        assert hosts is not None and hosts.service is not None
-        joiners = self.target.joiners if isinstance(self.target, Slurm) else None
-        needed = len(self.config.node_ids)
-        self._say(
-            f"waiting for {needed - 1} more hosts to join at {hosts.endpoint} "
-            f"(--join-timeout {hosts.join_timeout:g}s)"
-        )
-
-        def stop() -> bool:
-            if self._interrupted_by() is not None:
-                return True
-            if joiners is None:
-                return False
-            for line in joiners.exited():
-                self._joiners_failed.append(line)
-                self._say(line)
-            return bool(self._joiners_failed) and joiners.running() + 1 < needed
-
-        return hosts.service.wait_for(self.config.node_ids, hosts.join_timeout, stop=stop)
-
-    def _not_joined(self, controller: JobController, missing: list[str]) -> JobResult:
-        """The wait for hosts ended with nodes missing: Ctrl-C or SIGTERM (the job ends
-        ``Stopped``, not ``Lost``; the hosts that joined are told, in the caller's
-        ``finally``), joiners that exited, or ``--join-timeout`` (``Failed``)."""
-        assert self.hosts is not None
-        if (why := self._interrupted_by()) is not None:
-            reason = f"{why} while waiting for hosts to join"
-            return self._end_before_start(controller, reason, JobPhase.STOPPED)
-        reason = f"no host joined as {', '.join(missing)}"
-        if self._joiners_failed:
-            reason += ": " + "; ".join(self._joiners_failed)
-        else:
-            reason += (
-                f" within {self.hosts.join_timeout:g}s (--join-timeout): start `trainguard run` "
-                f"on every host, with the same --rdzv-endpoint {self.hosts.endpoint} and the "
-                "same job"
-            )
-        return self._end_before_start(controller, reason, JobPhase.FAILED)
 
     def _end_before_start(
         self, controller: JobController, reason: str, phase: JobPhase
@@ -540,53 +420,6 @@ class LocalRunner:
         self._say(f"logs:  {self.logs_dir}  (trainguard logs {self.job_id} [--rank R])")
         self._say(f"state: {self.store.root}  (trainguard describe {self.job_id})")
         return JobResult(self.job_id, controller.phase, reason, self.job_dir)
-
-    def _pump(self, stream: LineSource) -> None:
-        """Copy an agent's console (every rank's lines, prefixed) to ours and to console.log."""
-        try:
-            for lines in line_batches(stream):  # one write per batch of lines, not per line
-                with self._out_lock:
-                    shown = [line for line in lines if self._terminal.admit()]  # its share
-                    if shown:
-                        self._show(self.out, safe_bytes(b"".join(shown)))  # shown, never obeyed
-                    if self._console_log is not None:  # the file gets all
-                        self._console_log.write(b"".join(lines))
-                        self._console_log.flush()
-                    self._say_lines_not_shown(locked=True)
-        except (OSError, ValueError):
-            pass  # the agent's pipe was closed under us at shutdown
-
-    def _say(self, message: str, locked: bool = False) -> None:
-        """A line to the user (stderr); ``locked``: the caller holds the output lock.
-        One line: control characters in it, a newline included (a worker's error quoted
-        in an event), are shown as escapes (observe/terminal.py)."""
-        message = safe_cell(message)
-        with contextlib.nullcontext() if locked else self._out_lock:
-            self._show(self.err, f"[trainguard] {message}\n")
-
-    def _show(self, stream: TextIO, text: str) -> None:
-        """Write ``text`` to the console (above the live line, if there is one). The
-        caller holds the output lock. A console that is gone (``trainguard run | head``:
-        the reader stopped; a closed terminal) is no reason to stop the job: its writes
-        are dropped from then on, and the job and its record go on to the end."""
-        if stream in self._gone:
-            return
-        try:
-            if self._live is not None:
-                self._live.above(stream, text)
-            else:
-                stream.write(text)
-                stream.flush()
-        except (OSError, ValueError):
-            self._gone.append(stream)
-            silence(stream)
-
-    def _say_lines_not_shown(self, locked: bool = False, final: bool = False) -> None:
-        """How many worker lines the terminal did not get lately (see throttle.py)."""
-        with contextlib.nullcontext() if locked else self._out_lock:
-            held = self._terminal.note_due(final)
-            if held:
-                self._say(f"{held} lines not shown; see trainguard logs {self.job_id}", locked=True)
 
     def _interrupted_by(self) -> str | None:
         """Why the job is stopped from the terminal or by a signal; None: it is not."""

@@ -42,9 +42,9 @@ if TYPE_CHECKING:
 __all__ = [
     "AdoptedNode",
     "LiveAgent",
-    "attach_all",
     "live_agents",
     "live_status",
+    "reattached",
     "recorded",
     "resumed_begin",
 ]
@@ -192,18 +192,6 @@ class AdoptedNode(WorkerPids):
         self.kill_workers()
 
 
-def attach_all(clients: Sequence[AgentClient], report_url: str) -> list[str]:
-    """Tell every agent to report to this controller and live for it; the failures."""
-    request = AttachRequest(report_url=report_url, pid=os.getpid(), start=start_ticks(os.getpid()))
-    failed = []
-    for client in clients:
-        try:
-            client.attach(request)
-        except AgentError as exc:
-            failed.append(str(exc))
-    return failed
-
-
 Begin = Callable[[float], list[Action]]
 
 
@@ -213,14 +201,19 @@ def reattached(
     nodes: Sequence[str],
     transport: AgentTransport,
     retire: Callable[[list[str]], None],
-    report_url: str | None,
 ) -> tuple[Begin | None, str]:
     """The takeover both platforms share (a resumed local job, a job a new operator
     replica takes over): the adopted ``nodes``' agents are told to report to this
-    controller (``report_url``; None: they are polled only); when every one took it,
-    how the job begins (adopted as it runs); else they are retired, and why."""
-    clients = [c for n in nodes if (c := transport.client(n)) is not None]
-    failed = attach_all(clients, report_url) if report_url is not None else []
+    controller (the transport's ``report_url``; None: they are polled only); when every
+    one took it, how the job begins (adopted as it runs); else they are retired, and why."""
+    failed = []
+    if (url := transport.report_url) is not None:
+        request = AttachRequest(report_url=url, pid=os.getpid(), start=start_ticks(os.getpid()))
+        for client in [c for n in nodes if (c := transport.client(n)) is not None]:
+            try:
+                client.attach(request)
+            except AgentError as exc:
+                failed.append(str(exc))
     if failed:
         retire(list(nodes))
         return None, f"an agent refused to be attached ({failed[0]})"
@@ -249,10 +242,7 @@ def resumed_begin(
     if agents:
         platform.adopt([AdoptedNode(a) for a in agents], [a.url for a in agents])
         nodes = [a.node_id for a in agents]
-        transport = platform.transport
-        begin, why = reattached(
-            controller, rec, nodes, transport, platform.retire, transport.report_url
-        )
+        begin, why = reattached(controller, rec, nodes, platform.transport, platform.retire)
         if begin is not None:
             say(
                 f"re-attached to the {len(agents)} node agents of the running attempt: "
