@@ -134,8 +134,10 @@ def test_a_script_with_trainguard_elastic_saves_and_resumes_every_sample_once(
     job = json.loads(path.read_text())
     container = job["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]
     # Long enough to last at WORLD_SIZE 1 until the new nodes are up (two torch imports
-    # on a busy machine) and the job grows: 250 steps of 12 samples.
-    container["command"] = ["python", str(SCRIPTS / "elastic_train.py"), str(out), "3000"]
+    # on a busy machine) and the job grows: 400 steps of 12 samples, at least 20 s (at a
+    # load of 6 and more, 250 steps ended before the two new nodes were up).
+    epoch = 4800
+    container["command"] = ["python", str(SCRIPTS / "elastic_train.py"), str(out), str(epoch)]
     path.write_text(json.dumps(job))
     done = tg.run(
         "run", "-f", str(path), "--inject", "preempt:node=1@1s", "--inject", "capacity:+2@4s",
@@ -145,7 +147,7 @@ def test_a_script_with_trainguard_elastic_saves_and_resumes_every_sample_once(
     described = tg.only_job()
     assert sizes(described) == [2, 1, 3] and described["restarts"] == 0
     taken = [int(i) for f in out.glob("samples-rank-*.txt") for i in f.read_text().split()]
-    assert sorted(taken) == list(range(3000))  # every sample of the epoch, exactly once
+    assert sorted(taken) == list(range(epoch))  # every sample of the epoch, exactly once
     logs = Path(described["logs_dir"])
     batches = re.findall(
         r"global batch (\d+)", "".join(p.read_text() for p in logs.glob("*/*/stdout.log"))
