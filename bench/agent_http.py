@@ -59,16 +59,17 @@ class AioAgentServer:
         self.server = RouteServer(host, port, routes, limits=ConnLimits(64, 64, 10.0))
 
     async def _any(self, request: web.Request) -> web.Response:
-        api = self.api
+        api, method, path = self.api, request.method, request.path
+        reply = None
         if not api.authorized(request.headers.get("Authorization")):
             reply = error_reply(401, "missing or wrong bearer token")
         else:
-            reply = api.route(request.method, request.path) or None
-            if reply is None:
-                if (request.content_length or 0) > api.body_limit(request.method, request.path):
-                    reply = error_reply(413, "body too large")
-                else:
-                    reply = api.handle(request.method, request.path, await request.read())
+            reply = api.route(method, path)
+        if reply is None:
+            if (request.content_length or 0) > api.body_limit(method, path):
+                reply = error_reply(413, "body too large")
+            else:
+                reply = api.handle(method, path, await request.read())
         response = web.Response(
             status=reply.status,
             body=reply.body,
