@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -80,6 +82,16 @@ def inbox() -> Iterator[Inbox]:
     inbox = Inbox()
     yield inbox
     inbox.close()
+
+
+@pytest.fixture
+def shm() -> Iterator[str]:
+    """A private directory in /dev/shm (where the memory tier lives; the temp directory
+    where there is none), removed after the test."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    path = tempfile.mkdtemp(prefix="tg-test-", dir=base)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +20,6 @@ from trainguard.checkpoint import (
 )
 from trainguard.checkpoint.config import writer_attempt
 from trainguard.checkpoint.memory import default_memory_dir
-
-
-@pytest.fixture
-def shm() -> Iterator[str]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    path = tempfile.mkdtemp(prefix="tg-ckpt-test-", dir=base)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _state(step: int) -> dict[str, Any]:

@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +18,6 @@ import torch
 from trainguard.checkpoint import Checkpointer
 from trainguard.checkpoint.copy_plan import plan_for
 from trainguard.checkpoint.shard import encode_meta, make_meta
-
-
-@pytest.fixture
-def shm() -> Iterator[str]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    path = tempfile.mkdtemp(prefix="tg-plan-test-", dir=base)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _ckpt(memory_dir: str) -> Checkpointer:

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
-from collections.abc import Iterator
-
-import pytest
 
 COMMON = textwrap.dedent(
     """
@@ -106,14 +101,6 @@ RANK = COMMON + textwrap.dedent(
     dist.destroy_process_group()
     """
 )
-
-
-@pytest.fixture
-def shm() -> Iterator[str]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    path = tempfile.mkdtemp(prefix="tg-ckpt-proc-", dir=base)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _env(**extra: str) -> dict[str, str]:

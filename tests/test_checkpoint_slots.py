@@ -8,10 +8,6 @@ re-register after growing) is checked on any machine. The GPU lane
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,14 +16,6 @@ import torch
 from trainguard.checkpoint import Checkpointer, host_memory
 from trainguard.checkpoint.background import Prepare
 from trainguard.checkpoint.memory import MemoryTier
-
-
-@pytest.fixture
-def shm() -> Iterator[str]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    path = tempfile.mkdtemp(prefix="tg-slots-test-", dir=base)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class Registrar:

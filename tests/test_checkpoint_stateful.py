@@ -10,8 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +22,6 @@ from conftest import SCRIPTS
 from trainguard.checkpoint import Checkpointer, RNGState, StateMismatch
 
 RESUME = SCRIPTS / "ckpt_resume.py"
-
-
-@pytest.fixture
-def shm() -> Iterator[str]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    path = tempfile.mkdtemp(prefix="tg-ckpt-stateful-", dir=base)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _model_and_adam(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -7,9 +7,6 @@ covered on any machine by ``tests/test_checkpoint_slots.py``.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,13 +18,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-@pytest.fixture
-def shm() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="tg-gpu-ckpt-", dir="/dev/shm")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -27,17 +27,11 @@ from trainguard.control.elastic import ElasticConfig
 from trainguard.control.reports import NodeState
 from trainguard.kube.api import KubeApi, KubeError
 from trainguard.kube.config import GROUP, PLURAL, VERSION, OperatorConfig
-from trainguard.kube.elastic import (
-    Preemptions,
-    ReplicaCount,
-    ScalingStatus,
-    preemption,
-    replica_count,
-)
+from trainguard.kube.elastic import Preemptions, ReplicaCount, preemption, replica_count
 from trainguard.kube.kube_platform import KubePlatform, Outside
 from trainguard.kube.node import PodNode
 from trainguard.kube.record import ClusterRecord
-from trainguard.kube.status import Conditions, FaultyPods, job_status
+from trainguard.kube.status import Conditions, FaultyPods, ScalingStatus, job_status
 from trainguard.platform.book import ReportBook
 from trainguard.platform.transport import AgentTransport
 from trainguard.spec import parse_job

@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from trainguard.control.events import Event
 from trainguard.observe.account import account
+from trainguard.observe.gauges import JobState
 from trainguard.observe.history import JOB, SAMPLE_INTERVAL, JobHistory, SeriesSample, Trace
-from trainguard.observe.job import JobState
 from trainguard.observe.metrics import Metrics
 
 

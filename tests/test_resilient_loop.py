@@ -14,11 +14,8 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -101,14 +98,6 @@ def test_the_checkpointless_script_recovers_in_process_with_no_step_lost(
 
 
 # -- in this process, without trainguard ---------------------------------------------------
-
-
-@pytest.fixture
-def shm() -> Iterator[str]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    path = tempfile.mkdtemp(prefix="tg-loop-", dir=base)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _model_and_adam() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

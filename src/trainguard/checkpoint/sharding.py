@@ -34,14 +34,20 @@ __all__ = [
     "Box",
     "NotCovered",
     "Source",
+    "StateMismatch",
     "box_of_entry",
     "box_of_target",
+    "dtype_name",
     "init_optimizer_state",
     "is_dtensor",
     "local_tensor",
     "plan_copy",
     "sharding_of",
 ]
+
+
+class StateMismatch(ValueError):
+    """A checkpoint does not fit the state it is restored into (names the key)."""
 
 
 class NotCovered(ValueError):
@@ -84,6 +90,10 @@ class Box:
 Source = tuple[Any, torch.Tensor]
 """A saved tensor: its entry (a :class:`~trainguard.checkpoint.state.TensorEntry`) and
 the flat uint8 buffer its bytes are in."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def is_dtensor(value: object) -> bool:
@@ -162,11 +172,9 @@ def plan_copy(
 ) -> Callable[[], None]:
     """The copy that fills ``target``'s local tensor from the overlapping ``sources``.
 
-    Raises :class:`~trainguard.checkpoint.state.StateMismatch` (dtype, global shape) or
+    Raises :class:`StateMismatch` (dtype, global shape) or
     :class:`NotCovered` when the sources leave part of the local shard unfilled.
     """
-    from trainguard.checkpoint.state import StateMismatch, dtype_name
-
     box, global_shape = box_of_target(target)
     dtype = dtype_name(target.dtype)
     regions: list[tuple[Box, Any, torch.Tensor, Box]] = []

@@ -27,6 +27,8 @@ from trainguard.checkpoint.host_memory import Prefault
 from trainguard.checkpoint.sharding import (
     NotCovered,
     Source,
+    StateMismatch,
+    dtype_name,
     is_dtensor,
     local_tensor,
     plan_copy,
@@ -52,10 +54,6 @@ ALIGNMENT = 64
 PathKey = str | int
 Path = tuple[PathKey, ...]
 PLAIN = (int, float, str, bool, type(None))
-
-
-class StateMismatch(ValueError):
-    """A checkpoint does not fit the state it is restored into (names the key)."""
 
 
 def format_path(path: Path) -> str:
@@ -128,10 +126,6 @@ class Layout:
     entries: list[TensorEntry]
     nbytes: int
     tree: Any
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _align(n: int) -> int:

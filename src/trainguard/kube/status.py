@@ -12,14 +12,12 @@ import datetime
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from trainguard.control.actions import AttemptPhase
 from trainguard.control.controller import JobController
 from trainguard.control.events import Event, EventKind
 from trainguard.kube.config import GROUP, KIND, VERSION
-
-if TYPE_CHECKING:
-    from trainguard.kube.elastic import ScalingStatus
 
 Obj = dict[str, Any]
 
@@ -127,6 +125,62 @@ class FaultyPods:
             "faultyInstanceIdList": self.instances,
             "faultyRankList": sorted(self.ranks),
         }
+
+
+class ScalingStatus:
+    """HyperPod's ``status.elasticScalingStatus`` of an elastic job:
+
+    - ``targetReplicas``: the nodes the job runs on, or is scaling to while a scaling
+      stops its ranks;
+    - ``lastScalingTime``: when the last scaling was decided (an ``ElasticScaling``
+      event; null before the first);
+    - ``lastRestartTime``: when the job last restarted, for a fault or a scaling (its
+      current attempt began; null before the first restart): no scale-up comes within
+      ``scaleUpSnoozeTimeInSeconds`` of it;
+    - ``podsScaled``: how many pods the last scaling removed or added;
+    - ``isFaultyPodScaleDown``: the last scaling was a scale-down away from faulty pods
+      (the controller's event says ``faulty``), not a preemption or a capacity change;
+    - ``consecutiveScalingFailures``: scale-ups in a row whose new pods did not come up
+      (each doubles the wait before the next: anti-thrashing);
+    - ``lastUpdated``: when any of the above last changed.
+    """
+
+    def __init__(self) -> None:
+        self.pods_scaled = 0
+        self.faulty = False
+        self._fields: Obj | None = None
+        self._updated: float | None = None
+
+    def note(self, event: Event) -> None:
+        """Take in one of the controller's events (only ``ElasticScaling`` counts)."""
+        if event.kind != EventKind.ELASTIC_SCALING:
+            return
+        data = event.data
+        self.pods_scaled = len(data.get("dropped") or ()) + len(data.get("added") or ())
+        self.faulty = bool(data.get("faulty", False))
+
+    def to_json(self, controller: JobController, now: float) -> Obj | None:
+        """The status object now (None: not an elastic job)."""
+        watch = controller.elastic
+        if watch is None:
+            return None
+        attempt = controller.current
+        target = len(controller.nodes)
+        scale = attempt.scale if attempt is not None else None
+        if scale is not None and attempt is not None and attempt.phase is AttemptPhase.STOPPING:
+            target = scale.size  # its ranks are stopping for the scaling
+        restarted = attempt.started_at if attempt is not None and attempt.number > 0 else None
+        fields: Obj = {
+            "targetReplicas": target,
+            "lastScalingTime": rfc3339(watch.last_scaling) if watch.last_scaling else None,
+            "lastRestartTime": rfc3339(restarted) if restarted is not None else None,
+            "podsScaled": self.pods_scaled,
+            "isFaultyPodScaleDown": self.faulty,
+            "consecutiveScalingFailures": watch.failures,
+        }
+        if fields != self._fields or self._updated is None:
+            self._fields, self._updated = fields, now
+        return {**fields, "lastUpdated": rfc3339(self._updated)}
 
 
 def job_status(

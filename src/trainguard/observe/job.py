@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainguard.control.controller import JobController
@@ -19,29 +18,16 @@ from trainguard.control.events import Event
 from trainguard.control.reports import NodeReport
 from trainguard.control.timeline import resume_point
 from trainguard.observe.account import Accounting, account
+from trainguard.observe.gauges import JobState
 from trainguard.observe.history import JobHistory, SeriesSample, Trace
 
 if TYPE_CHECKING:  # prometheus-client costs ~14 MB: imported only by a run that serves metrics
     from trainguard.observe.metrics import JobMetrics
 
-__all__ = ["STATE_INTERVAL", "JobObserver", "JobState"]
+__all__ = ["STATE_INTERVAL", "JobObserver"]
 
 STATE_INTERVAL = 1.0
 """Seconds between two updates of a job's state gauges (the accounting walks its samples)."""
-
-
-@dataclass(frozen=True)
-class JobState:
-    """A job's state as the gauges show it."""
-
-    accounting: Accounting
-    step: int | None = None
-    steps_per_second: float | None = None
-    rank_steps_per_second: Mapping[int, float] | None = None
-    nodes: Mapping[str, int] | None = None
-    health: Mapping[str, int] | None = None  # nodes by node-health-status
-    persist_lag_steps: int | None = None
-    hot_spares: int | None = None
 
 
 class JobObserver:

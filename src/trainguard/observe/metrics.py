@@ -30,7 +30,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from trainguard.control.events import Event, EventKind
 from trainguard.http_server import RouteServer
 from trainguard.netlimits import ConnLimits
-from trainguard.observe.job import JobState
+from trainguard.observe.gauges import JobState
 
 __all__ = ["JobMetrics", "Metrics", "serve"]
 

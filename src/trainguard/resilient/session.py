@@ -25,6 +25,7 @@ import torch.distributed as dist
 from trainguard.collectives import BackendChoice, backend_string, resolve_choice
 from trainguard.resilient.config import ResilientConfig
 from trainguard.resilient.protocol import CONTROL_DIR_ENV
+from trainguard.resilient.spare_init import mark_spare
 from trainguard.resilient.supervisor import ResilientSupervisor
 
 __all__ = ["current", "init_process_group", "plain_group"]
@@ -53,6 +54,8 @@ def init_process_group(
     supervisor = ResilientSupervisor(Path(control_dir), settings)
     supervisor.start()
     _session.append(supervisor)
+    if supervisor.spare:
+        mark_spare()
 
 
 def current() -> ResilientSupervisor | None:

@@ -30,9 +30,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from trainguard.resilient import session
-
-__all__ = ["UninitialisedState", "check_initialised", "no_init_on_spare", "warm_up"]
+__all__ = ["UninitialisedState", "check_initialised", "mark_spare", "no_init_on_spare", "warm_up"]
 
 _TENSOR_FILLS = ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_")
 _INIT_FILLS = (  # torch.nn.init's random ones: the mode sees these, not the fills inside
@@ -51,6 +49,7 @@ _RANDOM_FILLS = frozenset(
     + [getattr(torch.nn.init, name) for name in _INIT_FILLS]
 )
 _skipped: list[bool] = []  # whether this process skipped an initialisation
+_spare: list[bool] = []  # whether init_process_group started this process as a hot spare
 
 
 class UninitialisedState(RuntimeError):
@@ -85,13 +84,17 @@ def no_init_on_spare(enabled: bool | None = None) -> Iterator[None]:
     restarts); True or False forces it (tests, a script's own replacement logic).
     """
     if enabled is None:
-        supervisor = session.current()
-        enabled = supervisor is not None and supervisor.spare
+        enabled = bool(_spare)
     if not enabled:
         yield
         return
     with _SkipRandomFills():
         yield
+
+
+def mark_spare() -> None:
+    """This process is a hot spare: :func:`init_process_group` started it as one."""
+    _spare[:] = [True]
 
 
 def warm_up() -> None:
