@@ -34,7 +34,7 @@ def make() -> JobController:
 
 def test_adopt_takes_the_running_attempt_over_as_it_was() -> None:
     c = make()
-    adopt(c, 100.0, RECORDED, NODES)
+    c.take_over(100.0, adopt(c.config, 100.0, RECORDED, NODES))
     assert c.phase is JobPhase.RUNNING and c.started_at == 0.5
     assert [a.phase for a in c.attempts] == [AttemptPhase.FAILED, AttemptPhase.RUNNING]
     current = c.attempts[-1]
@@ -53,7 +53,7 @@ def test_adopt_takes_the_running_attempt_over_as_it_was() -> None:
 
 def test_restart_starts_a_new_attempt_after_the_recorded_ones() -> None:
     c = make()
-    [launch] = restart(c, 100.0, RECORDED, "the agent of node-0 is gone")
+    [launch] = c.take_over(100.0, restart(c.config, 100.0, RECORDED, "the agent of node-0 is gone"))
     assert isinstance(launch, LaunchNodes) and launch.attempt == 2
     assert [a.phase for a in c.attempts[:2]] == [AttemptPhase.FAILED, AttemptPhase.FAILED]
     assert c.attempts[1].reason == "its controller died"

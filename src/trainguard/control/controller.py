@@ -42,11 +42,18 @@ from trainguard.control.actions import (
     StopNodes,
 )
 from trainguard.control.assignment import StoreEndpoint, assign_attempt, replica_sources
-from trainguard.control.attempt import Attempt, Launching, Rejoining, ReplacingInPlace, Training
+from trainguard.control.attempt import (
+    Attempt,
+    Launching,
+    Rejoining,
+    ReplacingInPlace,
+    Training,
+    new_watch,
+)
 from trainguard.control.config import ControlConfig
 from trainguard.control.contact import launch_verdict, settled
 from trainguard.control.decision import Decision, InPlace, JobView, NextAttempt, Stop, chain
-from trainguard.control.detect import AttemptWatch, finished, refusal_faults, stop_faults
+from trainguard.control.detect import finished, refusal_faults, stop_faults
 from trainguard.control.elastic import ElasticWatch
 from trainguard.control.events import Event, EventKind, Fault, FaultType
 from trainguard.control.health import HealthBook, HealthNote
@@ -55,6 +62,7 @@ from trainguard.control.persist import CheckpointNote, CheckpointPlanner, Persis
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.record import JobRecord
 from trainguard.control.reports import NodeReport, Refusal
+from trainguard.control.resume import Takeover
 from trainguard.control.stragglers import StragglerWatch
 from trainguard.control.timeline import Timeline
 from trainguard.wire.status import NodeState, NodeStatus
@@ -166,6 +174,24 @@ class JobController:
         self.phase = JobPhase.STOPPING
         return [self._stop(now, attempt, StopMode.GRACEFUL, reason)]
 
+    def take_over(self, now: float, t: Takeover) -> list[Action]:
+        """Begin as the successor of a controller that died (control/resume.py)."""
+        if self.phase is not JobPhase.PENDING:
+            raise RuntimeError(f"job already started (phase {self.phase})")
+        self.started_at, self.phase = t.started_at, t.phase
+        self.nodes, self.spares, self.growth = t.nodes, t.spares, t.growth
+        self.history, self.attempts = list(t.history), list(t.attempts)
+        if self.elastic is not None and t.elastic is not None:  # the sizing watch's memory
+            e, watch = t.elastic, self.elastic
+            watch.failures, watch.last_scaling, watch.target = e.failures, e.last_scaling, e.target
+        self.record.timeline.records = list(t.faults)
+        world = len(t.nodes) * self.config.nproc_per_node  # an elastic job's, not the spec's
+        self.checkpoints = CheckpointPlanner(self.config.durable, world, now)
+        self._event(
+            now, t.event.kind, t.event.message, t.event.attempt, data=dict(t.event.data or {})
+        )
+        return [] if t.next is None else self._new_attempt(now, t.next, {})
+
     def set_capacity(
         self, capacity: int | None, preempted: Sequence[str] = (), taken_as: str = "preempted"
     ) -> None:
@@ -249,7 +275,7 @@ class JobController:
         """The next attempt on ``self.nodes``: launch ``plan.launch`` first, or start at
         once if all are up."""
         number = len(self.attempts)
-        attempt = Attempt(number, now, self.nodes, self._watch(number, now), plan.scope)
+        attempt = Attempt(number, now, self.nodes, new_watch(self.config, number, now), plan.scope)
         attempt.activity = plan.activity or Training()
         self.attempts.append(attempt)
         actions: list[Action] = [RetireNodes(plan.retire)] if plan.retire else []
@@ -344,7 +370,9 @@ class JobController:
         attempt.endpoint = endpoint
         sources = self._replica_sources(attempt)
         attempt.assignments = assign_attempt(cfg, attempt.nodes, attempt.number, endpoint, sources)
-        attempt.watch = self._watch(attempt.number, now)  # hang timers start with the workers
+        attempt.watch = new_watch(
+            self.config, attempt.number, now
+        )  # hang timers start with the workers
         self._event(
             now,
             EventKind.ATTEMPT_STARTED,
@@ -371,20 +399,6 @@ class JobController:
             None,
         )
         return {} if ran is None else replica_sources(ran.nodes, attempt.nodes)
-
-    def _watch(self, number: int, now: float) -> AttemptWatch:
-        cfg = self.config
-        return AttemptWatch(
-            number,
-            now,
-            cfg.log_rules,
-            cfg.heartbeat_timeout,
-            contact_rule=cfg.contact_rule,
-            in_process=cfg.in_process,
-            start_timeout=cfg.node_start_timeout,
-            exit_hang_timeout=cfg.exit_hang_timeout,
-            no_progress_timeout=cfg.no_progress_timeout,
-        )
 
     # -- running -------------------------------------------------------------
 
@@ -642,7 +656,9 @@ class JobController:
     def _in_place(self, now: float, ended: Attempt, plan: InPlace) -> list[Action]:
         """The attempt after ``ended``, in place on ``self.nodes`` (:class:`InPlace`)."""
         number = len(self.attempts)
-        new = Attempt(number, now, self.nodes, self._watch(number, now), RestartScope.IN_PROCESS)
+        new = Attempt(
+            number, now, self.nodes, new_watch(self.config, number, now), RestartScope.IN_PROCESS
+        )
         new.activity = Rejoining(Rejoin(now, plan.survivors))
         self.attempts.append(new)
         started = self._start_attempt(now, new, plan.host)

@@ -226,7 +226,7 @@ def reattached(
         return None, f"an agent refused to be attached ({failed[0]})"
 
     def reattach(now: float) -> list[Action]:
-        control.adopt(controller, now, record, list(nodes))
+        controller.take_over(now, control.adopt(controller.config, now, record, nodes))
         return []
 
     return reattach, ""
@@ -267,7 +267,9 @@ def resumed_begin(
         say(message)
         return lambda now: controller.cancel(now, message, JobPhase.FAILED)
     say(f"cannot re-attach: {reason}; restarting from the newest checkpoint")
-    return lambda now: control.restart(controller, now, rec, reason)
+    return lambda now: controller.take_over(
+        now, control.restart(controller.config, now, rec, reason)
+    )
 
 
 def _shut_down_leftovers(store: Store, job: JobRow, token: str) -> None:
