@@ -176,7 +176,7 @@ class JobController:
 
     def take_over(self, now: float, t: Takeover) -> list[Action]:
         """Begin as the successor of a controller that died (control/resume.py)."""
-        if self.phase is not JobPhase.PENDING:
+        if self.attempts or self.phase is not JobPhase.PENDING:
             raise RuntimeError(f"job already started (phase {self.phase})")
         self.started_at, self.phase = t.started_at, t.phase
         self.nodes, self.spares, self.growth = t.nodes, t.spares, t.growth
