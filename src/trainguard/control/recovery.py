@@ -298,8 +298,11 @@ def watch_rejoin(view: JobView) -> tuple[Decision, list[Fault]]:
         for node_id, ranks in step.replace.items()
     )
     actions = tuple(ReplaceRanks(attempt.number, n, r) for n, r in step.replace.items())
-    done = Training() if step.done else None
-    return Decision(actions, events, activity=done), faults
+    replaced = view.activity.rejoin.replaced.union(*step.replace.values())
+    rejoin = dataclasses.replace(view.activity.rejoin, replaced=replaced)
+    return Decision(
+        actions, events, activity=Training() if step.done else Rejoining(rejoin)
+    ), faults
 
 
 def _spares_left(spares: Sequence[str]) -> str:
