@@ -100,10 +100,21 @@ class ElasticWatch:
         capacity: int | None,
         preempted: Sequence[str],
         last_restart: float | None,
-    ) -> Scale | None:
+    ) -> tuple[ElasticWatch, Scale | None]:
         """What to do now about the running attempt on ``nodes`` (node-rank order), given
         the platform's ``capacity`` (nodes the job may use; None: unknown) and the nodes
-        being taken away."""
+        being taken away; with the watch after this look (a new value)."""
+        after = copy.copy(self)
+        return after, after._look(now, nodes, capacity, preempted, last_restart)
+
+    def _look(
+        self,
+        now: float,
+        nodes: Sequence[str],
+        capacity: int | None,
+        preempted: Sequence[str],
+        last_restart: float | None,
+    ) -> Scale | None:
         cfg, size = self.config, len(nodes)
         taken = set(preempted)
         gone = [n for n in nodes if n in taken]

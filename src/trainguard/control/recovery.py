@@ -7,7 +7,6 @@ Planners (control/decision.py): each takes the job's :class:`JobView` and return
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Sequence
 
@@ -187,13 +186,8 @@ def _preempted_away(view: JobView) -> Scale | None:
         return None
     if not lost <= set(view.preempted):
         return None
-    return copy.copy(view.elastic).observe(
-        attempt.ended_at or attempt.started_at,
-        attempt.nodes,
-        view.capacity,
-        view.preempted,
-        None,
-    )
+    at = attempt.ended_at or attempt.started_at
+    return view.elastic.observe(at, attempt.nodes, view.capacity, view.preempted, None)[1]
 
 
 def replace_at_launch(view: JobView) -> Decision:
