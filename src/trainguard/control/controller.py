@@ -23,8 +23,7 @@ Assumptions the decisions rely on:
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from trainguard.control import recovery, replace, rescale
@@ -55,10 +54,10 @@ from trainguard.control.contact import launch_verdict, settled
 from trainguard.control.decision import Decision, InPlace, JobView, NextAttempt, Stop, chain
 from trainguard.control.detect import finished, refusal_faults, stop_faults
 from trainguard.control.elastic import ElasticWatch
-from trainguard.control.events import Event, EventKind, Fault, FaultType
-from trainguard.control.health import HealthBook, HealthNote
+from trainguard.control.events import Event, EventKind, Fault, FaultType, Note
+from trainguard.control.health import HealthBook
 from trainguard.control.inprocess import Rejoin
-from trainguard.control.persist import CheckpointNote, CheckpointPlanner, PersistCheckpoint
+from trainguard.control.persist import CheckpointPlanner, PersistCheckpoint
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.record import JobRecord
 from trainguard.control.reports import NodeReport, Refusal
@@ -187,9 +186,7 @@ class JobController:
         self.record.timeline.records = list(t.faults)
         world = len(t.nodes) * self.config.nproc_per_node  # an elastic job's, not the spec's
         self.checkpoints = CheckpointPlanner(self.config.durable, world, now)
-        self._event(
-            now, t.event.kind, t.event.message, t.event.attempt, data=dict(t.event.data or {})
-        )
+        self._notes(now, [t.event])
         return [] if t.next is None else self._new_attempt(now, t.next, {})
 
     def set_capacity(
@@ -210,8 +207,7 @@ class JobController:
             return
         for node_id, reason in requests:
             if node_id in self.nodes:
-                notes = self.health.replace(now, attempt.number, node_id, reason)
-                self._health_events(now, attempt, notes)
+                self._notes(now, self.health.replace(now, attempt.number, node_id, reason))
 
     def note_injection(
         self, now: float, spec: str, rank: int | None, node: str | None, step: int | None = None
@@ -249,10 +245,10 @@ class JobController:
             )
         self.record.worker_events(attempt, reports)
         health_faults, notes = self.health.observe(now, attempt.number, reports)
-        self._health_events(now, attempt, notes)
-        for refusal in refusals:
-            if refusal.request == "persist":
-                self._note_persist_refused(now, refusal)
+        self._notes(now, notes)
+        for r in refusals:
+            if r.request == "persist":
+                self._notes(now, [self.checkpoints.refused(now, r.node_id, r.message)])
         if attempt.phase is AttemptPhase.LAUNCHING:
             return self._observe_launching(now, attempt, reports, health_faults)
         if attempt.phase is AttemptPhase.RUNNING:
@@ -262,10 +258,6 @@ class JobController:
         if attempt.phase is AttemptPhase.STOPPING:
             return self._observe_stopping(now, attempt, reports)
         return []
-
-    def _health_events(self, now: float, attempt: Attempt, notes: Sequence[HealthNote]) -> None:
-        for note in notes:
-            self._event(now, note.kind, note.message, attempt.number, note.node, data=note.data)
 
     # -- launching -----------------------------------------------------------
 
@@ -501,7 +493,7 @@ class JobController:
         if self._final_persist_until is None:
             self._final_persist_until = now + self.config.final_persist_timeout
         checkpoints = self.checkpoints
-        notes: list[CheckpointNote | None] = [*checkpoints.settle(now, attempt.nodes, reports)]
+        notes: list[Note | None] = [*checkpoints.settle(now, attempt.nodes, reports)]
         if now < self._final_persist_until:
             final = checkpoints.flush(now, attempt.nodes, reports)
             if final is not None:
@@ -509,33 +501,31 @@ class JobController:
                 notes.append(note)
                 actions = [*actions, request]
             if checkpoints.busy:  # the newest checkpoint is on its way to durable storage
-                self._checkpoint_events(now, notes)
+                self._notes(now, notes)
                 return actions
         else:
             timeout = self.config.final_persist_timeout
             why = f"not committed within the {timeout:g} s the job's end waits for it"
             notes.append(checkpoints.give_up(now, why))
         notes.append(checkpoints.shortfall())
-        self._checkpoint_events(now, notes)
+        self._notes(now, notes)
         self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0")
         return [*actions, *self._finish(now, JobPhase.SUCCEEDED, reason)]
-
-    def _note_persist_refused(self, now: float, refusal: Refusal) -> None:
-        note = self.checkpoints.refused(now, refusal.node_id, refusal.message)
-        if note is not None:
-            self._event(now, note.kind, note.message, node=refusal.node_id, data=note.data)
 
     def _plan_checkpoints(
         self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
     ) -> list[Action]:
         requests, notes = self.checkpoints.observe(now, attempt.nodes, reports)
-        self._checkpoint_events(now, notes)
+        self._notes(now, notes)
         return list(requests)
 
-    def _checkpoint_events(self, now: float, notes: Sequence[CheckpointNote | None]) -> None:
-        for note in notes:
-            if note is not None:
-                self._event(now, note.kind, note.message, data=note.data)
+    def _notes(self, now: float, notes: Iterable[Note | None]) -> None:
+        """Record the events of the planners, the health book and the checkpoint planner."""
+        for n in notes:
+            if n is not None:
+                self._event(
+                    now, n.kind, n.message, n.attempt, n.node, data=dict(n.data or {}) or None
+                )
 
     # -- stopping and what follows -------------------------------------------------
 
@@ -612,7 +602,7 @@ class JobController:
             now, self.config, attempt, attempt.activity, reports, self.nodes, self.spares,
             self.growth, self.avoid_hosts, tuple(self.history), tuple(self.attempts),
             dict(self._hosts), fault_times, unusable, self.capacity, self.preempted,
-            copy.copy(self.elastic),
+            self.elastic,
         )  # fmt: skip
 
     def _apply(
@@ -631,15 +621,14 @@ class JobController:
         self.phase = d.phase or self.phase
         for fault in d.faults:
             self._record_fault(now, attempt, fault)
-        self._health_events(now, attempt, [r for n in d.relaunch if (r := self.health.relaunch(n))])
+        self._notes(now, [self.health.relaunch(n) for n in d.relaunch])
         if d.end is not None:
             self._end_attempt(now, attempt, *d.end)
         if d.scope is not None:
             if d.counted:
                 self.history.append(RestartRecord(now, d.scope))
             self.timeline.set_scope(attempt.number, d.scope.value)
-        for e in d.events:
-            self._event(now, e.kind, e.message, e.attempt, e.node, data=dict(e.data or {}) or None)
+        self._notes(now, d.events)
         actions = list(d.actions)
         if d.stop is not None:
             actions.append(self._stop(now, attempt, d.stop.mode, d.stop.reason, d.stop.capture))

@@ -14,29 +14,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from trainguard.control.actions import Action, AttemptPhase, JobPhase, StopMode
 from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.attempt import Activity, Attempt
 from trainguard.control.config import ControlConfig
 from trainguard.control.elastic import ElasticWatch
-from trainguard.control.events import EventKind, Fault
+from trainguard.control.events import Fault, Note
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.reports import NodeReport
 
 __all__ = ["Decision", "InPlace", "JobView", "NextAttempt", "Note", "Stop", "chain"]
-
-
-@dataclass(frozen=True)
-class Note:
-    """An event to record (``attempt`` None: the current attempt's)."""
-
-    kind: EventKind
-    message: str
-    attempt: int | None = None
-    node: str | None = None
-    data: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
