@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import control_helpers as h
 from trainguard.control.assignment import StoreEndpoint
+from trainguard.control.attempt import Rejoining
 from trainguard.control.controller import (
     ControlConfig,
     JobController,
@@ -87,7 +88,9 @@ def test_a_worker_crash_restarts_in_place_on_the_store_rank_0_serves() -> None:
     # The timeline names the scope; the next attempt's reports are about attempt 1.
     assert c.timeline.to_json()[0]["scope"] == "in-process"
     assert c.observe(2.0, {"node-0": running(1), "node-1": running(1, "node-1")}) == []
-    assert c.current is not None and c.current.rejoin is None  # every rank joined
+    assert c.current is not None and not isinstance(
+        c.current.activity, Rejoining
+    )  # every rank joined
 
 
 def test_a_crash_of_rank_0_restarts_in_place_on_a_new_rendezvous() -> None:

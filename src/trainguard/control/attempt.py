@@ -113,17 +113,9 @@ class Attempt:
     activity: Activity = field(default_factory=Training)
 
     @property
-    def rejoin(self) -> Rejoin | None:
-        return self.activity.rejoin if isinstance(self.activity, Rejoining) else None
-
-    @property
     def scale(self) -> Scale | None:
         """The scaling this attempt stops for (control/elastic.py)."""
         return self.activity.scale if isinstance(self.activity, Rescaling) else None
-
-    @property
-    def standby(self) -> tuple[str, ...]:
-        return standby(self.activity)
 
 
 def new_watch(cfg: ControlConfig, number: int, now: float) -> AttemptWatch:

@@ -46,6 +46,7 @@ from trainguard.control.attempt import (
     Launching,
     Rejoining,
     ReplacingInPlace,
+    Rescaling,
     Training,
     new_watch,
 )
@@ -443,7 +444,7 @@ class JobController:
             status.state is NodeState.COMPLETED for _, status in current
         ):
             return self._complete(now, attempt, reports, actions)
-        if self.elastic is not None and attempt.rejoin is None and self._cancel is None:
+        if self.elastic and not isinstance(attempt.activity, Rejoining) and self._cancel is None:
             looked = rescale.look(self._view(now, attempt, reports))  # in place, or a stop
             actions += self._apply(now, attempt, looked, reports)
         return actions
@@ -467,7 +468,7 @@ class JobController:
     ) -> list[Fault]:
         """A rank that outlives the others, idle (control/exit_hang.py): an ExitHang fault;
         one that lingers but computes: a Lingering event, once per bound."""
-        if attempt.rejoin is not None or attempt.scale is not None:
+        if isinstance(attempt.activity, Rejoining | Rescaling):
             return []
         watch = attempt.watch
         found = watch.exits.observe(now, len(attempt.assignments), current, watch.progress)

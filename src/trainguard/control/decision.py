@@ -5,8 +5,8 @@ The planners (control/recovery.py, replace.py, rescale.py) are functions of a
 :class:`Decision`: how the attempt ends, the node pool after it, the next attempt (and
 how it starts), the actions and the events. :meth:`JobController._apply
 <trainguard.control.controller.JobController._apply>` is the one place that carries a
-decision out. The planners never change the view (the elastic watch they advance is a
-copy, returned in the decision), so each is tested with literal values.
+decision out. The planners never change the view (the elastic watch's looks return its
+next value, which the decision carries), so each is tested with literal values.
 """
 
 from __future__ import annotations
