@@ -8,6 +8,7 @@ import control_helpers as h
 from trainguard.control.actions import (
     AttemptPhase,
     Finish,
+    JobPhase,
     LaunchNodes,
     RetireNodes,
     StartNodes,
@@ -15,7 +16,7 @@ from trainguard.control.actions import (
 )
 from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.config import ControlConfig
-from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.controller import JobController
 from trainguard.control.elastic import ElasticConfig, ElasticWatch
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport, NodeState

@@ -4,17 +4,11 @@ stuck survivors and the restart barrier, decided from the ranks' reported joins.
 from __future__ import annotations
 
 import control_helpers as h
+from trainguard.control.actions import JobPhase, RejoinNodes, ReplaceRanks, StartNodes, StopNodes
 from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.attempt import Rejoining
-from trainguard.control.controller import (
-    ControlConfig,
-    JobController,
-    JobPhase,
-    RejoinNodes,
-    ReplaceRanks,
-    StartNodes,
-    StopNodes,
-)
+from trainguard.control.config import ControlConfig
+from trainguard.control.controller import JobController
 from trainguard.control.events import FaultType
 from trainguard.control.inprocess import hot_spares_per_node
 from trainguard.control.policy import PolicyConfig

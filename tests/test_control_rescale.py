@@ -8,6 +8,7 @@ import dataclasses
 import control_helpers as h
 from trainguard.control.actions import (
     AttemptPhase,
+    JobPhase,
     LaunchNodes,
     RejoinNodes,
     RetireNodes,
@@ -17,7 +18,7 @@ from trainguard.control.actions import (
 from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.attempt import Rejoining, standby
 from trainguard.control.config import ControlConfig
-from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.controller import JobController
 from trainguard.control.elastic import ElasticConfig
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport, NodeState

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from test_control_recovery import NODES, crash, running, stopped
-from trainguard.control.actions import AttemptPhase, Finish, LaunchNodes
+from trainguard.control.actions import AttemptPhase, Finish, JobPhase, LaunchNodes
 from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.config import ControlConfig
-from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.controller import JobController
 from trainguard.control.decision import NextAttempt
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.resume import Recorded, RecordedAttempt, adopt, restart

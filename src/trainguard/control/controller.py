@@ -34,7 +34,6 @@ from trainguard.control.actions import (
     JobPhase,
     LaunchNodes,
     RejoinNodes,
-    ReplaceRanks,
     RetireNodes,
     StartNodes,
     StopMode,
@@ -58,7 +57,7 @@ from trainguard.control.elastic import ElasticWatch
 from trainguard.control.events import Event, EventKind, Fault, FaultType, Note
 from trainguard.control.health import HealthBook
 from trainguard.control.inprocess import Rejoin
-from trainguard.control.persist import CheckpointPlanner, PersistCheckpoint
+from trainguard.control.persist import CheckpointPlanner
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.record import JobRecord
 from trainguard.control.reports import NodeReport, Refusal
@@ -67,22 +66,7 @@ from trainguard.control.stragglers import StragglerWatch
 from trainguard.control.timeline import Timeline
 from trainguard.wire.status import NodeState, NodeStatus
 
-__all__ = [
-    "Action",
-    "Attempt",
-    "AttemptPhase",
-    "ControlConfig",
-    "Finish",
-    "JobController",
-    "JobPhase",
-    "LaunchNodes",
-    "PersistCheckpoint",
-    "RejoinNodes",
-    "ReplaceRanks",
-    "RetireNodes",
-    "StartNodes",
-    "StopNodes",
-]
+__all__ = ["EndpointFor", "JobController"]
 
 EndpointFor = Callable[[int, str], StoreEndpoint]
 """``endpoint_for(attempt, node_id)``: where the attempt's rendezvous store is (the job's

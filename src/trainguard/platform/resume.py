@@ -23,9 +23,9 @@ from urllib.parse import urlsplit
 from trainguard.agent.client import AgentClient, AgentError
 from trainguard.agent.controller_watch import start_ticks
 from trainguard.control import resume as control
-from trainguard.control.actions import Action
+from trainguard.control.actions import Action, JobPhase
 from trainguard.control.assignment import StoreEndpoint
-from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.controller import JobController
 from trainguard.control.events import EventKind
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.resume import Recorded, RecordedAttempt
