@@ -26,8 +26,8 @@ from trainguard.control.actions import AttemptPhase, JobPhase
 from trainguard.control.assignment import StoreEndpoint, assign_attempt
 from trainguard.control.attempt import Attempt, new_watch
 from trainguard.control.config import ControlConfig
-from trainguard.control.decision import NextAttempt, Note
-from trainguard.control.events import EventKind, Fault, FaultType
+from trainguard.control.decision import NextAttempt
+from trainguard.control.events import EventKind, Fault, FaultType, Note
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.timeline import FaultRecord
 
@@ -98,13 +98,12 @@ def adopt(config: ControlConfig, now: float, recorded: Recorded, nodes: Sequence
     if newest is None or newest.endpoint is None:
         raise ValueError("no recorded attempt with a rendezvous to adopt")
     ended = _ended(config, now, recorded, nodes, upto=newest.number)
-    attempt = Attempt(
-        newest.number, newest.started_at, tuple(nodes), new_watch(config, newest.number, now)
-    )
-    attempt.phase = AttemptPhase.RUNNING
-    attempt.endpoint = newest.endpoint
-    attempt.assignments = assign_attempt(config, attempt.nodes, attempt.number, newest.endpoint)
-    attempt.recovered = True  # its faults' recovery was recorded before (or never will be)
+    number, endpoint = newest.number, newest.endpoint
+    watch, running = new_watch(config, number, now), AttemptPhase.RUNNING
+    # Its faults' recovery was recorded before (or never will be).
+    attempt = Attempt(number, newest.started_at, tuple(nodes), watch, phase=running, recovered=True)
+    attempt.endpoint = endpoint
+    attempt.assignments = assign_attempt(config, attempt.nodes, number, endpoint)
     message = (
         f"controller resumed: re-attached to the {len(nodes)} node agents of attempt "
         f"{attempt.number}, which kept training"
