@@ -30,8 +30,7 @@ from trainguard.agent.train_scripts import TrainScripts
 from trainguard.agent.warm import StartOptions
 from trainguard.agent.workers import HOST_WORKERS_ENV
 from trainguard.checkpoint.tier_dir import user_root
-from trainguard.control.actions import JobPhase
-from trainguard.control.controller import JobController
+from trainguard.control.controller import JobController, JobPhase
 from trainguard.hosts.addresses import resolve
 from trainguard.hosts.controller_host import AGENT_CONTACT_TIMEOUT, interface_env
 from trainguard.hosts.launcher import HostsLauncher
