@@ -66,7 +66,7 @@ from trainguard.control.stragglers import StragglerWatch
 from trainguard.control.timeline import Timeline
 from trainguard.wire.status import NodeState, NodeStatus
 
-__all__ = ["EndpointFor", "JobController"]
+__all__ = ["EndpointFor", "JobController", "JobPhase"]  # the phase callers read off the controller
 
 EndpointFor = Callable[[int, str], StoreEndpoint]
 """``endpoint_for(attempt, node_id)``: where the attempt's rendezvous store is (the job's
