@@ -1,16 +1,10 @@
 """The job controller's state machine, driven by plain reports: no processes, no clock."""
 
 import control_helpers as h
+from trainguard.control.actions import Finish, JobPhase, LaunchNodes, StartNodes, StopNodes
 from trainguard.control.assignment import StoreEndpoint
-from trainguard.control.controller import (
-    ControlConfig,
-    Finish,
-    JobController,
-    JobPhase,
-    LaunchNodes,
-    StartNodes,
-    StopNodes,
-)
+from trainguard.control.config import ControlConfig
+from trainguard.control.controller import JobController
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport, NodeState
 

@@ -8,6 +8,7 @@ import control_helpers as h
 from trainguard.control.actions import (
     AttemptPhase,
     Finish,
+    JobPhase,
     LaunchNodes,
     RetireNodes,
     StartNodes,
@@ -15,7 +16,7 @@ from trainguard.control.actions import (
 )
 from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.config import ControlConfig
-from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.controller import JobController
 from trainguard.control.elastic import ElasticConfig, ElasticWatch
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport, NodeState
@@ -37,38 +38,44 @@ def test_sizes_follow_the_increment_or_the_discrete_values() -> None:
 def test_preemption_scales_down_at_once_to_what_fits() -> None:
     watch = ElasticWatch(ElasticConfig(1, 4, increment=1))
     nodes = ("n0", "n1", "n2")
-    scale = watch.observe(10.0, nodes, capacity=2, preempted=["n1"], last_restart=0.0)
+    _, scale = watch.observe(10.0, nodes, capacity=2, preempted=["n1"], last_restart=0.0)
     assert scale is not None and scale.size == 2 and scale.drop == ("n1",)
     assert "n1 preempted" in scale.reason
     # With discrete sizes, the largest that fits: 3 left of 4, only 2 allowed.
     even = ElasticWatch(ElasticConfig(2, 4, discrete=(2, 4)))
     four = ("n0", "n1", "n2", "n3")
-    scale = even.observe(10.0, four, capacity=3, preempted=["n2"], last_restart=0.0)
+    _, scale = even.observe(10.0, four, capacity=3, preempted=["n2"], last_restart=0.0)
     assert scale is not None and scale.size == 2 and scale.drop == ("n2", "n3")
     # Under the minimum: no scaling (the node will be lost, a fault).
     low = ElasticWatch(ElasticConfig(2, 4))
-    assert low.observe(10.0, ("n0", "n1"), capacity=1, preempted=["n1"], last_restart=0.0) is None
+    assert (
+        low.observe(10.0, ("n0", "n1"), capacity=1, preempted=["n1"], last_restart=0.0)[1] is None
+    )
 
 
 def test_scale_up_waits_for_stable_capacity_and_the_snooze_and_backs_off() -> None:
     cfg = ElasticConfig(1, 4, scaling_timeout=5.0, scale_up_snooze=30.0)
     watch = ElasticWatch(cfg)
     nodes = ("n0", "n1")
-    assert watch.observe(100.0, nodes, 4, [], last_restart=0.0) is None  # capacity just came
-    assert watch.observe(103.0, nodes, 2, [], last_restart=0.0) is None  # gone again: resets
-    assert watch.observe(104.0, nodes, 4, [], last_restart=0.0) is None
-    scale = watch.observe(109.0, nodes, 4, [], last_restart=0.0)
+    watch, scale = watch.observe(100.0, nodes, 4, [], last_restart=0.0)
+    assert scale is None  # capacity just came
+    watch, scale = watch.observe(103.0, nodes, 2, [], last_restart=0.0)
+    assert scale is None  # gone again: resets
+    watch, scale = watch.observe(104.0, nodes, 4, [], last_restart=0.0)
+    assert scale is None
+    assert watch.observe(108.0, nodes, 4, [], last_restart=0.0)[0] is not watch  # a new value
+    _, scale = watch.observe(109.0, nodes, 4, [], last_restart=0.0)
     assert scale is not None and scale.size == 4 and not scale.down
     # Within the snooze after a restart: no scale-up.
-    again = ElasticWatch(cfg)
-    again.observe(100.0, nodes, 4, [], last_restart=90.0)
-    assert again.observe(110.0, nodes, 4, [], last_restart=90.0) is None
-    assert again.observe(121.0, nodes, 4, [], last_restart=90.0) is not None
+    again, _ = ElasticWatch(cfg).observe(100.0, nodes, 4, [], last_restart=90.0)
+    again, scale = again.observe(110.0, nodes, 4, [], last_restart=90.0)
+    assert scale is None
+    again, scale = again.observe(121.0, nodes, 4, [], last_restart=90.0)
+    assert scale is not None
     # A failed scale-up doubles the wait.
-    again = again.outcome(False)
-    again.observe(200.0, nodes, 4, [], last_restart=0.0)
-    assert again.observe(206.0, nodes, 4, [], last_restart=0.0) is None
-    assert again.observe(210.0, nodes, 4, [], last_restart=0.0) is not None
+    again, _ = again.outcome(False).observe(200.0, nodes, 4, [], last_restart=0.0)
+    assert again.observe(206.0, nodes, 4, [], last_restart=0.0)[1] is None
+    assert again.observe(210.0, nodes, 4, [], last_restart=0.0)[1] is not None
 
 
 def make(capacity: int = 2, *, begin: bool = True) -> JobController:

@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import control_helpers as h
 import test_control_controller
-from trainguard.control.controller import (
-    Finish,
-    JobController,
-    JobPhase,
-    StartNodes,
-    StopNodes,
-)
+from trainguard.control.actions import Finish, JobPhase, StartNodes, StopNodes
+from trainguard.control.controller import JobController
 from trainguard.control.events import FaultType
 from trainguard.control.exit_hang import ExitWatch, step_seconds
 from trainguard.control.reports import NodeReport

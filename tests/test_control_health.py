@@ -6,10 +6,17 @@ from typing import Any
 
 import control_helpers as h
 from test_control_recovery import NODES, running, stopped
-from trainguard.control.actions import Finish, LaunchNodes, RetireNodes, StartNodes, StopNodes
+from trainguard.control.actions import (
+    Finish,
+    JobPhase,
+    LaunchNodes,
+    RetireNodes,
+    StartNodes,
+    StopNodes,
+)
 from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.config import ControlConfig
-from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.controller import JobController
 from trainguard.control.events import FaultType
 from trainguard.control.health import HealthBook
 from trainguard.control.policy import PolicyConfig

@@ -4,16 +4,11 @@ stuck survivors and the restart barrier, decided from the ranks' reported joins.
 from __future__ import annotations
 
 import control_helpers as h
+from trainguard.control.actions import JobPhase, RejoinNodes, ReplaceRanks, StartNodes, StopNodes
 from trainguard.control.assignment import StoreEndpoint
-from trainguard.control.controller import (
-    ControlConfig,
-    JobController,
-    JobPhase,
-    RejoinNodes,
-    ReplaceRanks,
-    StartNodes,
-    StopNodes,
-)
+from trainguard.control.attempt import Rejoining
+from trainguard.control.config import ControlConfig
+from trainguard.control.controller import JobController
 from trainguard.control.events import FaultType
 from trainguard.control.inprocess import hot_spares_per_node
 from trainguard.control.policy import PolicyConfig
@@ -87,7 +82,9 @@ def test_a_worker_crash_restarts_in_place_on_the_store_rank_0_serves() -> None:
     # The timeline names the scope; the next attempt's reports are about attempt 1.
     assert c.timeline.to_json()[0]["scope"] == "in-process"
     assert c.observe(2.0, {"node-0": running(1), "node-1": running(1, "node-1")}) == []
-    assert c.current is not None and c.current.rejoin is None  # every rank joined
+    assert c.current is not None and not isinstance(
+        c.current.activity, Rejoining
+    )  # every rank joined
 
 
 def test_a_crash_of_rank_0_restarts_in_place_on_a_new_rendezvous() -> None:

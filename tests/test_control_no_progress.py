@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import control_helpers as h
 import test_control_controller
-from trainguard.control.controller import StopNodes
+from trainguard.control.actions import StopNodes
 from trainguard.control.events import FaultType
 from trainguard.control.no_progress import StallWatch
 from trainguard.wire.status import NodeState, Progress, WorkerState

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import control_helpers as h
+from trainguard.control.actions import Finish, JobPhase
 from trainguard.control.assignment import StoreEndpoint
-from trainguard.control.controller import (
-    ControlConfig,
-    Finish,
-    JobController,
-    JobPhase,
-    PersistCheckpoint,
-)
-from trainguard.control.persist import CheckpointPlanner, DurableCadence
+from trainguard.control.config import ControlConfig
+from trainguard.control.controller import JobController
+from trainguard.control.persist import CheckpointPlanner, DurableCadence, PersistCheckpoint
 from trainguard.control.reports import NodeReport, NodeState, Refusal
 from trainguard.wire.status import CheckpointStatus, MemoryStep, WorkerState
 

@@ -3,16 +3,10 @@
 from math import nan
 
 import control_helpers as h
+from trainguard.control.actions import Finish, LaunchNodes, RetireNodes, StartNodes, StopNodes
 from trainguard.control.assignment import StoreEndpoint
-from trainguard.control.controller import (
-    ControlConfig,
-    Finish,
-    JobController,
-    LaunchNodes,
-    RetireNodes,
-    StartNodes,
-    StopNodes,
-)
+from trainguard.control.config import ControlConfig
+from trainguard.control.controller import JobController
 from trainguard.control.events import Event, Fault, FaultType
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport, NodeState

@@ -4,9 +4,10 @@ a spare takes the lost node's ranks. Plain reports, no processes."""
 from __future__ import annotations
 
 import control_helpers as h
-from trainguard.control.actions import LaunchNodes, RejoinNodes, RetireNodes, StartNodes
+from trainguard.control.actions import LaunchNodes, RejoinNodes, RetireNodes, StartNodes, StopNodes
 from trainguard.control.assignment import StoreEndpoint
-from trainguard.control.controller import ControlConfig, JobController, StopNodes
+from trainguard.control.config import ControlConfig
+from trainguard.control.controller import JobController
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport, NodeState
 

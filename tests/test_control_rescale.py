@@ -8,6 +8,7 @@ import dataclasses
 import control_helpers as h
 from trainguard.control.actions import (
     AttemptPhase,
+    JobPhase,
     LaunchNodes,
     RejoinNodes,
     RetireNodes,
@@ -15,8 +16,9 @@ from trainguard.control.actions import (
     StopNodes,
 )
 from trainguard.control.assignment import StoreEndpoint
+from trainguard.control.attempt import Rejoining, standby
 from trainguard.control.config import ControlConfig
-from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.controller import JobController
 from trainguard.control.elastic import ElasticConfig
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport, NodeState
@@ -68,7 +70,7 @@ def test_a_preempted_node_leaves_and_the_survivors_rejoin_renumbered_in_place() 
     assert c.restarts == 0 and c.nodes == ("node-0", "node-2") and "node-1" in c.growth
     assert c.checkpoints.world_size == 4
     assert c.attempts[0].phase is AttemptPhase.STOPPED
-    assert c.attempts[1].scope == "in-process" and c.attempts[1].rejoin is not None
+    assert c.attempts[1].scope == "in-process" and isinstance(c.attempts[1].activity, Rejoining)
     [scaling] = [e for e in c.drain_events() if e.kind == "ElasticScaling"]
     assert scaling.data["in_place"] is True and scaling.data["dropped"] == ["node-1"]
     assert (scaling.data["from"], scaling.data["to"]) == (3, 2)
@@ -83,7 +85,9 @@ def test_a_preempted_node_leaves_and_the_survivors_rejoin_renumbered_in_place() 
         for i, n in enumerate(c.nodes)
     }
     assert c.observe(2.0, joined) == []
-    assert c.current is not None and c.current.rejoin is None  # every rank joined
+    assert c.current is not None and not isinstance(
+        c.current.activity, Rejoining
+    )  # every rank joined
 
 
 def test_node_0_preempted_moves_rank_0_and_the_rendezvous_to_the_next_node() -> None:
@@ -139,7 +143,7 @@ def test_capacity_taken_back_before_the_decision_retires_the_nodes_up_ahead() ->
     c.set_capacity(3)
     [retire] = c.observe(1.5, {**now, **h.ready(("node-3",))})
     assert isinstance(retire, RetireNodes) and retire.node_ids == ("node-3",)
-    assert c.current is not None and c.current.number == 0 and c.current.standby == ()
+    assert c.current is not None and c.current.number == 0 and standby(c.current.activity) == ()
     assert c.elastic is not None and c.elastic.failures == 0  # not the nodes' fault
     assert c.growth == ("node-3",)
     assert c.observe(5.0, now) == []

@@ -8,16 +8,10 @@ from collections.abc import Callable, Mapping
 import pytest
 
 import control_helpers as h
+from trainguard.control.actions import Action, JobPhase, LaunchNodes, RetireNodes, StopNodes
 from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.config import ControlConfig
-from trainguard.control.controller import (
-    Action,
-    JobController,
-    JobPhase,
-    LaunchNodes,
-    RetireNodes,
-    StopNodes,
-)
+from trainguard.control.controller import JobController
 from trainguard.control.events import FaultType
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeReport

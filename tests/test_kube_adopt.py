@@ -25,7 +25,7 @@ def status_of(record: dict[str, Any], faults: list[dict[str, Any]]) -> dict[str,
 
 def test_the_takeover_record_reads_back_as_what_was_recorded() -> None:
     c = make()
-    adopt(c, 100.0, RECORDED, ["node-0", "node-1"])
+    c.take_over(100.0, adopt(c.config, 100.0, RECORDED, ["node-0", "node-1"]))
     back = recorded(status_of(takeover_record(c), c.timeline.to_json()))
     assert back is not None
     assert back.started_at == RECORDED.started_at
@@ -37,7 +37,7 @@ def test_the_takeover_record_reads_back_as_what_was_recorded() -> None:
     assert back.newest is not None and back.newest.started_at == RECORDED.attempts[1].started_at
     # The successor's controller adopts it just the same.
     successor = make()
-    adopt(successor, 200.0, back, ["node-0", "node-1"])
+    successor.take_over(200.0, adopt(successor.config, 200.0, back, ["node-0", "node-1"]))
     assert successor.restarts == 1 and successor.attempts[-1].number == 1
     assert successor.timeline.to_json()[0]["fault_step"] == 50
 
@@ -48,7 +48,7 @@ def test_no_record_or_a_broken_one_means_a_new_start() -> None:
     good = takeover_record(make())
     assert recorded(status_of(good, [])) is None  # never started: nothing to go on
     c = make()
-    adopt(c, 100.0, RECORDED, ["node-0", "node-1"])
+    c.take_over(100.0, adopt(c.config, 100.0, RECORDED, ["node-0", "node-1"]))
     record = takeover_record(c)
     for broken in (
         {**record, "attempts": [{"number": "x"}]},
@@ -75,13 +75,13 @@ def test_an_elastic_job_is_taken_over_at_the_size_it_has_with_its_scaling_memory
     assert (back.elastic.failures, back.elastic.last_scaling, back.elastic.target) == (2, 2.0, 1)
 
     successor = elastic_make(begin=False)
-    adopt(successor, 10.0, back, list(back.nodes))
+    successor.take_over(10.0, adopt(successor.config, 10.0, back, list(back.nodes)))
     assert successor.nodes == ("node-0",) and set(successor.growth) == {"node-1", "node-2"}
     assert successor.current is not None and len(successor.current.assignments) == 1
     assert successor.elastic is not None and successor.elastic.failures == 2
     assert successor.elastic.last_scaling == 2.0
     # A successor that cannot adopt restarts at the recorded size, not the spec's.
     fresh = elastic_make(begin=False)
-    [launch] = restart(fresh, 10.0, back, "the pods are gone")
+    [launch] = fresh.take_over(10.0, restart(fresh.config, 10.0, back, "the pods are gone"))
     assert isinstance(launch, LaunchNodes) and launch.node_ids == ("node-0",)
     assert fresh.checkpoints.world_size == 2  # 1 node x 2 processes

@@ -13,8 +13,10 @@ import pytest
 
 import control_helpers as h
 from kube_harness import ApiServer
+from trainguard.control.actions import StopNodes
 from trainguard.control.assignment import StoreEndpoint
-from trainguard.control.controller import ControlConfig, JobController, StopNodes
+from trainguard.control.config import ControlConfig
+from trainguard.control.controller import JobController
 from trainguard.control.events import Event
 from trainguard.control.policy import PolicyConfig
 from trainguard.control.reports import NodeState

@@ -8,7 +8,8 @@ import pytest
 
 import control_helpers as h
 from trainguard.control.assignment import StoreEndpoint
-from trainguard.control.controller import ControlConfig, JobController
+from trainguard.control.config import ControlConfig
+from trainguard.control.controller import JobController
 from trainguard.control.reports import NodeState
 from trainguard.monitor import worker_events
 from trainguard.monitor.worker_events import EVENT_DIR_ENV, read_events

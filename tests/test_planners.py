@@ -9,6 +9,7 @@ from trainguard.control.actions import (
     AttemptPhase,
     JobPhase,
     LaunchNodes,
+    ReplaceRanks,
     RetireNodes,
     StopMode,
 )
@@ -18,6 +19,7 @@ from trainguard.control.attempt import (
     Attempt,
     GrowingAhead,
     Launching,
+    Rejoining,
     ReplacingInPlace,
     Training,
 )
@@ -26,6 +28,7 @@ from trainguard.control.decision import Decision, InPlace, JobView, NextAttempt,
 from trainguard.control.detect import AttemptWatch
 from trainguard.control.elastic import ElasticConfig, ElasticWatch, Scale
 from trainguard.control.events import EventKind, Fault, FaultType
+from trainguard.control.inprocess import Rejoin
 from trainguard.control.policy import PolicyConfig, RestartRecord, RestartScope
 from trainguard.control.reports import NodeReport, NodeState
 
@@ -193,3 +196,24 @@ def test_chain_applies_in_order_and_after_folds_every_step() -> None:
     cfg = config()
     folded = view(cfg, attempt(cfg)).after(chained)
     assert (folded.nodes, folded.spares) == (("b",), ("s",))
+
+
+def test_the_rejoin_watch_returns_the_ranks_it_replaced_in_the_next_value() -> None:
+    """Survivors stuck in the failed attempt get a new process once: the ranks replaced
+    are in the Rejoining value the decision carries, the view's stays as it was."""
+    cfg = config(in_process=True)
+    under_way = Rejoining(Rejoin(0.0, (0, 1, 2, 3)))
+    a = attempt(cfg, activity=under_way)
+    decided, faults = recovery.watch_rejoin(view(cfg, a, running(*NODES), now=5.0))
+    assert faults == [] and a.activity == under_way  # nobody joined; the view unchanged
+    assert {(r.node_id, r.ranks) for r in decided.actions if isinstance(r, ReplaceRanks)} == {
+        ("node-0", (0, 1)),
+        ("node-1", (2, 3)),
+    }
+    assert isinstance(decided.activity, Rejoining)
+    assert decided.activity.rejoin.replaced == {0, 1, 2, 3}
+    # The next look, from that value: no rank is replaced twice.
+    again, _ = recovery.watch_rejoin(
+        view(cfg, attempt(cfg, activity=decided.activity), running(*NODES), now=6.0)
+    )
+    assert again.actions == () and again.activity == decided.activity

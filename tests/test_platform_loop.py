@@ -13,6 +13,7 @@ import control_helpers as h
 from agent_harness import request_json
 from trainguard.control.actions import JobPhase, LaunchNodes
 from trainguard.control.assignment import StoreEndpoint
+from trainguard.control.config import ControlConfig
 from trainguard.control.contact import (
     Contact,
     ContactRule,
@@ -21,7 +22,7 @@ from trainguard.control.contact import (
     lost_reason,
     shown_state,
 )
-from trainguard.control.controller import ControlConfig, JobController
+from trainguard.control.controller import JobController
 from trainguard.control.reports import NodeReport, NodeState, Refusal
 from trainguard.platform.base import Cancel, Observation
 from trainguard.platform.book import ReportBook, Taken

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAKE_WORKER
-from trainguard.control.controller import JobPhase
+from trainguard.control.actions import JobPhase
 from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.controller_host import ControllerHost
 from trainguard.platform.local import LocalRunner

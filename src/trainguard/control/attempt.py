@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from trainguard.control.actions import AttemptPhase
 from trainguard.control.assignment import StoreEndpoint
+from trainguard.control.config import ControlConfig
 from trainguard.control.detect import AttemptWatch
 from trainguard.control.elastic import Scale
 from trainguard.control.events import Fault
@@ -23,6 +24,7 @@ __all__ = [
     "ReplacingInPlace",
     "Rescaling",
     "Training",
+    "new_watch",
     "standby",
 ]
 
@@ -111,14 +113,21 @@ class Attempt:
     activity: Activity = field(default_factory=Training)
 
     @property
-    def rejoin(self) -> Rejoin | None:
-        return self.activity.rejoin if isinstance(self.activity, Rejoining) else None
-
-    @property
     def scale(self) -> Scale | None:
         """The scaling this attempt stops for (control/elastic.py)."""
         return self.activity.scale if isinstance(self.activity, Rescaling) else None
 
-    @property
-    def standby(self) -> tuple[str, ...]:
-        return standby(self.activity)
+
+def new_watch(cfg: ControlConfig, number: int, now: float) -> AttemptWatch:
+    """A fresh fault watch for attempt ``number`` (its timers start ``now``)."""
+    return AttemptWatch(
+        number,
+        now,
+        cfg.log_rules,
+        cfg.heartbeat_timeout,
+        contact_rule=cfg.contact_rule,
+        in_process=cfg.in_process,
+        start_timeout=cfg.node_start_timeout,
+        exit_hang_timeout=cfg.exit_hang_timeout,
+        no_progress_timeout=cfg.no_progress_timeout,
+    )

@@ -23,8 +23,7 @@ Assumptions the decisions rely on:
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from trainguard.control import recovery, replace, rescale
@@ -35,46 +34,39 @@ from trainguard.control.actions import (
     JobPhase,
     LaunchNodes,
     RejoinNodes,
-    ReplaceRanks,
     RetireNodes,
     StartNodes,
     StopMode,
     StopNodes,
 )
 from trainguard.control.assignment import StoreEndpoint, assign_attempt, replica_sources
-from trainguard.control.attempt import Attempt, Launching, Rejoining, ReplacingInPlace, Training
+from trainguard.control.attempt import (
+    Attempt,
+    Launching,
+    Rejoining,
+    ReplacingInPlace,
+    Rescaling,
+    Training,
+    new_watch,
+)
 from trainguard.control.config import ControlConfig
 from trainguard.control.contact import launch_verdict, settled
 from trainguard.control.decision import Decision, InPlace, JobView, NextAttempt, Stop, chain
-from trainguard.control.detect import AttemptWatch, finished, refusal_faults, stop_faults
+from trainguard.control.detect import finished, refusal_faults, stop_faults
 from trainguard.control.elastic import ElasticWatch
-from trainguard.control.events import Event, EventKind, Fault, FaultType
-from trainguard.control.health import HealthBook, HealthNote
+from trainguard.control.events import Event, EventKind, Fault, FaultType, Note
+from trainguard.control.health import HealthBook
 from trainguard.control.inprocess import Rejoin
-from trainguard.control.persist import CheckpointNote, CheckpointPlanner, PersistCheckpoint
+from trainguard.control.persist import CheckpointPlanner
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.record import JobRecord
 from trainguard.control.reports import NodeReport, Refusal
+from trainguard.control.resume import Takeover
 from trainguard.control.stragglers import StragglerWatch
 from trainguard.control.timeline import Timeline
 from trainguard.wire.status import NodeState, NodeStatus
 
-__all__ = [
-    "Action",
-    "Attempt",
-    "AttemptPhase",
-    "ControlConfig",
-    "Finish",
-    "JobController",
-    "JobPhase",
-    "LaunchNodes",
-    "PersistCheckpoint",
-    "RejoinNodes",
-    "ReplaceRanks",
-    "RetireNodes",
-    "StartNodes",
-    "StopNodes",
-]
+__all__ = ["EndpointFor", "JobController", "JobPhase"]  # the phase callers read off the controller
 
 EndpointFor = Callable[[int, str], StoreEndpoint]
 """``endpoint_for(attempt, node_id)``: where the attempt's rendezvous store is (the job's
@@ -166,6 +158,22 @@ class JobController:
         self.phase = JobPhase.STOPPING
         return [self._stop(now, attempt, StopMode.GRACEFUL, reason)]
 
+    def take_over(self, now: float, t: Takeover) -> list[Action]:
+        """Begin as the successor of a controller that died (control/resume.py)."""
+        if self.attempts or self.phase is not JobPhase.PENDING:
+            raise RuntimeError(f"job already started (phase {self.phase})")
+        self.started_at, self.phase = t.started_at, t.phase
+        self.nodes, self.spares, self.growth = t.nodes, t.spares, t.growth
+        self.history, self.attempts = list(t.history), list(t.attempts)
+        if self.elastic is not None and t.elastic is not None:  # the sizing watch's memory
+            e, watch = t.elastic, self.elastic
+            watch.failures, watch.last_scaling, watch.target = e.failures, e.last_scaling, e.target
+        self.record.timeline.records = list(t.faults)
+        world = len(t.nodes) * self.config.nproc_per_node  # an elastic job's, not the spec's
+        self.checkpoints = CheckpointPlanner(self.config.durable, world, now)
+        self._notes(now, [t.event])
+        return [] if t.next is None else self._new_attempt(now, t.next, {})
+
     def set_capacity(
         self, capacity: int | None, preempted: Sequence[str] = (), taken_as: str = "preempted"
     ) -> None:
@@ -184,8 +192,7 @@ class JobController:
             return
         for node_id, reason in requests:
             if node_id in self.nodes:
-                notes = self.health.replace(now, attempt.number, node_id, reason)
-                self._health_events(now, attempt, notes)
+                self._notes(now, self.health.replace(now, attempt.number, node_id, reason))
 
     def note_injection(
         self, now: float, spec: str, rank: int | None, node: str | None, step: int | None = None
@@ -223,10 +230,10 @@ class JobController:
             )
         self.record.worker_events(attempt, reports)
         health_faults, notes = self.health.observe(now, attempt.number, reports)
-        self._health_events(now, attempt, notes)
-        for refusal in refusals:
-            if refusal.request == "persist":
-                self._note_persist_refused(now, refusal)
+        self._notes(now, notes)
+        for r in refusals:
+            if r.request == "persist":
+                self._notes(now, [self.checkpoints.refused(now, r.node_id, r.message)])
         if attempt.phase is AttemptPhase.LAUNCHING:
             return self._observe_launching(now, attempt, reports, health_faults)
         if attempt.phase is AttemptPhase.RUNNING:
@@ -237,10 +244,6 @@ class JobController:
             return self._observe_stopping(now, attempt, reports)
         return []
 
-    def _health_events(self, now: float, attempt: Attempt, notes: Sequence[HealthNote]) -> None:
-        for note in notes:
-            self._event(now, note.kind, note.message, attempt.number, note.node, data=note.data)
-
     # -- launching -----------------------------------------------------------
 
     def _new_attempt(
@@ -249,7 +252,7 @@ class JobController:
         """The next attempt on ``self.nodes``: launch ``plan.launch`` first, or start at
         once if all are up."""
         number = len(self.attempts)
-        attempt = Attempt(number, now, self.nodes, self._watch(number, now), plan.scope)
+        attempt = Attempt(number, now, self.nodes, new_watch(self.config, number, now), plan.scope)
         attempt.activity = plan.activity or Training()
         self.attempts.append(attempt)
         actions: list[Action] = [RetireNodes(plan.retire)] if plan.retire else []
@@ -344,7 +347,9 @@ class JobController:
         attempt.endpoint = endpoint
         sources = self._replica_sources(attempt)
         attempt.assignments = assign_attempt(cfg, attempt.nodes, attempt.number, endpoint, sources)
-        attempt.watch = self._watch(attempt.number, now)  # hang timers start with the workers
+        attempt.watch = new_watch(
+            self.config, attempt.number, now
+        )  # hang timers start with the workers
         self._event(
             now,
             EventKind.ATTEMPT_STARTED,
@@ -371,20 +376,6 @@ class JobController:
             None,
         )
         return {} if ran is None else replica_sources(ran.nodes, attempt.nodes)
-
-    def _watch(self, number: int, now: float) -> AttemptWatch:
-        cfg = self.config
-        return AttemptWatch(
-            number,
-            now,
-            cfg.log_rules,
-            cfg.heartbeat_timeout,
-            contact_rule=cfg.contact_rule,
-            in_process=cfg.in_process,
-            start_timeout=cfg.node_start_timeout,
-            exit_hang_timeout=cfg.exit_hang_timeout,
-            no_progress_timeout=cfg.no_progress_timeout,
-        )
 
     # -- running -------------------------------------------------------------
 
@@ -437,7 +428,7 @@ class JobController:
             status.state is NodeState.COMPLETED for _, status in current
         ):
             return self._complete(now, attempt, reports, actions)
-        if self.elastic is not None and attempt.rejoin is None and self._cancel is None:
+        if self.elastic and not isinstance(attempt.activity, Rejoining) and self._cancel is None:
             looked = rescale.look(self._view(now, attempt, reports))  # in place, or a stop
             actions += self._apply(now, attempt, looked, reports)
         return actions
@@ -461,7 +452,7 @@ class JobController:
     ) -> list[Fault]:
         """A rank that outlives the others, idle (control/exit_hang.py): an ExitHang fault;
         one that lingers but computes: a Lingering event, once per bound."""
-        if attempt.rejoin is not None or attempt.scale is not None:
+        if isinstance(attempt.activity, Rejoining | Rescaling):
             return []
         watch = attempt.watch
         found = watch.exits.observe(now, len(attempt.assignments), current, watch.progress)
@@ -487,7 +478,7 @@ class JobController:
         if self._final_persist_until is None:
             self._final_persist_until = now + self.config.final_persist_timeout
         checkpoints = self.checkpoints
-        notes: list[CheckpointNote | None] = [*checkpoints.settle(now, attempt.nodes, reports)]
+        notes: list[Note | None] = [*checkpoints.settle(now, attempt.nodes, reports)]
         if now < self._final_persist_until:
             final = checkpoints.flush(now, attempt.nodes, reports)
             if final is not None:
@@ -495,33 +486,31 @@ class JobController:
                 notes.append(note)
                 actions = [*actions, request]
             if checkpoints.busy:  # the newest checkpoint is on its way to durable storage
-                self._checkpoint_events(now, notes)
+                self._notes(now, notes)
                 return actions
         else:
             timeout = self.config.final_persist_timeout
             why = f"not committed within the {timeout:g} s the job's end waits for it"
             notes.append(checkpoints.give_up(now, why))
         notes.append(checkpoints.shortfall())
-        self._checkpoint_events(now, notes)
+        self._notes(now, notes)
         self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0")
         return [*actions, *self._finish(now, JobPhase.SUCCEEDED, reason)]
-
-    def _note_persist_refused(self, now: float, refusal: Refusal) -> None:
-        note = self.checkpoints.refused(now, refusal.node_id, refusal.message)
-        if note is not None:
-            self._event(now, note.kind, note.message, node=refusal.node_id, data=note.data)
 
     def _plan_checkpoints(
         self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
     ) -> list[Action]:
         requests, notes = self.checkpoints.observe(now, attempt.nodes, reports)
-        self._checkpoint_events(now, notes)
+        self._notes(now, notes)
         return list(requests)
 
-    def _checkpoint_events(self, now: float, notes: Sequence[CheckpointNote | None]) -> None:
-        for note in notes:
-            if note is not None:
-                self._event(now, note.kind, note.message, data=note.data)
+    def _notes(self, now: float, notes: Iterable[Note | None]) -> None:
+        """Record the events of the planners, the health book and the checkpoint planner."""
+        for n in notes:
+            if n is not None:
+                self._event(
+                    now, n.kind, n.message, n.attempt, n.node, data=dict(n.data or {}) or None
+                )
 
     # -- stopping and what follows -------------------------------------------------
 
@@ -598,7 +587,7 @@ class JobController:
             now, self.config, attempt, attempt.activity, reports, self.nodes, self.spares,
             self.growth, self.avoid_hosts, tuple(self.history), tuple(self.attempts),
             dict(self._hosts), fault_times, unusable, self.capacity, self.preempted,
-            copy.copy(self.elastic),
+            self.elastic,
         )  # fmt: skip
 
     def _apply(
@@ -617,15 +606,14 @@ class JobController:
         self.phase = d.phase or self.phase
         for fault in d.faults:
             self._record_fault(now, attempt, fault)
-        self._health_events(now, attempt, [r for n in d.relaunch if (r := self.health.relaunch(n))])
+        self._notes(now, [self.health.relaunch(n) for n in d.relaunch])
         if d.end is not None:
             self._end_attempt(now, attempt, *d.end)
         if d.scope is not None:
             if d.counted:
                 self.history.append(RestartRecord(now, d.scope))
             self.timeline.set_scope(attempt.number, d.scope.value)
-        for e in d.events:
-            self._event(now, e.kind, e.message, e.attempt, e.node, data=dict(e.data or {}) or None)
+        self._notes(now, d.events)
         actions = list(d.actions)
         if d.stop is not None:
             actions.append(self._stop(now, attempt, d.stop.mode, d.stop.reason, d.stop.capture))
@@ -642,7 +630,9 @@ class JobController:
     def _in_place(self, now: float, ended: Attempt, plan: InPlace) -> list[Action]:
         """The attempt after ``ended``, in place on ``self.nodes`` (:class:`InPlace`)."""
         number = len(self.attempts)
-        new = Attempt(number, now, self.nodes, self._watch(number, now), RestartScope.IN_PROCESS)
+        new = Attempt(
+            number, now, self.nodes, new_watch(self.config, number, now), RestartScope.IN_PROCESS
+        )
         new.activity = Rejoining(Rejoin(now, plan.survivors))
         self.attempts.append(new)
         started = self._start_attempt(now, new, plan.host)

@@ -5,8 +5,8 @@ The planners (control/recovery.py, replace.py, rescale.py) are functions of a
 :class:`Decision`: how the attempt ends, the node pool after it, the next attempt (and
 how it starts), the actions and the events. :meth:`JobController._apply
 <trainguard.control.controller.JobController._apply>` is the one place that carries a
-decision out. The planners never change the view (the elastic watch they advance is a
-copy, returned in the decision), so each is tested with literal values.
+decision out. The planners never change the view (the elastic watch's looks return its
+next value, which the decision carries), so each is tested with literal values.
 """
 
 from __future__ import annotations
@@ -14,29 +14,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from trainguard.control.actions import Action, AttemptPhase, JobPhase, StopMode
 from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.attempt import Activity, Attempt
 from trainguard.control.config import ControlConfig
 from trainguard.control.elastic import ElasticWatch
-from trainguard.control.events import EventKind, Fault
+from trainguard.control.events import Fault, Note
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.reports import NodeReport
 
 __all__ = ["Decision", "InPlace", "JobView", "NextAttempt", "Note", "Stop", "chain"]
-
-
-@dataclass(frozen=True)
-class Note:
-    """An event to record (``attempt`` None: the current attempt's)."""
-
-    kind: EventKind
-    message: str
-    attempt: int | None = None
-    node: str | None = None
-    data: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -100,36 +100,36 @@ class ElasticWatch:
         capacity: int | None,
         preempted: Sequence[str],
         last_restart: float | None,
-    ) -> Scale | None:
+    ) -> tuple[ElasticWatch, Scale | None]:
         """What to do now about the running attempt on ``nodes`` (node-rank order), given
         the platform's ``capacity`` (nodes the job may use; None: unknown) and the nodes
-        being taken away."""
-        cfg, size = self.config, len(nodes)
+        being taken away; with the watch after this look (a new value)."""
+        after, cfg, size = copy.copy(self), self.config, len(nodes)
         taken = set(preempted)
         gone = [n for n in nodes if n in taken]
         if gone or (capacity is not None and capacity < size):
-            self._ample_since = None
+            after._ample_since = None
             room = size - len(gone) if capacity is None else min(capacity, size - len(gone))
             target = cfg.fit(room)
             if target is None:
-                return None  # under the minimum: the controller decides (wait, or fail)
+                return after, None  # under the minimum: the controller decides (wait, or fail)
             keep = [n for n in nodes if n not in gone][:target]
             drop = tuple(n for n in nodes if n not in keep)
             why = f"{', '.join(gone)} {self.taken_as}" if gone else f"capacity fell to {capacity}"
-            return Scale(target, f"scale down {size} -> {target} nodes: {why}", drop)
+            return after, Scale(target, f"scale down {size} -> {target} nodes: {why}", drop)
         target = cfg.fit(capacity) if capacity is not None else None
         if target is None or target <= size:
-            self._ample_since = None
-            return None
-        if self._ample_since is None:
-            self._ample_since = now
+            after._ample_since = None
+            return after, None
+        if after._ample_since is None:
+            after._ample_since = now
         wait = cfg.scaling_timeout * (2 ** min(self.failures, MAX_BACKOFF_DOUBLINGS))
-        if now - self._ample_since < wait:
-            return None
+        if now - after._ample_since < wait:
+            return after, None
         if last_restart is not None and now - last_restart < cfg.scale_up_snooze:
-            return None
-        self._ample_since = None
-        return Scale(
+            return after, None
+        after._ample_since = None
+        return after, Scale(
             target,
             f"scale up {size} -> {target} nodes: capacity for {capacity} nodes "
             f"for {wait:g} s (scalingTimeoutInSeconds)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -111,6 +112,18 @@ class EventKind(StrEnum):
     ATTEMPT_JOINED = "AttemptJoined"
     CUDA_UNHEALTHY = "CudaUnhealthy"
     BARRIER_TIMEOUT = "BarrierTimeout"
+
+
+@dataclass(frozen=True)
+class Note:
+    """An event to record (``attempt`` None: the current attempt's): the planners', the
+    health book's and the checkpoint planner's news, recorded by the controller."""
+
+    kind: EventKind
+    message: str
+    attempt: int | None = None
+    node: str | None = None
+    data: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from trainguard.control.events import EventKind, Fault, FaultType
+from trainguard.control.events import EventKind, Fault, FaultType, Note
 from trainguard.control.reports import NodeReport
 
-__all__ = ["DeepHealth", "HealthBook", "HealthNote", "HealthStatus", "NodeHealth"]
+__all__ = ["DeepHealth", "HealthBook", "HealthStatus", "NodeHealth"]
 
 
 class HealthStatus(StrEnum):
@@ -58,16 +58,6 @@ class NodeHealth:
         return {"status": self.status.value, "deep": deep, "reason": self.reason}
 
 
-@dataclass(frozen=True)
-class HealthNote:
-    """An event to record: ``HealthCheck``, ``HealthFinding`` or ``NodeHealth``."""
-
-    kind: EventKind
-    node: str
-    message: str
-    data: dict[str, Any]
-
-
 @dataclass
 class _Seen:
     incarnation: str
@@ -93,18 +83,18 @@ class HealthBook:
             return None
         return f"{node_id} is {health.status.value}: {health.reason}"
 
-    def relaunch(self, node_id: str) -> HealthNote | None:
+    def relaunch(self, node_id: str) -> Note | None:
         """``node_id`` restarts fresh on another machine: Schedulable again (the event to
         record), or None when it was."""
         health = self.nodes.pop(node_id, None)
         if health is None or health.status is HealthStatus.SCHEDULABLE:
             return None
         self._seen.pop(node_id, None)
-        return HealthNote(
+        return Note(
             EventKind.NODE_HEALTH,
-            node_id,
             f"{node_id} restarts fresh on another machine (was {health.status.value})",
-            NodeHealth().to_json(),
+            node=node_id,
+            data=NodeHealth().to_json(),
         )
 
     @staticmethod
@@ -113,7 +103,7 @@ class HealthBook:
         status = report.status if report is not None else None
         return status is not None and status.health.deep == DeepHealth.IN_PROGRESS.value
 
-    def replace(self, now: float, attempt: int, node_id: str, reason: str) -> list[HealthNote]:
+    def replace(self, now: float, attempt: int, node_id: str, reason: str) -> list[Note]:
         """Someone asked for ``node_id`` to be replaced: it becomes PendingReplacement, and
         a fault is raised at the next :meth:`observe`."""
         if self.unusable(node_id) is not None:
@@ -131,10 +121,10 @@ class HealthBook:
 
     def observe(
         self, now: float, attempt: int, reports: Mapping[str, NodeReport]
-    ) -> tuple[list[Fault], list[HealthNote]]:
+    ) -> tuple[list[Fault], list[Note]]:
         """The new faults, and the events to record, in the agents' reports."""
         faults, self._pending = self._pending, []
-        notes: list[HealthNote] = []
+        notes: list[Note] = []
         for node_id, report in reports.items():
             status = report.status
             if status is None:
@@ -147,11 +137,11 @@ class HealthBook:
             if health.deep is not None and node.deep != health.deep:
                 node.deep = DeepHealth(health.deep)
                 notes.append(
-                    HealthNote(
+                    Note(
                         EventKind.NODE_HEALTH,
-                        node_id,
                         f"{node_id}: deep health checks {node.deep.value}",
-                        node.to_json(),
+                        node=node_id,
+                        data=node.to_json(),
                     )
                 )
             for check in health.checks:
@@ -179,11 +169,11 @@ class HealthBook:
                 seen.finding_seq = finding.seq
                 data = finding.to_json()
                 notes.append(
-                    HealthNote(
+                    Note(
                         EventKind.HEALTH_FINDING,
-                        node_id,
                         f"{node_id}: {finding.kind}: {finding.message}",
-                        data,
+                        node=node_id,
+                        data=data,
                     )
                 )
                 faults.append(
@@ -205,21 +195,21 @@ class HealthBook:
                     notes.append(self._set(node_id, _BY_ACTION[finding.action], why))
         return faults, notes
 
-    def _check_note(self, node_id: str, check: dict[str, Any]) -> HealthNote:
-        return HealthNote(
+    def _check_note(self, node_id: str, check: dict[str, Any]) -> Note:
+        return Note(
             EventKind.HEALTH_CHECK,
-            node_id,
             f"{node_id}: health check {check['name']} {check['outcome']} "
             f"in {check['seconds']:.2f} s: {check['message']}",
-            check,
+            node=node_id,
+            data=check,
         )
 
-    def _set(self, node_id: str, status: HealthStatus, reason: str) -> HealthNote:
+    def _set(self, node_id: str, status: HealthStatus, reason: str) -> Note:
         health = self.of(node_id)
         health.status, health.reason = status, reason
-        return HealthNote(
+        return Note(
             EventKind.NODE_HEALTH,
-            node_id,
             f"{node_id} is now {status.value}: {reason}",
-            health.to_json(),
+            node=node_id,
+            data=health.to_json(),
         )

@@ -43,14 +43,14 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rejoin:
     """An in-process restart under way: since when, who survived, whom the controller
     gave a new process because it was stuck."""
 
     at: float
     survivors: tuple[int, ...]
-    replaced: set[int] = field(default_factory=set)
+    replaced: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,8 @@ def watch_rejoin(
     stuck_rank_timeout: float,
     barrier_timeout: float,
 ) -> RejoinStep:
-    """One look at an in-process restart under way (records the ranks it replaces)."""
+    """One look at an in-process restart under way (the ranks it replaces are new:
+    none of ``rejoin.replaced``)."""
     missing = barrier_misses(attempt, reports, assignments)
     if not missing:
         return RejoinStep(done=True)
@@ -83,7 +84,6 @@ def watch_rejoin(
         return RejoinStep()
     stuck = stuck_ranks(attempt, rejoin.survivors, reports, assignments)
     fresh = [rank for rank in stuck if rank not in rejoin.replaced]
-    rejoin.replaced.update(fresh)
     replace = {
         a.node_id: ranks
         for a in assignments

@@ -41,11 +41,11 @@ Pure logic, like the rest of :mod:`trainguard.control`: times come in as argumen
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from trainguard.control.events import EventKind
+from trainguard.control.events import EventKind, Note
 from trainguard.control.reports import NodeReport
 
 
@@ -72,15 +72,6 @@ class PersistCheckpoint:
     world_size: int
     node_ids: tuple[str, ...]
     commit_node: str
-
-
-@dataclass(frozen=True)
-class CheckpointNote:
-    """Something worth an event (the controller records it)."""
-
-    kind: EventKind
-    message: str
-    data: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -129,7 +120,7 @@ class CheckpointPlanner:
 
     def observe(
         self, now: float, node_ids: Sequence[str], reports: Mapping[str, NodeReport]
-    ) -> tuple[list[PersistCheckpoint], list[CheckpointNote]]:
+    ) -> tuple[list[PersistCheckpoint], list[Note]]:
         """One poll: notes about what changed, and the step to persist if one is due."""
         complete, forced = self._memory(node_ids, reports)
         notes = self.settle(now, node_ids, reports) + self._note_memory(now, complete)
@@ -142,16 +133,16 @@ class CheckpointPlanner:
         retry = retry or step == self._last_failed
         request = self._request(now, step, node_ids, reports)
         again = " again, after a failure" if retry else ""
-        persisting = CheckpointNote(
+        persisting = Note(
             EventKind.CHECKPOINT_PERSISTING,
             f"persisting step {step} from node memory to durable storage{again}",
-            {"step": step, "retry": retry},
+            data={"step": step, "retry": retry},
         )
         return [request], [*notes, persisting]
 
     def flush(
         self, now: float, node_ids: Sequence[str], reports: Mapping[str, NodeReport]
-    ) -> tuple[PersistCheckpoint, CheckpointNote] | None:
+    ) -> tuple[PersistCheckpoint, Note] | None:
         """The job is done: persist its newest complete step unless it is already durable,
         failed, or a request is still in flight (asked again once that one has settled).
         None when there is nothing to do now."""
@@ -163,16 +154,16 @@ class CheckpointPlanner:
         newest = max(complete)
         if max(self.committed, default=-1) >= newest or newest in self._failed:
             return None
-        note = CheckpointNote(
+        note = Note(
             EventKind.CHECKPOINT_PERSISTING,
             f"persisting the final step {newest} to durable storage",
-            {"step": newest, "final": True},
+            data={"step": newest, "final": True},
         )
         return self._request(now, newest, node_ids, reports), note
 
     def settle(
         self, now: float, node_ids: Sequence[str], reports: Mapping[str, NodeReport]
-    ) -> list[CheckpointNote]:
+    ) -> list[Note]:
         """Notes of the steps newly committed, and of the request in flight once it has
         failed (reported failed, a node of it gone or its agent replaced, timed out)."""
         notes = self._note_committed(reports)
@@ -193,31 +184,32 @@ class CheckpointPlanner:
             notes.append(self._fail(now, reason, retry=False))
         return notes
 
-    def give_up(self, now: float, reason: str) -> CheckpointNote | None:
+    def give_up(self, now: float, reason: str) -> Note | None:
         """The job ends with a request in flight: it failed (None when there is none)."""
         if self._inflight is None:
             return None
         return self._fail(now, reason, retry=False)
 
-    def shortfall(self) -> CheckpointNote | None:
+    def shortfall(self) -> Note | None:
         """A warning when the newest step the schedule asked to persist is not durable (the
         job's end state); None when it is, or when nothing was asked."""
         durable = max(self.committed, default=None)
         if self._asked < 0 or (durable is not None and durable >= self._asked):
             return None
         newest = "none" if durable is None else str(durable)
-        return CheckpointNote(
+        return Note(
             EventKind.CHECKPOINT_NOT_DURABLE,
             f"warning: step {self._asked}, the newest the schedule asked to persist, is not "
             f"in durable storage; the newest durable step is {newest}",
-            {"step": self._asked, "durable_step": durable},
+            data={"step": self._asked, "durable_step": durable},
         )
 
-    def refused(self, now: float, node_id: str, message: str) -> CheckpointNote | None:
+    def refused(self, now: float, node_id: str, message: str) -> Note | None:
         """A node's agent refused the request in flight: it fails now, not at its timeout."""
         if self._inflight is None:
             return None
-        return self._fail(now, f"{node_id} refused it: {message}", retry=False)
+        note = self._fail(now, f"{node_id} refused it: {message}", retry=False)
+        return dataclasses.replace(note, node=node_id)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -270,7 +262,7 @@ class CheckpointPlanner:
         self._asked = max(self._asked, step)
         return PersistCheckpoint(step, self.world_size, tuple(node_ids), node_ids[0])
 
-    def _fail(self, now: float, reason: str, *, retry: bool) -> CheckpointNote:
+    def _fail(self, now: float, reason: str, *, retry: bool) -> Note:
         """The request in flight failed; the step is owed (asked for again when ``retry``,
         else the newest newer step)."""
         inflight = self._inflight
@@ -282,13 +274,13 @@ class CheckpointPlanner:
         self._last_requested = max(self.committed, default=-1)
         self._owed_since, self._last_failed = now, inflight.step
         self._failures_in_a_row += 1
-        return CheckpointNote(
+        return Note(
             EventKind.CHECKPOINT_PERSIST_FAILED,
             f"step {inflight.step} was not persisted: {reason}",
-            {"step": inflight.step, "reason": reason, "retry": retry},
+            data={"step": inflight.step, "reason": reason, "retry": retry},
         )
 
-    def _note_committed(self, reports: Mapping[str, NodeReport]) -> list[CheckpointNote]:
+    def _note_committed(self, reports: Mapping[str, NodeReport]) -> list[Note]:
         notes = []
         committed: set[int] = set()
         for report in reports.values():
@@ -298,15 +290,15 @@ class CheckpointPlanner:
             self.committed.add(step)
             self._last_requested = max(self._last_requested, step)
             notes.append(
-                CheckpointNote(
+                Note(
                     EventKind.CHECKPOINT_COMMITTED,
                     f"step {step} committed to durable storage ({self.world_size} shards)",
-                    {"step": step, "tier": "durable"},
+                    data={"step": step, "tier": "durable"},
                 )
             )
         return notes
 
-    def _note_memory(self, now: float, complete: set[int]) -> list[CheckpointNote]:
+    def _note_memory(self, now: float, complete: set[int]) -> list[Note]:
         if not complete or max(complete) <= self._memory_noted:
             return []
         noted_at = self._memory_noted_at
@@ -315,10 +307,10 @@ class CheckpointPlanner:
         step = max(complete)
         self._memory_noted, self._memory_noted_at = step, now
         return [
-            CheckpointNote(
+            Note(
                 EventKind.CHECKPOINT_SAVED,
                 f"step {step} saved in node memory by all {self.world_size} ranks",
-                {"step": step, "tier": "memory"},
+                data={"step": step, "tier": "memory"},
             )
         ]
 

@@ -7,7 +7,6 @@ Planners (control/decision.py): each takes the job's :class:`JobView` and return
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Sequence
 
@@ -187,13 +186,8 @@ def _preempted_away(view: JobView) -> Scale | None:
         return None
     if not lost <= set(view.preempted):
         return None
-    return copy.copy(view.elastic).observe(
-        attempt.ended_at or attempt.started_at,
-        attempt.nodes,
-        view.capacity,
-        view.preempted,
-        None,
-    )
+    at = attempt.ended_at or attempt.started_at
+    return view.elastic.observe(at, attempt.nodes, view.capacity, view.preempted, None)[1]
 
 
 def replace_at_launch(view: JobView) -> Decision:
@@ -298,8 +292,11 @@ def watch_rejoin(view: JobView) -> tuple[Decision, list[Fault]]:
         for node_id, ranks in step.replace.items()
     )
     actions = tuple(ReplaceRanks(attempt.number, n, r) for n, r in step.replace.items())
-    done = Training() if step.done else None
-    return Decision(actions, events, activity=done), faults
+    replaced = view.activity.rejoin.replaced.union(*step.replace.values())
+    rejoin = dataclasses.replace(view.activity.rejoin, replaced=replaced)
+    return Decision(
+        actions, events, activity=Training() if step.done else Rejoining(rejoin)
+    ), faults
 
 
 def _spares_left(spares: Sequence[str]) -> str:

@@ -29,7 +29,6 @@ Planners over a :class:`~trainguard.control.decision.JobView` (control/decision.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 from trainguard.control.actions import AttemptPhase, JobPhase, LaunchNodes, RetireNodes, StopMode
@@ -54,9 +53,8 @@ def look(view: JobView) -> Decision:
     if standby(view.activity) and _taking_away(view):
         first = abandon_growth(view, "nodes are being taken away")
     view = view.after(first)
-    elastic = copy.copy(view.elastic)
-    assert elastic is not None
-    scale = elastic.observe(
+    assert view.elastic is not None
+    elastic, scale = view.elastic.observe(
         view.now, attempt.nodes, view.capacity, view.preempted, attempt.started_at
     )
     first = chain(first, Decision(elastic=elastic))
@@ -95,8 +93,7 @@ def preempted_lost(view: JobView, faults: Sequence[Fault]) -> Decision | None:
     taken = set(view.preempted)
     if any(f.type is not FaultType.NODE_LOST or f.node not in taken for f in faults):
         return None
-    elastic = copy.copy(elastic)
-    scale = elastic.observe(
+    elastic, scale = elastic.observe(
         view.now, attempt.nodes, view.capacity, view.preempted, attempt.started_at
     )
     if scale is None or not lost <= set(scale.drop):

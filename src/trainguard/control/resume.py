@@ -1,7 +1,9 @@
 """Taking a job over from a controller that died (``trainguard resume``).
 
-A controller is rebuilt from what its predecessor recorded (the store's attempts, the
-restarts decided, the fault timeline) and from what the agents say now:
+A new controller begins from what its predecessor recorded (the store's attempts, the
+restarts decided, the fault timeline) and from what the agents say now, as a
+:class:`Takeover` value its :meth:`~trainguard.control.controller.JobController.take_over`
+applies:
 
 - :func:`adopt` — every node's agent still runs the newest attempt: the new controller
   takes that attempt over as running (its rendezvous and rank assignment are the
@@ -20,17 +22,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard.control.actions import Action, AttemptPhase
+from trainguard.control.actions import AttemptPhase, JobPhase
 from trainguard.control.assignment import StoreEndpoint, assign_attempt
-from trainguard.control.attempt import Attempt
-from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.attempt import Attempt, new_watch
+from trainguard.control.config import ControlConfig
 from trainguard.control.decision import NextAttempt
-from trainguard.control.events import EventKind, Fault, FaultType
-from trainguard.control.persist import CheckpointPlanner
+from trainguard.control.events import EventKind, Fault, FaultType, Note
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.timeline import FaultRecord
 
-__all__ = ["Recorded", "RecordedAttempt", "RecordedElastic", "adopt", "restart"]
+__all__ = ["Recorded", "RecordedAttempt", "RecordedElastic", "Takeover", "adopt", "restart"]
 
 
 @dataclass(frozen=True)
@@ -71,73 +72,101 @@ class Recorded:
         return self.attempts[-1] if self.attempts else None
 
 
-def adopt(c: JobController, now: float, recorded: Recorded, nodes: Sequence[str]) -> None:
+@dataclass(frozen=True)
+class Takeover:
+    """How a new controller begins a job its predecessor ran (applied by
+    :meth:`JobController.take_over <trainguard.control.controller.JobController.take_over>`):
+    the job as recorded, then the adopted attempt running (the last of ``attempts``) or,
+    ``next``, a new one."""
+
+    started_at: float
+    nodes: tuple[str, ...]
+    spares: tuple[str, ...]
+    growth: tuple[str, ...]
+    elastic: RecordedElastic | None
+    history: tuple[RestartRecord, ...]
+    faults: tuple[FaultRecord, ...]
+    attempts: tuple[Attempt, ...]
+    phase: JobPhase
+    event: Note
+    next: NextAttempt | None = None
+
+
+def adopt(config: ControlConfig, now: float, recorded: Recorded, nodes: Sequence[str]) -> Takeover:
     """Take the newest recorded attempt over as running on ``nodes`` (in node-rank order)."""
     newest = recorded.newest
     if newest is None or newest.endpoint is None:
         raise ValueError("no recorded attempt with a rendezvous to adopt")
-    _restore(c, now, recorded, nodes, upto=newest.number)
-    attempt = Attempt(newest.number, newest.started_at, tuple(nodes), c._watch(newest.number, now))
-    attempt.phase = AttemptPhase.RUNNING
-    attempt.endpoint = newest.endpoint
-    attempt.assignments = assign_attempt(c.config, attempt.nodes, attempt.number, newest.endpoint)
-    attempt.recovered = True  # its faults' recovery was recorded before (or never will be)
-    c.attempts.append(attempt)
-    c.phase = JobPhase.RUNNING
-    c._event(
-        now,
-        EventKind.RESUMED,
+    ended = _ended(config, now, recorded, nodes, upto=newest.number)
+    number, endpoint = newest.number, newest.endpoint
+    watch, running = new_watch(config, number, now), AttemptPhase.RUNNING
+    # Its faults' recovery was recorded before (or never will be).
+    attempt = Attempt(number, newest.started_at, tuple(nodes), watch, phase=running, recovered=True)
+    attempt.endpoint = endpoint
+    attempt.assignments = assign_attempt(config, attempt.nodes, number, endpoint)
+    message = (
         f"controller resumed: re-attached to the {len(nodes)} node agents of attempt "
-        f"{attempt.number}, which kept training",
-        attempt=attempt.number,
-        data={"mode": "reattach", "nodes": list(nodes)},
+        f"{attempt.number}, which kept training"
     )
+    data = {"mode": "reattach", "nodes": list(nodes)}
+    event = Note(EventKind.RESUMED, message, attempt.number, data=data)
+    return _takeover(config, recorded, nodes, (*ended, attempt), JobPhase.RUNNING, event)
 
 
-def restart(c: JobController, now: float, recorded: Recorded, why: str) -> list[Action]:
+def restart(config: ControlConfig, now: float, recorded: Recorded, why: str) -> Takeover:
     """Start a new attempt on fresh agents (the old ones are gone: ``why``)."""
     newest = recorded.newest
-    nodes = recorded.nodes or c.nodes  # an elastic job restarts at the size it had
-    _restore(c, now, recorded, nodes, upto=newest.number + 1 if newest else 0)
-    c._event(
-        now,
-        EventKind.RESUMED,
-        f"controller resumed: {why}; restarting from the newest checkpoint",
-        data={"mode": "restart", "why": why},
+    nodes = recorded.nodes or config.node_ids  # an elastic job restarts at the size it had
+    ended = _ended(config, now, recorded, nodes, upto=newest.number + 1 if newest else 0)
+    message = f"controller resumed: {why}; restarting from the newest checkpoint"
+    event = Note(EventKind.RESUMED, message, data={"mode": "restart", "why": why})
+    plan = NextAttempt(RestartScope.JOB, tuple(nodes))
+    return _takeover(config, recorded, nodes, ended, JobPhase.PENDING, event, plan)
+
+
+def _takeover(
+    config: ControlConfig,
+    recorded: Recorded,
+    nodes: Sequence[str],
+    attempts: tuple[Attempt, ...],
+    phase: JobPhase,
+    event: Note,
+    plan: NextAttempt | None = None,
+) -> Takeover:
+    """The pool, the restarts and faults as recorded."""
+    growth = config.elastic_node_ids if recorded.growth is None else recorded.growth
+    return Takeover(
+        started_at=recorded.started_at,
+        nodes=tuple(nodes),
+        spares=tuple(s for s in config.spare_node_ids if s not in nodes),
+        growth=tuple(n for n in growth if n not in nodes),
+        elastic=recorded.elastic,
+        history=recorded.restarts,
+        faults=tuple(_fault_record(f) for f in recorded.faults),
+        attempts=attempts,
+        phase=phase,
+        event=event,
+        next=plan,
     )
-    return c._new_attempt(now, NextAttempt(RestartScope.JOB, c.nodes), {})
 
 
-def _restore(
-    c: JobController, now: float, recorded: Recorded, nodes: Sequence[str], upto: int
-) -> None:
-    """The recorded attempts before ``upto`` (as they ended), restarts and faults."""
-    if c.phase is not JobPhase.PENDING:
-        raise RuntimeError(f"job already started (phase {c.phase})")
-    c.started_at = recorded.started_at
-    c.nodes = tuple(nodes)
-    world = len(c.nodes) * c.config.nproc_per_node  # an elastic job's, not the spec's
-    c.checkpoints = CheckpointPlanner(c.config.durable, world, now)
-    c.spares = tuple(s for s in c.config.spare_node_ids if s not in c.nodes)
-    if recorded.growth is not None:
-        c.growth = tuple(n for n in recorded.growth if n not in c.nodes)
-    if c.elastic is not None and recorded.elastic is not None:
-        c.elastic.failures = recorded.elastic.failures
-        c.elastic.last_scaling = recorded.elastic.last_scaling
-        c.elastic.target = recorded.elastic.target
-    c.history = list(recorded.restarts)
-    c.record.timeline.records = [_fault_record(f) for f in recorded.faults]
+def _ended(
+    config: ControlConfig, now: float, recorded: Recorded, nodes: Sequence[str], upto: int
+) -> tuple[Attempt, ...]:
+    """The recorded attempts before ``upto``, as they ended."""
+    attempts = []
     for r in recorded.attempts:
         if r.number >= upto:
             break
-        ended = Attempt(r.number, r.started_at, tuple(nodes), c._watch(r.number, now))
+        ended = Attempt(r.number, r.started_at, tuple(nodes), new_watch(config, r.number, now))
         ended.endpoint, ended.reason = r.endpoint, r.reason
         ended.ended_at = r.ended_at if r.ended_at is not None else now
         ended.phase = _ended_phase(r.phase)
         if ended.phase.value != r.phase:
             ended.reason = "its controller died"
         ended.recovered = True
-        c.attempts.append(ended)
+        attempts.append(ended)
+    return tuple(attempts)
 
 
 def _ended_phase(phase: str) -> AttemptPhase:

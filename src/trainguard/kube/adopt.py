@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainguard.control.assignment import StoreEndpoint
+from trainguard.control.attempt import standby
 from trainguard.control.controller import JobController
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.resume import Recorded, RecordedAttempt, RecordedElastic
@@ -66,7 +67,7 @@ def takeover_record(controller: JobController) -> Obj:
         "restarts": [{"time": r.time, "scope": r.scope.value} for r in controller.history],
         "nodes": list(controller.nodes),
         # Nodes up ahead of a scale-up are not adopted: their ids go back to the pool.
-        "growth": [*(current.standby if current else ()), *controller.growth],
+        "growth": [*(standby(current.activity) if current else ()), *controller.growth],
         "elastic": (
             {
                 "failures": controller.elastic.failures,

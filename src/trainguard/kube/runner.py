@@ -271,7 +271,9 @@ class KubeJob:
         logger.info(
             "%s: cannot adopt (%s): restarting from the newest checkpoint", self.source, why
         )
-        return lambda now: resume.restart(controller, now, record, why)
+        return lambda now: controller.take_over(
+            now, resume.restart(controller.config, now, record, why)
+        )
 
     def _ensure_token(self) -> str:
         """The job's agent token: from its Secret, which is created on first start."""

@@ -23,9 +23,9 @@ from urllib.parse import urlsplit
 from trainguard.agent.client import AgentClient, AgentError
 from trainguard.agent.controller_watch import start_ticks
 from trainguard.control import resume as control
-from trainguard.control.actions import Action
+from trainguard.control.actions import Action, JobPhase
 from trainguard.control.assignment import StoreEndpoint
-from trainguard.control.controller import JobController, JobPhase
+from trainguard.control.controller import JobController
 from trainguard.control.events import EventKind
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.resume import Recorded, RecordedAttempt
@@ -219,7 +219,7 @@ def reattached(
         return None, f"an agent refused to be attached ({failed[0]})"
 
     def reattach(now: float) -> list[Action]:
-        control.adopt(controller, now, record, list(nodes))
+        controller.take_over(now, control.adopt(controller.config, now, record, nodes))
         return []
 
     return reattach, ""
@@ -257,7 +257,9 @@ def resumed_begin(
         say(message)
         return lambda now: controller.cancel(now, message, JobPhase.FAILED)
     say(f"cannot re-attach: {reason}; restarting from the newest checkpoint")
-    return lambda now: control.restart(controller, now, rec, reason)
+    return lambda now: controller.take_over(
+        now, control.restart(controller.config, now, rec, reason)
+    )
 
 
 def _shut_down_leftovers(store: Store, job: JobRow, token: str) -> None:
