@@ -32,13 +32,11 @@ from typing import Any
 from trainguard.kube.api import KubeApi, KubeError, NotFound
 from trainguard.kube.capacity import Capacity, PodShape, capacity
 from trainguard.kube.node import PodNode
-from trainguard.kube.status import ScalingStatus
 
 __all__ = [
     "NodeCapacity",
     "Preemptions",
     "ReplicaCount",
-    "ScalingStatus",
     "preemption",
     "replica_count",
 ]

@@ -19,10 +19,16 @@ from trainguard.control.policy import RestartScope
 from trainguard.control.reports import NodeReport
 from trainguard.kube.adopt import takeover_record
 from trainguard.kube.api import KubeApi, KubeError, NotFound
-from trainguard.kube.elastic import ScalingStatus
 from trainguard.kube.node import PodNode
 from trainguard.kube.node_health import NodeHealthLabels
-from trainguard.kube.status import Conditions, FaultyPods, PodInfo, job_status, k8s_event
+from trainguard.kube.status import (
+    Conditions,
+    FaultyPods,
+    PodInfo,
+    ScalingStatus,
+    job_status,
+    k8s_event,
+)
 from trainguard.observe.job import JobObserver
 
 __all__ = ["COMPONENT", "ClusterRecord"]

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from trainguard.auth import bearer_ok
-from trainguard.http_server import ListenError, RouteServer
+from trainguard.http_server import RouteServer
 from trainguard.platform.book import ReportBook, Taken
 from trainguard.platform.transport import AgentTransport
 from trainguard.wire.base import WireError, parse_json
 from trainguard.wire.status import NodeStatus
 
-__all__ = ["Inbox", "ListenError", "RouteServer", "agent_transport"]
+__all__ = ["Inbox", "agent_transport"]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainguard.platform.inbox import ListenError
+from trainguard.http_server import ListenError
 from trainguard.platform.inject import Injection
 from trainguard.platform.local import (
     EXIT_INTERRUPTED,

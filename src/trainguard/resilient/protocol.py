@@ -50,6 +50,3 @@ __all__ = [
     "write_json_atomic",
     "write_spare",
 ]
-
-Attempt = ResilientAttempt
-"""The name :class:`ResilientAttempt` had before; kept so that code importing it still runs."""
