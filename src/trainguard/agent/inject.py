@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from trainguard.monitor.progress import DEFAULT_PROGRESS_PATTERN, ProgressMatcher
 from trainguard.platform.actuate import SignalActuator
+from trainguard.platform.inject import signal_rank
 from trainguard.wire.requests import StepInjection
 from trainguard.wire.status import InjectedFault
 
@@ -87,7 +88,7 @@ class StepInjector:
                 if i.rank in self._pids and step >= i.at_step
             ]
         for injection, pid in due:
-            if not self._act(injection, pid):
+            if not signal_rank(self._actuator, injection.kind, pid):
                 continue  # that process is gone: wait for the rank's next one
             fired = InjectedFault(
                 id=injection.id, rank=injection.rank, step=step, pid=pid, time=time.time()
@@ -104,11 +105,3 @@ class StepInjector:
     def close(self) -> None:
         """End throttles and continue stopped workers (so that they can be stopped)."""
         self._actuator.close()
-
-    def _act(self, injection: StepInjection, pid: int) -> bool:
-        act = {
-            "kill": self._actuator.kill,
-            "hang": self._actuator.stop,
-            "slow": self._actuator.throttle,
-        }[injection.kind]
-        return act(pid)

@@ -303,6 +303,12 @@ class Actuator(Protocol):
         ...
 
 
+def signal_rank(actuator: Actuator, kind: str, pid: int) -> bool:
+    """Carry out a kill, hang or slow injection on a rank's process; False when it is gone."""
+    act = {"kill": actuator.kill, "hang": actuator.stop, "slow": actuator.throttle}[kind]
+    return act(pid)
+
+
 class Injector:
     """Fires each due injection once at the process the runner last saw; see the module doc."""
 
@@ -445,12 +451,7 @@ class Injector:
         pid = targets.rank_pids.get(injection.rank)
         if pid is None:
             return None
-        act = {
-            "kill": self._actuator.kill,
-            "hang": self._actuator.stop,
-            "slow": self._actuator.throttle,
-        }[injection.kind]
-        if not act(pid):
+        if not signal_rank(self._actuator, injection.kind, pid):
             return None
         return Fired(injection, now, step, injection.rank, targets.node_of(pid), (pid,))
 
