@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -28,6 +29,9 @@ TERMINAL_PHASES = ("Succeeded", "Failed", "Stopped")
 JOINED = "joined "  # how a joined host's record of a job names its source
 # How often `logs -f`, `stop` and `delete` look again.
 FOLLOW_INTERVAL_SECONDS = 0.25
+
+Cell = Callable[[dict[str, Any]], str]
+"""How a column of a ``describe`` table shows one item."""
 
 
 def _stamp(t: float | None) -> str:
@@ -168,92 +172,66 @@ def describe(store: Store, ref: str, output: str) -> int:
             " and holds this host's ranks' logs; the controller's host has every fault, "
             "node and rank (trainguard describe there)."
         )
-    print("\nNodes:")
-    _table(
-        [["NODE", "NODE RANK", "RANKS", "STATE", "ATTEMPT", "HOST", "PIDS", "AGENT"]]
-        + [
-            [
-                n["node_id"],
-                _dash(n["node_rank"]),
-                ",".join(map(str, n["ranks"])) or "-",
-                n["state"],
-                _dash(n["attempt"]),
-                n["host"] or "-",
-                _pids(n["workers"]),
-                n["agent_url"] or "-",
-            ]
-            for n in data["nodes"]
-        ],
-        indent=2,
+    _section(
+        "Nodes",
+        data["nodes"],
+        {
+            "NODE": lambda n: n["node_id"],
+            "NODE RANK": lambda n: _dash(n["node_rank"]),
+            "RANKS": lambda n: ",".join(map(str, n["ranks"])) or "-",
+            "STATE": lambda n: n["state"],
+            "ATTEMPT": lambda n: _dash(n["attempt"]),
+            "HOST": lambda n: n["host"] or "-",
+            "PIDS": lambda n: _pids(n["workers"]),
+            "AGENT": lambda n: n["agent_url"] or "-",
+        },
     )
-    print("\nAttempts:")
-    _table(
-        [["#", "PHASE", "STARTED", "ENDED", "RENDEZVOUS", "REASON"]]
-        + [
-            [
-                str(a["number"]),
-                a["phase"],
-                _stamp(a["started_at"]),
-                _stamp(a["ended_at"]),
-                f"{a['master_addr']}:{a['master_port']}",
-                a["reason"] or "-",
-            ]
-            for a in data["attempts"]
-        ],
-        indent=2,
+    _section(
+        "Attempts",
+        data["attempts"],
+        {
+            "#": lambda a: str(a["number"]),
+            "PHASE": lambda a: a["phase"],
+            "STARTED": lambda a: _stamp(a["started_at"]),
+            "ENDED": lambda a: _stamp(a["ended_at"]),
+            "RENDEZVOUS": lambda a: f"{a['master_addr']}:{a['master_port']}",
+            "REASON": lambda a: a["reason"] or "-",
+        },
     )
     if data["faults"]:
-        print("\nFaults:")
-        _table(
-            [
-                [
-                    "DETECTED",
-                    "TYPE",
-                    "ATTEMPT",
-                    "NODE",
-                    "RANK",
-                    "STEP",
-                    "RESUMED",
-                    "SCOPE",
-                    "RECOVERY",
-                    "LOST STEPS",
-                    "MESSAGE",
-                ]
-            ]
-            + [
-                [
-                    _stamp(f["detected_at"]),
-                    f["type"] + (" (injected)" if f["evidence"].get("injected") else ""),
-                    str(f["attempt"]),
-                    f["node"] or "-",
-                    _dash(f["rank"]),
-                    _dash(f["fault_step"]),
-                    _dash(f["resumed_step"]),
-                    f["scope"] or "-",
-                    "-" if f["recovery_seconds"] is None else f"{f['recovery_seconds']:.1f}s",
-                    _dash(f["lost_steps"]),
-                    f["message"][:120],
-                ]
-                for f in data["faults"]
-            ],
-            indent=2,
+        _section(
+            "Faults",
+            data["faults"],
+            {
+                "DETECTED": lambda f: _stamp(f["detected_at"]),
+                "TYPE": lambda f: (
+                    f["type"] + (" (injected)" if f["evidence"].get("injected") else "")
+                ),
+                "ATTEMPT": lambda f: str(f["attempt"]),
+                "NODE": lambda f: f["node"] or "-",
+                "RANK": lambda f: _dash(f["rank"]),
+                "STEP": lambda f: _dash(f["fault_step"]),
+                "RESUMED": lambda f: _dash(f["resumed_step"]),
+                "SCOPE": lambda f: f["scope"] or "-",
+                "RECOVERY": lambda f: (
+                    "-" if f["recovery_seconds"] is None else f"{f['recovery_seconds']:.1f}s"
+                ),
+                "LOST STEPS": lambda f: _dash(f["lost_steps"]),
+                "MESSAGE": lambda f: f["message"][:120],
+            },
         )
         _print_stacks(data["faults"])
-    print("\nEvents:")
-    _table(
-        [["TIME", "KIND", "ATTEMPT", "NODE", "RANK", "MESSAGE"]]
-        + [
-            [
-                _stamp(e["time"]),
-                e["kind"],
-                _dash(e["attempt"]),
-                e["node"] or "-",
-                _dash(e["rank"]),
-                e["message"],
-            ]
-            for e in data["events"]
-        ],
-        indent=2,
+    _section(
+        "Events",
+        data["events"],
+        {
+            "TIME": lambda e: _stamp(e["time"]),
+            "KIND": lambda e: e["kind"],
+            "ATTEMPT": lambda e: _dash(e["attempt"]),
+            "NODE": lambda e: e["node"] or "-",
+            "RANK": lambda e: _dash(e["rank"]),
+            "MESSAGE": lambda e: e["message"],
+        },
     )
     _print_script_error(data["events"])
     return 0
@@ -294,6 +272,12 @@ def _pids(workers: list[dict[str, int]]) -> str:
 
 def _dash(value: object) -> str:
     return "-" if value is None else str(value)
+
+
+def _section(title: str, items: list[dict[str, Any]], columns: dict[str, Cell]) -> None:
+    """``Title:`` and a table of the items, one column a header and how it shows an item."""
+    print(f"\n{title}:")
+    _table([list(columns)] + [[cell(item) for cell in columns.values()] for item in items], 2)
 
 
 def _table(rows: list[list[str]], indent: int = 0) -> None:
