@@ -5,48 +5,5 @@ The models and their readers and writers live in :mod:`trainguard.wire.control_f
 the worker's side.
 """
 
-from trainguard.wire.control_files import (
-    ATTEMPT_ENV,
-    ATTEMPT_FILE,
-    CONTROL_DIR_ENV,
-    EXIT_BARRIER_TIMEOUT,
-    SPARE_ID_ENV,
-    STATE_SOURCES,
-    Ack,
-    ProtocolError,
-    ResilientAttempt,
-    SpareAssignment,
-    StateSource,
-    ack_path,
-    read_ack,
-    read_attempt,
-    read_spare,
-    spare_path,
-    write_ack,
-    write_attempt,
-    write_json_atomic,
-    write_spare,
-)
-
-__all__ = [
-    "ATTEMPT_ENV",
-    "ATTEMPT_FILE",
-    "CONTROL_DIR_ENV",
-    "EXIT_BARRIER_TIMEOUT",
-    "SPARE_ID_ENV",
-    "STATE_SOURCES",
-    "Ack",
-    "ProtocolError",
-    "ResilientAttempt",
-    "SpareAssignment",
-    "StateSource",
-    "ack_path",
-    "read_ack",
-    "read_attempt",
-    "read_spare",
-    "spare_path",
-    "write_ack",
-    "write_attempt",
-    "write_json_atomic",
-    "write_spare",
-]
+from trainguard.wire.control_files import *  # noqa: F403 (every name, under this name)
+from trainguard.wire.control_files import __all__ as __all__
