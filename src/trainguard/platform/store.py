@@ -245,6 +245,7 @@ class Store:
         )
         self._db.row_factory = sqlite3.Row
         self._depth = 0  # open transactions (a batch and the writes inside it)
+        self._begun = False  # the open batch's transaction has begun (its first write)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
         self._add_missing_columns()
@@ -271,13 +272,30 @@ class Store:
 
     @contextmanager
     def batch(self) -> Iterator[None]:
-        """Every write inside is one transaction (one fsync), not one each."""
-        with self._tx():
+        """Every write inside is one transaction (one fsync), not one each; a batch that
+        wrote nothing (a drive-loop turn where nothing changed) opens none."""
+        if self._depth:
+            with self._tx():
+                yield
+            return
+        self._depth, self._begun = 1, False
+        try:
             yield
+        except BaseException:
+            if self._begun:
+                self._db.execute("ROLLBACK")
+            raise
+        finally:
+            self._depth, begun, self._begun = 0, self._begun, False
+        if begun:
+            self._db.execute("COMMIT")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        if self._depth:  # inside a batch: part of its transaction
+        if self._depth:  # inside a batch: part of its transaction, begun by its first write
+            if not self._begun:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._begun = True
             self._depth += 1
             try:
                 yield self._db
@@ -285,14 +303,14 @@ class Store:
                 self._depth -= 1
             return
         self._db.execute("BEGIN IMMEDIATE")
-        self._depth = 1
+        self._depth, self._begun = 1, True
         try:
             yield self._db
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
         finally:
-            self._depth = 0
+            self._depth, self._begun = 0, False
         self._db.execute("COMMIT")
 
     # -- jobs ----------------------------------------------------------------
