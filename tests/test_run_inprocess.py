@@ -173,14 +173,19 @@ def test_the_same_error_on_every_rank_before_a_step_is_retried_once_then_fails(
     tg: Trainguard, tmp_path: Path
 ) -> None:
     """A script bug: not retried in place until the budget (5) is gone, but once; the job
-    fails with the error and describe shows its traceback (control/script_bug.py)."""
+    fails with the error and describe shows its traceback (control/script_bug.py).
+
+    Once, or twice: an in-process restart is decided on the first crash, so under load an
+    attempt may end with one rank's crash only; where the first two attempts' crashes are
+    the same rank's, the rule (two ranks, the same error) needs a third (seen in 1 of 10
+    runs at a load of 4, the same before and after issue 40)."""
     spec = job(tmp_path, "--raise-before-step")
     spec.write_text(spec.read_text().replace("jobMaxRetryCount: 3", "jobMaxRetryCount: 5"))
     done = tg.run("run", "-f", str(spec), timeout=300)
     assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]
     info = tg.only_job()
     error = "ValueError: mesh shape (2, 3) does not fit 4 ranks"
-    assert (info["phase"], info["restarts"]) == ("Failed", 1), info["reason"]
+    assert info["phase"] == "Failed" and info["restarts"] in (1, 2), info["reason"]
     assert info["reason"].startswith("script error before the first step")
     assert info["reason"].endswith(error)
     described = tg.run("describe", info["id"]).stdout
