@@ -29,7 +29,7 @@ PARTS: dict[str, tuple[str, list[tuple[str, str, Fmt, bool]]]] = {
         [
             (
                 "stall_s",
-                "stall: cut -> next completed step (on the spare host)",
+                "stall: cut -> next completed step (on the warm spare host)",
                 seconds,
                 True,
             ),
