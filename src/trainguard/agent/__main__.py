@@ -295,6 +295,7 @@ def _serve(
     from trainguard.agent.train_scripts import TrainScripts
     from trainguard.agent.warm import StartOptions
     from trainguard.agent.workers import reserved_env_keys
+    from trainguard.wakeup import Wakeup
 
     clashes = sorted(set(agent_env) & reserved_env_keys())
     if clashes:
@@ -321,8 +322,14 @@ def _serve(
         tls=_client_tls(args.tls_ca),
     )
     supervisor.standby = args.standby
+    # The main thread sleeps until a signal, the supervisor's end, or its controller's
+    # (ControllerWatch.wait): no tick while nothing happens.
+    wakeup = Wakeup()
+    supervisor.on_done = wakeup.wake
     if args.parent_pid is not None and args.controller_grace:
-        supervisor.controller = ControllerWatch(args.parent_pid, args.controller_grace)
+        supervisor.controller = ControllerWatch(
+            args.parent_pid, args.controller_grace, wakeup=wakeup
+        )
     health = parse_health(args, parser)
     if health is not None:
         from trainguard.agent.health import HealthKeeper
@@ -359,6 +366,7 @@ def _serve(
     received: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: received.append(signum))
+    wakeup.catch_signals()
     supervisor.start()
     server.start()
     if args.port_file is not None:
@@ -374,7 +382,15 @@ def _serve(
     # resumes from this node's memory tier; it is freed once the workers are stopped
     # (a worker still saving would otherwise make it again).
     free_tier = False
-    while not supervisor.done.wait(0.2):
+    while True:
+        if deadline is not None:
+            wakeup.wait(deadline - time.monotonic())
+        elif watch is not None:
+            watch.wait()
+        else:
+            wakeup.wait(None)
+        if supervisor.done.is_set():
+            break
         if received and deadline is None:
             name = signal.Signals(received[0]).name
             exit_code = 128 + received[0]
