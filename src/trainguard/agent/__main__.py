@@ -397,7 +397,7 @@ def _serve(
             supervisor.request_shutdown(f"agent received {name}")
             deadline = time.monotonic() + timings.shutdown_timeout
             # No grace: a SIGTERM with our parent gone is its death (PR_SET_PDEATHSIG).
-            free_tier = args.parent_pid is not None and os.getppid() != args.parent_pid
+            free_tier = _parent_gone(args.parent_pid)
         elif watch is not None and deadline is None:
             if watch.gone_for() is not None and not orphaned:
                 orphaned = True
@@ -419,10 +419,28 @@ def _serve(
                 _remove_memory(Path(memory_dir).parent)
             os._exit(EXIT_STUCK)
     server.stop()
+    # Woken at once, the signal may have come while the parent was still exiting (its
+    # forking thread first): look again now that the workers are stopped.
+    free_tier = free_tier or (bool(received) and _parent_gone(args.parent_pid))
     if free_tier and memory_dir:
         _remove_memory(Path(memory_dir).parent)
     logger.info("agent exits: %s", supervisor.snapshot().reason)
     return exit_code
+
+
+def _parent_gone(parent_pid: int | None) -> bool:
+    """Whether the agent's parent (the controller that launched it) ended or is ending:
+    this agent was handed to another parent, or the parent's main thread has exited (a
+    zombie leader: the rest of it follows; its parent-death signal fires per thread)."""
+    if parent_pid is None:
+        return False
+    if os.getppid() != parent_pid:
+        return True
+    from trainguard.agent.controller_watch import ENDED
+    from trainguard.platform.procs import proc_stat
+
+    stat = proc_stat(parent_pid)
+    return stat is None or stat[0] in ENDED
 
 
 def _client_tls(ca: Path | None) -> ssl.SSLContext | None:
