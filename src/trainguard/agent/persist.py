@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainguard.agent.dircache import DirCache
 from trainguard.checkpoint.files import checksum, hold_from, write_hold
 from trainguard.wire.status import CheckpointStatus, MemoryStep
 
@@ -204,7 +203,6 @@ class DurablePersister:
         self._written: list[int] = []
         self._committed: list[int] = []
         self._failed: dict[int, str] = {}
-        self._memory = DirCache(scan_memory)  # a status poll's view: read once it changed
         self._thread = threading.Thread(target=self._run, name="trainguard-persist", daemon=True)
         self._thread.start()
 
@@ -223,7 +221,7 @@ class DurablePersister:
                 ranks=tuple(sorted(shards)),
                 force=any(bool(s.meta.get("persist")) for s in shards.values()),
             )
-            for step, shards in self._memory.get(self.memory_dir).items()
+            for step, shards in scan_memory(self.memory_dir).items()
         }
         with self._lock:
             return CheckpointStatus(
