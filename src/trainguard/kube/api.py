@@ -18,9 +18,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from trainguard.kube.config import GROUP, PLURAL, VERSION
-
-Obj = dict[str, Any]
+from trainguard.kube.config import GROUP, PLURAL, VERSION, Obj
 
 # Per-request timeout (connect, read) in seconds.
 DEFAULT_REQUEST_TIMEOUT = (5.0, 30.0)

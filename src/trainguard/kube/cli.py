@@ -11,7 +11,6 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
 
 import yaml
 
@@ -21,6 +20,7 @@ from trainguard.kube.config import (
     DEFAULT_IMAGE,
     DEFAULT_JOB_NAMESPACE,
     KIND,
+    Obj,
     OperatorConfig,
 )
 from trainguard.kube.health_manifests import HealthAgentOptions
@@ -40,8 +40,6 @@ FOLLOW_INTERVAL_SECONDS = 1.0
 # A container waiting for these cannot start until its image is fixed (or pushed).
 IMAGE_PROBLEMS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 DOCKERFILE = "deploy/Dockerfile"
-
-Obj = dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:

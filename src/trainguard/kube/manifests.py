@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import yaml
 
@@ -50,12 +49,11 @@ from trainguard.kube.config import (
     OPERATOR_NAME,
     OPERATOR_SERVICE,
     PLURAL,
+    Obj,
     OperatorConfig,
 )
 from trainguard.kube.crd import crd
 from trainguard.kube.health_manifests import HealthAgentOptions, health_agent_objects
-
-Obj = dict[str, Any]
 
 LIVENESS_PORT = 8080
 _LABELS = dict(OPERATOR_LABELS)

@@ -31,7 +31,6 @@ import copy
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from trainguard.agent.jobenv import JOB_ENV_VAR, encode_job_env
 from trainguard.agent.persist import CONFIG_ENV, MEMORY_DIR_ENV
@@ -52,12 +51,11 @@ from trainguard.kube.config import (
     TOKEN_ENV,
     TOKEN_KEY,
     VERSION,
+    Obj,
     OperatorConfig,
 )
 from trainguard.kube.node_labels import untolerated
 from trainguard.spec import NodeGroupPlan, TrainingJob
-
-Obj = dict[str, Any]
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 DEEP_PASSED_WEIGHT = 100
