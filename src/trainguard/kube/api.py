@@ -123,15 +123,10 @@ class KubeApi:
             if matches(pod.get("metadata", {}).get("labels") or {}, selector)
         ]
 
-    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
+    def delete_pod(self, namespace: str, name: str) -> None:
         """Delete a pod; one that is already gone is fine."""
         with contextlib.suppress(NotFound):
-            self._json(
-                self.core.delete_namespaced_pod,
-                name,
-                namespace,
-                grace_period_seconds=grace_seconds,
-            )
+            self._json(self.core.delete_namespaced_pod, name, namespace)
 
     def pod_log(self, namespace: str, name: str, container: str | None = None) -> str:
         raw = self._call(self.core.read_namespaced_pod_log, name, namespace, container=container)
