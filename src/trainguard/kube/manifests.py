@@ -44,7 +44,6 @@ from trainguard.kube.config import (
     DEFAULT_JOB_NAMESPACE,
     DEFAULT_NAMESPACE,
     GROUP,
-    MANAGER,
     OPERATOR_LABELS,
     OPERATOR_NAME,
     OPERATOR_SERVICE,
@@ -302,11 +301,9 @@ def to_yaml(objects: list[Obj]) -> str:
 
 __all__ = [
     "LEASE_RULES",
-    "MANAGER",
     "NETWORK_POLICY_RULE",
     "NODES_ROLE",
     "NODE_RULES",
-    "OPERATOR_NAME",
     "RBAC_RULES",
     "all_objects",
     "leader_objects",
