@@ -27,12 +27,12 @@ from trainguard.kube.health_manifests import HealthAgentOptions
 from trainguard.kube.manifests import all_objects, to_yaml
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.status import parse_time
+from trainguard.platform.launch import usage
 from trainguard.spec import SpecError, load_job
 from trainguard.spec.load import converted
 from trainguard.spec.pytorchjob import is_pytorchjob
 from trainguard.spec.secrets import redact_spec
 
-EXIT_USAGE = 2
 EXIT_FAILED = 1
 TERMINAL_PHASES = ("Succeeded", "Failed", "Stopped")
 # How often `logs -f`, `delete` and `install --wait` look again.
@@ -61,16 +61,10 @@ def run(args: argparse.Namespace) -> int:
             "delete": lambda: _delete(api, args, namespace),
         }
         return verbs[args.verb]()
-    except SpecError as exc:
-        for line in str(exc).splitlines():
-            print(f"trainguard: {line}", file=sys.stderr)
-        return EXIT_USAGE
-    except ConfigError as exc:
-        print(f"trainguard: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except (SpecError, ConfigError) as exc:
+        return usage(str(exc))
     except NotFound as exc:
-        print(f"trainguard: not found: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage(f"not found: {exc}")
     except KubeError as exc:
         print(f"trainguard: cluster: {exc}", file=sys.stderr)
         return EXIT_FAILED
