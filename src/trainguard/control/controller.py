@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from trainguard.control import recovery, replace, rescale
+from trainguard.control import lifecycle, recovery, replace, rescale
 from trainguard.control.actions import (
     Action,
     AttemptPhase,
@@ -42,7 +42,6 @@ from trainguard.control.actions import (
 from trainguard.control.assignment import StoreEndpoint, assign_attempt, replica_sources
 from trainguard.control.attempt import (
     Attempt,
-    Launching,
     Rejoining,
     ReplacingInPlace,
     Rescaling,
@@ -50,11 +49,10 @@ from trainguard.control.attempt import (
     new_watch,
 )
 from trainguard.control.config import ControlConfig
-from trainguard.control.contact import launch_verdict, settled
 from trainguard.control.decision import Decision, InPlace, JobView, NextAttempt, Stop, chain
-from trainguard.control.detect import finished, refusal_faults, stop_faults
+from trainguard.control.detect import refusal_faults
 from trainguard.control.elastic import ElasticWatch
-from trainguard.control.events import Event, EventKind, Fault, FaultType, Note
+from trainguard.control.events import Event, EventKind, Fault, Note
 from trainguard.control.health import HealthBook
 from trainguard.control.inprocess import Rejoin
 from trainguard.control.persist import CheckpointPlanner
@@ -151,7 +149,7 @@ class JobController:
         if attempt is None:
             return self._finish(now, phase, reason)
         if attempt.phase is AttemptPhase.LAUNCHING:  # nothing started yet
-            self._end_attempt(now, attempt, AttemptPhase.STOPPED, reason)
+            self._end_attempt(now, attempt, AttemptPhase.STOPPED, reason, {})
             return self._finish(now, phase, reason)
         if attempt.phase is not AttemptPhase.RUNNING:
             return []
@@ -234,15 +232,18 @@ class JobController:
         for r in refusals:
             if r.request == "persist":
                 self._notes(now, [self.checkpoints.refused(now, r.node_id, r.message)])
-        if attempt.phase is AttemptPhase.LAUNCHING:
-            return self._observe_launching(now, attempt, reports, health_faults)
         if attempt.phase is AttemptPhase.RUNNING:
             return self._observe_running(now, attempt, reports, refusals, health_faults)
-        for fault in health_faults:  # stopping: the restart decision takes it into account
-            self._record_fault(now, attempt, fault)
         if attempt.phase is AttemptPhase.STOPPING:
-            return self._observe_stopping(now, attempt, reports)
-        return []
+            # Steps its ranks completed before the fault, read since: the step it reached.
+            attempt.watch.observe_progress(attempt.watch.current(attempt.assignments, reports))
+            self.record.reached(attempt)
+            planned = lifecycle.stopping(self._view(now, attempt, reports), health_faults)
+        elif attempt.phase is AttemptPhase.LAUNCHING:
+            planned = lifecycle.launching(self._view(now, attempt, reports), health_faults)
+        else:
+            return []
+        return self._apply(now, attempt, planned, reports)
 
     # -- launching -----------------------------------------------------------
 
@@ -269,58 +270,8 @@ class JobController:
                 data={"nodes": list(launch), "avoid_hosts": list(self.avoid_hosts)},
             )
             return actions
-        return actions + self._observe_launching(now, attempt, reports)
-
-    def _observe_launching(
-        self,
-        now: float,
-        attempt: Attempt,
-        reports: Mapping[str, NodeReport],
-        health_faults: Sequence[Fault] = (),
-    ) -> list[Action]:
-        """Start the attempt once every node's agent answers, idle, its on-start health
-        checks passed; fault the nodes lost on the way, failing a check, or still not
-        ready at the launch deadline."""
-        deadline = attempt.launch_deadline
-        lost, waiting = launch_verdict(
-            attempt.nodes,
-            reports,
-            self.config.contact_rule,
-            deadline is not None and now >= deadline,
-            self.config.node_start_timeout,
-            now,
-            self.config.host_wait,
-        )
-        launching = attempt.activity
-        if isinstance(launching, Launching) and launching.deadline is not None:
-            pending = {n for n, _ in lost} | set(waiting)
-            late = [n for n in launching.relaunching if n in pending]
-            # Only they hold the attempt up past the deadline: go on without them.
-            if self.elastic and now >= launching.deadline and late and len(late) == len(pending):
-                view = self._view(now, attempt, reports)
-                scaled = recovery.faulty_scale_down(view, late)
-                if scaled is not None:
-                    return self._apply(now, attempt, scaled, reports)
-        growing = launching.growing if isinstance(launching, Launching) else ()
-        if lost and growing and {n for n, _ in lost} <= set(growing):
-            planned = recovery.scale_up_failed(
-                self._view(now, attempt, reports), [n for n, _ in lost]
-            )
-            return self._apply(now, attempt, planned, reports)
-        if lost or health_faults:
-            for fault in health_faults:
-                self._record_fault(now, attempt, fault)
-            for node_id, message in lost:
-                fault = Fault(FaultType.NODE_LOST, now, attempt.number, node_id, message=message)
-                self._record_fault(now, attempt, fault)
-            self._end_attempt(now, attempt, AttemptPhase.FAILED, attempt.faults[0].message)
-            if self._cancel is not None:
-                return self._finish(now, *self._cancel)
-            planned = recovery.after_failure(self._view(now, attempt, reports))
-            return self._apply(now, attempt, planned, reports)
-        if waiting or any(self.health.checking(reports.get(n)) for n in attempt.nodes):
-            return []
-        return [self._start_attempt(now, attempt)]
+        planned = lifecycle.launching(self._view(now, attempt, reports))
+        return actions + self._apply(now, attempt, planned, reports)
 
     def _start_attempt(
         self, now: float, attempt: Attempt, host: StoreEndpoint | None = None
@@ -328,10 +279,6 @@ class JobController:
         """Start ``attempt`` on its nodes; ``host``: the rendezvous to keep (an attempt in
         place whose rank 0 keeps its process keeps serving its store: a new port would
         have to be bound, and may be taken by then), else the platform's for node 0."""
-        if isinstance(attempt.activity, Launching):
-            if attempt.activity.growing and self.elastic is not None:
-                self.elastic = self.elastic.outcome(True)
-            attempt.activity = Training()
         self._fill_assignments(now, attempt, host)
         attempt.phase = AttemptPhase.RUNNING
         self.phase = JobPhase.RUNNING
@@ -427,7 +374,7 @@ class JobController:
         if len(current) == len(attempt.assignments) and all(
             status.state is NodeState.COMPLETED for _, status in current
         ):
-            return self._complete(now, attempt, reports, actions)
+            return actions + self._complete(now, attempt, reports)
         if self.elastic and not isinstance(attempt.activity, Rejoining) and self._cancel is None:
             looked = rescale.look(self._view(now, attempt, reports))  # in place, or a stop
             actions += self._apply(now, attempt, looked, reports)
@@ -472,9 +419,10 @@ class JobController:
         now: float,
         attempt: Attempt,
         reports: Mapping[str, NodeReport],
-        actions: list[Action],
         reason: str = "all ranks completed",
     ) -> list[Action]:
+        """The job succeeds once its newest checkpoint is durable (or the wait is over)."""
+        actions: list[Action] = []
         if self._final_persist_until is None:
             self._final_persist_until = now + self.config.final_persist_timeout
         checkpoints = self.checkpoints
@@ -484,7 +432,7 @@ class JobController:
             if final is not None:
                 request, note = final
                 notes.append(note)
-                actions = [*actions, request]
+                actions.append(request)
             if checkpoints.busy:  # the newest checkpoint is on its way to durable storage
                 self._notes(now, notes)
                 return actions
@@ -494,7 +442,7 @@ class JobController:
             notes.append(checkpoints.give_up(now, why))
         notes.append(checkpoints.shortfall())
         self._notes(now, notes)
-        self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0")
+        self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0", reports)
         return [*actions, *self._finish(now, JobPhase.SUCCEEDED, reason)]
 
     def _plan_checkpoints(
@@ -513,45 +461,6 @@ class JobController:
                 )
 
     # -- stopping and what follows -------------------------------------------------
-
-    def _observe_stopping(
-        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-    ) -> list[Action]:
-        if attempt.stop_deadline is None:
-            # Every node has been asked by now (the loop sends before it looks again): the
-            # time the nodes get to stop counts from here, however long the asking took.
-            attempt.stop_deadline = now + attempt.stop_allowance
-        # Steps its ranks completed before the fault, read since: the step it reached.
-        attempt.watch.observe_progress(attempt.watch.current(attempt.assignments, reports))
-        self.record.reached(attempt)
-        # The nodes a scaling drops are taken away: their loss is not a fault.
-        nodes = [n for n in attempt.nodes if attempt.scale is None or n not in attempt.scale.drop]
-        waiting = [n for n in nodes if not self._stopped(reports.get(n))]
-        if waiting and now < attempt.stop_deadline:
-            return []
-        if attempt.scale is not None and not waiting and finished(attempt.number, nodes, reports):
-            return self._complete(now, attempt, reports, [])  # finished before it stopped
-        self.record.attach_stacks(attempt, reports)
-        if not waiting and self._cancel is None and _work_done_but_exit(attempt):
-            ranks = sorted(r for f in attempt.faults for r in f.evidence.get("ranks", []))
-            reason = f"all ranks completed (ranks {ranks} ended as ExitHang after their work)"
-            return self._complete(now, attempt, reports, [], reason)
-        for fault in stop_faults(
-            now, attempt.number, nodes, attempt.faults, waiting, reports, self.config.contact_rule
-        ):
-            self._record_fault(now, attempt, fault)
-        outcome = AttemptPhase.FAILED if attempt.faults else AttemptPhase.STOPPED
-        self._end_attempt(now, attempt, outcome, attempt.reason or "stopped")
-        if self._cancel is not None:
-            phase, reason = self._cancel
-            return self._finish(now, phase, reason)
-        view = self._view(now, attempt, reports)
-        if attempt.scale is not None and not attempt.faults:
-            return self._apply(now, attempt, recovery.rescale(view, attempt.scale), reports)
-        why = attempt.faults[0].message if attempt.faults else "the attempt stopped"
-        actions = self._apply(now, attempt, rescale.abandon_growth(view, why), reports)
-        planned = recovery.after_failure(self._view(now, attempt, reports))
-        return [*actions, *self._apply(now, attempt, planned, reports)]
 
     def _stop(
         self, now: float, attempt: Attempt, mode: StopMode, reason: str, capture: bool = False
@@ -573,9 +482,6 @@ class JobController:
         )
         return StopNodes(attempt.number, attempt.nodes, mode, grace, capture, notice)
 
-    def _stopped(self, report: NodeReport | None) -> bool:
-        return settled(report, self.config.contact_rule)
-
     # -- decisions ------------------------------------------------------------------
 
     def _view(self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]) -> JobView:
@@ -587,7 +493,7 @@ class JobController:
             now, self.config, attempt, attempt.activity, reports, self.nodes, self.spares,
             self.growth, self.avoid_hosts, tuple(self.history), tuple(self.attempts),
             dict(self._hosts), fault_times, unusable, self.capacity, self.preempted,
-            self.elastic,
+            self.elastic, self._cancel,
         )  # fmt: skip
 
     def _apply(
@@ -608,7 +514,7 @@ class JobController:
             self._record_fault(now, attempt, fault)
         self._notes(now, [self.health.relaunch(n) for n in d.relaunch])
         if d.end is not None:
-            self._end_attempt(now, attempt, *d.end)
+            self._end_attempt(now, attempt, *d.end, reports)
         if d.scope is not None:
             if d.counted:
                 self.history.append(RestartRecord(now, d.scope))
@@ -617,8 +523,13 @@ class JobController:
         actions = list(d.actions)
         if d.stop is not None:
             actions.append(self._stop(now, attempt, d.stop.mode, d.stop.reason, d.stop.capture))
+        attempt.stop_deadline = d.stop_deadline or attempt.stop_deadline
         if d.finish is not None:
             actions += self._finish(now, *d.finish)
+        elif d.complete is not None:
+            actions += self._complete(now, attempt, reports, d.complete)
+        elif d.start:
+            actions.append(self._start_attempt(now, attempt))
         elif isinstance(d.next, NextAttempt):
             actions += self._new_attempt(now, d.next, reports)
         elif isinstance(d.next, InPlace):
@@ -652,7 +563,12 @@ class JobController:
         if fault.node is not None:
             self._node_fault_times.setdefault(fault.node, []).append(fault.time)
 
-    def _end_attempt(self, now: float, attempt: Attempt, phase: AttemptPhase, reason: str) -> None:
+    def _end_attempt(
+        self, now: float, attempt: Attempt, phase: AttemptPhase, reason: str,
+        reports: Mapping[str, NodeReport],
+    ) -> None:  # fmt: skip
+        """End ``attempt``, the stacks its agents captured attached to its hangs."""
+        self.record.attach_stacks(attempt, reports)
         attempt.phase = phase
         attempt.ended_at = now
         attempt.reason = attempt.reason or reason
@@ -684,11 +600,3 @@ class JobController:
         if attempt is None and self.attempts:
             attempt = self.attempts[-1].number
         self.record.event(now, kind, message, attempt, node, rank, data)
-
-
-def _work_done_but_exit(attempt: Attempt) -> bool:
-    """Every fault of the stopped ``attempt`` is an ExitHang of ranks whose work was done
-    (control/exit_hang.py): the job completes."""
-    return bool(attempt.faults) and all(
-        f.type is FaultType.EXIT_HANG and f.evidence.get("finished") is True for f in attempt.faults
-    )

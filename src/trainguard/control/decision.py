@@ -65,8 +65,9 @@ class InPlace:
 @dataclass(frozen=True)
 class Decision:
     """What to do now. None fields are unchanged; applied in this order: the pool and the
-    activity, the faults, the attempt's end, the events, the actions, the stop, then
-    the job's end or the next attempt, then ``then``."""
+    activity, the faults, the attempt's end, the events, the actions, the stop, then the
+    job's end (``finish``, or ``complete``: once the last checkpoint is durable), the
+    attempt's start or the next attempt, then ``then``."""
 
     actions: tuple[Action, ...] = ()
     events: tuple[Note, ...] = ()
@@ -83,7 +84,10 @@ class Decision:
     counted: bool = False  # a restart against jobMaxRetryCount (of ``scope``)
     end: tuple[AttemptPhase, str] | None = None
     stop: Stop | None = None
+    stop_deadline: float | None = None  # when the stopping attempt's nodes are late
     finish: tuple[JobPhase, str] | None = None
+    complete: str | None = None  # every rank's work is done: the job succeeds, saying why
+    start: bool = False  # the launched attempt starts: ranks assigned, /start sent
     next: NextAttempt | InPlace | None = None
 
     then: Decision | None = None  # applied after this one (made on ``view.after(this)``)
@@ -118,17 +122,41 @@ class JobView:
     capacity: int | None = None
     preempted: tuple[str, ...] = ()
     elastic: ElasticWatch | None = None
+    cancel: tuple[JobPhase, str] | None = None  # asked to stop from outside: how it ends
 
     @property
     def restarts(self) -> int:
         return len(self.history)
 
     def after(self, decision: Decision) -> JobView:
-        """The view once ``decision``'s pool and activity are applied."""
+        """The view once ``decision``'s pool, activity, faults and the attempt's end are
+        applied (the attempt a copy: the view's own is unchanged)."""
         view: JobView = self
         step: Decision | None = decision
         while step is not None:
             names = ("nodes", "spares", "growth", "avoid_hosts", "elastic", "activity")
-            changes = {n: v for n in names if (v := getattr(step, n)) is not None}
-            view, step = dataclasses.replace(view, **changes), step.then
+            changes: dict[str, object] = {
+                n: v for n in names if (v := getattr(step, n)) is not None
+            }
+            if step.faults or step.end is not None:
+                changes.update(view._ended(step.faults, step.end))
+            view, step = dataclasses.replace(view, **changes), step.then  # type: ignore[arg-type]
         return view
+
+    def _ended(
+        self, faults: tuple[Fault, ...], end: tuple[AttemptPhase, str] | None
+    ) -> dict[str, object]:
+        """The attempt with ``faults`` recorded and ended as ``end`` says, and the nodes'
+        fault times with them."""
+        a = self.attempt
+        phase, ended_at, reason = (a.phase, a.ended_at, a.reason) if end is None else (
+            end[0], self.now, a.reason or end[1])  # fmt: skip
+        now = dataclasses.replace(
+            a, faults=[*a.faults, *faults], phase=phase, ended_at=ended_at, reason=reason
+        )
+        times = dict(self.node_fault_times)
+        for f in faults:
+            if f.node is not None:
+                times[f.node] = (*times.get(f.node, ()), f.time)
+        attempts = tuple(now if x is a else x for x in self.attempts)
+        return {"attempt": now, "attempts": attempts, "node_fault_times": times}

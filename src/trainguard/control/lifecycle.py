@@ -1,0 +1,104 @@
+"""An attempt's own turns: its launch ends in its start (or faults), its stop in its end.
+
+Planners (control/decision.py) over the :class:`JobView` of an attempt LAUNCHING or
+STOPPING; the controller applies the :class:`Decision` each returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from trainguard.control import recovery, rescale
+from trainguard.control.actions import AttemptPhase
+from trainguard.control.attempt import Attempt, Launching, Training
+from trainguard.control.contact import launch_verdict, settled
+from trainguard.control.decision import Decision, JobView, chain
+from trainguard.control.detect import finished, stop_faults
+from trainguard.control.events import Fault, FaultType
+from trainguard.control.health import HealthBook
+
+__all__ = ["launching", "stopping"]
+
+
+def launching(view: JobView, health_faults: Sequence[Fault] = ()) -> Decision:
+    """Start the attempt once every node's agent answers, idle, its on-start health
+    checks passed; fault the nodes lost on the way, failing a check, or still not ready
+    at the launch deadline (a scale-up's new nodes lost: go on without them; lost nodes
+    restarting fresh, late: scale down without them)."""
+    attempt, cfg, now, reports = view.attempt, view.config, view.now, view.reports
+    deadline = attempt.launch_deadline
+    late = deadline is not None and now >= deadline
+    lost, waiting = launch_verdict(attempt.nodes, reports, cfg.contact_rule, late,
+                                   cfg.node_start_timeout, now, cfg.host_wait)  # fmt: skip
+    launch = view.activity if isinstance(view.activity, Launching) else Launching()
+    if view.elastic and launch.deadline is not None and now >= launch.deadline:
+        pending = {n for n, _ in lost} | set(waiting)
+        relaunching = [n for n in launch.relaunching if n in pending]
+        # Only they hold the attempt up past the deadline: go on without them.
+        if relaunching and len(relaunching) == len(pending):
+            scaled = recovery.faulty_scale_down(view, relaunching)
+            if scaled is not None:
+                return scaled
+    if lost and launch.growing and {n for n, _ in lost} <= set(launch.growing):
+        return recovery.scale_up_failed(view, [n for n, _ in lost])
+    if lost or health_faults:
+        faults = (*health_faults, *(Fault(FaultType.NODE_LOST, now, attempt.number, n, message=m)
+                                    for n, m in lost))  # fmt: skip
+        why = (*attempt.faults, *faults)[0].message
+        return _after_end(view, Decision(faults=faults, end=(AttemptPhase.FAILED, why)))
+    if waiting or any(HealthBook.checking(reports.get(n)) for n in attempt.nodes):
+        return Decision()
+    elastic = view.elastic.outcome(True) if launch.growing and view.elastic else None
+    return Decision(activity=Training(), elastic=elastic, start=True)
+
+
+def stopping(view: JobView, health_faults: Sequence[Fault] = ()) -> Decision:
+    """Wait for every node to stop (until the stop deadline, counted from the first look
+    after the stop went out), then end the attempt: the job completes where the ranks'
+    work was done; else the attempt fails (its faults, the nodes that did not stop or
+    were lost meanwhile) or is stopped; then the job's end on a cancel, the restart at a
+    new size of a scaling, or what follows a failure (control/recovery.py)."""
+    attempt, now = view.attempt, view.now
+    deadline = attempt.stop_deadline
+    if deadline is None:  # every node has been asked by now: its time to stop counts from here
+        deadline = now + attempt.stop_allowance
+    first = Decision(faults=tuple(health_faults), stop_deadline=deadline)
+    scale = attempt.scale
+    # The nodes a scaling drops are taken away: their loss is not a fault.
+    nodes = [n for n in attempt.nodes if scale is None or n not in scale.drop]
+    rule = view.config.contact_rule
+    waiting = [n for n in nodes if not settled(view.reports.get(n), rule)]
+    if waiting and now < deadline:
+        return first
+    if scale is not None and not waiting and finished(attempt.number, nodes, view.reports):
+        return chain(first, Decision(complete="all ranks completed"))  # before it stopped
+    attempt = view.after(first).attempt
+    if not waiting and view.cancel is None and _work_done_but_exit(attempt):
+        ranks = sorted(r for f in attempt.faults for r in f.evidence.get("ranks", []))
+        why = f"all ranks completed (ranks {ranks} ended as ExitHang after their work)"
+        return chain(first, Decision(complete=why))
+    faults = stop_faults(now, attempt.number, nodes, attempt.faults, waiting, view.reports, rule)
+    outcome = AttemptPhase.FAILED if attempt.faults or faults else AttemptPhase.STOPPED
+    ended = chain(first, Decision(faults=tuple(faults), end=(outcome, "stopped")))
+    if scale is not None and outcome is AttemptPhase.STOPPED and view.cancel is None:
+        return chain(ended, recovery.rescale(view.after(ended), scale))
+    return _after_end(view, ended)
+
+
+def _after_end(view: JobView, ended: Decision) -> Decision:
+    """What follows ``ended`` (the attempt's end): the job's end on a cancel, else
+    growth given up and the restart decided (``recovery.after_failure``)."""
+    if view.cancel is not None:
+        return chain(ended, Decision(finish=view.cancel))
+    after = view.after(ended)
+    why = after.attempt.faults[0].message if after.attempt.faults else "the attempt stopped"
+    ended = chain(ended, rescale.abandon_growth(after, why))
+    return chain(ended, recovery.after_failure(view.after(ended)))
+
+
+def _work_done_but_exit(attempt: Attempt) -> bool:
+    """Every fault of the stopped ``attempt`` is an ExitHang of ranks whose work was done
+    (control/exit_hang.py): the job completes."""
+    return bool(attempt.faults) and all(
+        f.type is FaultType.EXIT_HANG and f.evidence.get("finished") is True for f in attempt.faults
+    )
