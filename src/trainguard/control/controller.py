@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from trainguard.control import lifecycle, recovery, replace, rescale
+from trainguard.control import lifecycle, recovery, rescale
 from trainguard.control.actions import (
     Action,
     AttemptPhase,
@@ -43,13 +43,12 @@ from trainguard.control.assignment import StoreEndpoint, assign_attempt, replica
 from trainguard.control.attempt import (
     Attempt,
     Rejoining,
-    ReplacingInPlace,
     Rescaling,
     Training,
     new_watch,
 )
 from trainguard.control.config import ControlConfig
-from trainguard.control.decision import Decision, InPlace, JobView, NextAttempt, Stop, chain
+from trainguard.control.decision import Decision, InPlace, JobView, NextAttempt, Stop
 from trainguard.control.detect import refusal_faults
 from trainguard.control.elastic import ElasticWatch
 from trainguard.control.events import Event, EventKind, Fault, Note
@@ -149,12 +148,12 @@ class JobController:
         if attempt is None:
             return self._finish(now, phase, reason)
         if attempt.phase is AttemptPhase.LAUNCHING:  # nothing started yet
-            self._end_attempt(now, attempt, AttemptPhase.STOPPED, reason, {})
-            return self._finish(now, phase, reason)
+            ended = Decision(end=(AttemptPhase.STOPPED, reason), finish=(phase, reason))
+            return self._apply(now, attempt, ended, {})
         if attempt.phase is not AttemptPhase.RUNNING:
             return []
-        self.phase = JobPhase.STOPPING
-        return [self._stop(now, attempt, StopMode.GRACEFUL, reason)]
+        stop = Decision(phase=JobPhase.STOPPING, stop=Stop(StopMode.GRACEFUL, reason))
+        return self._apply(now, attempt, stop, {})
 
     def take_over(self, now: float, t: Takeover) -> list[Action]:
         """Begin as the successor of a controller that died (control/resume.py)."""
@@ -279,14 +278,6 @@ class JobController:
         """Start ``attempt`` on its nodes; ``host``: the rendezvous to keep (an attempt in
         place whose rank 0 keeps its process keeps serving its store: a new port would
         have to be bound, and may be taken by then), else the platform's for node 0."""
-        self._fill_assignments(now, attempt, host)
-        attempt.phase = AttemptPhase.RUNNING
-        self.phase = JobPhase.RUNNING
-        return StartNodes(attempt.number, attempt.assignments, attempt.scope)
-
-    def _fill_assignments(
-        self, now: float, attempt: Attempt, host: StoreEndpoint | None = None
-    ) -> None:
         cfg = self.config
         endpoint = self._endpoint_for(attempt.number, attempt.nodes[0])
         if host is not None and not endpoint.hosted:
@@ -294,9 +285,7 @@ class JobController:
         attempt.endpoint = endpoint
         sources = self._replica_sources(attempt)
         attempt.assignments = assign_attempt(cfg, attempt.nodes, attempt.number, endpoint, sources)
-        attempt.watch = new_watch(
-            self.config, attempt.number, now
-        )  # hang timers start with the workers
+        attempt.watch = new_watch(cfg, attempt.number, now)  # hang timers start with the workers
         self._event(
             now,
             EventKind.ATTEMPT_STARTED,
@@ -310,6 +299,8 @@ class JobController:
                 "nodes": list(attempt.nodes),
             },
         )
+        attempt.phase, self.phase = AttemptPhase.RUNNING, JobPhase.RUNNING
+        return StartNodes(attempt.number, attempt.assignments, attempt.scope)
 
     def _replica_sources(self, attempt: Attempt) -> dict[str, str]:
         """The nodes of ``attempt`` that took another's place since ranks last ran (a spare
@@ -341,36 +332,16 @@ class JobController:
         faults += self._stragglers(now, attempt, current)
         faults += self._exit_hangs(now, attempt, current)
         actions: list[Action] = []
-        if isinstance(attempt.activity, ReplacingInPlace):
-            faults = replace.pending_faults(attempt.activity, faults)
-            view = self._view(now, attempt, reports)
-            if not faults:
-                self.record.progress(now, attempt)
-                return self._apply(now, attempt, replace.watch(view), reports)
-            actions += self._apply(now, attempt, replace.give_up(view), reports)
         if isinstance(attempt.activity, Rejoining) and not faults:
             rejoin, faults = recovery.watch_rejoin(self._view(now, attempt, reports))
             actions += self._apply(now, attempt, rejoin, reports)
         self.record.progress(now, attempt)
-        view = self._view(now, attempt, reports)
-        planned = rescale.preempted_lost(view, faults)
-        if planned is None:
-            planned = replace.begin(view, faults)
+        planned = lifecycle.faulted(self._view(now, attempt, reports), faults)
         if planned is not None:
             return [*actions, *self._apply(now, attempt, planned, reports)]
-        if faults:
-            for fault in faults:
-                self._record_fault(now, attempt, fault)
-            view = self._view(now, attempt, reports)
-            planned = rescale.abandon_growth(view, faults[0].message)
-            if recovery.can_restart_in_place(view.after(planned)):
-                planned = chain(planned, recovery.restart_in_place(view.after(planned)))
-            else:
-                capture = any(f.type.is_hang for f in faults)
-                mode = StopMode.GRACEFUL if self.config.graceful_fault_stops else StopMode.PROCESS
-                planned = chain(planned, Decision(stop=Stop(mode, faults[0].message, capture)))
-            return [*actions, *self._apply(now, attempt, planned, reports)]
-        actions += self._plan_checkpoints(now, attempt, reports)
+        requests, notes = self.checkpoints.observe(now, attempt.nodes, reports)
+        self._notes(now, notes)
+        actions += requests
         if len(current) == len(attempt.assignments) and all(
             status.state is NodeState.COMPLETED for _, status in current
         ):
@@ -444,13 +415,6 @@ class JobController:
         self._notes(now, notes)
         self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0", reports)
         return [*actions, *self._finish(now, JobPhase.SUCCEEDED, reason)]
-
-    def _plan_checkpoints(
-        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-    ) -> list[Action]:
-        requests, notes = self.checkpoints.observe(now, attempt.nodes, reports)
-        self._notes(now, notes)
-        return list(requests)
 
     def _notes(self, now: float, notes: Iterable[Note | None]) -> None:
         """Record the events of the planners, the health book and the checkpoint planner."""

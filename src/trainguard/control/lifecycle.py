@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trainguard.control import recovery, rescale
-from trainguard.control.actions import AttemptPhase
-from trainguard.control.attempt import Attempt, Launching, Training
+from trainguard.control import recovery, replace, rescale
+from trainguard.control.actions import AttemptPhase, StopMode
+from trainguard.control.attempt import Attempt, Launching, ReplacingInPlace, Training
 from trainguard.control.contact import launch_verdict, settled
-from trainguard.control.decision import Decision, JobView, chain
+from trainguard.control.decision import Decision, JobView, Stop, chain
 from trainguard.control.detect import finished, stop_faults
 from trainguard.control.events import Fault, FaultType
 from trainguard.control.health import HealthBook
 
-__all__ = ["launching", "stopping"]
+__all__ = ["faulted", "launching", "stopping"]
 
 
 def launching(view: JobView, health_faults: Sequence[Fault] = ()) -> Decision:
@@ -50,6 +50,29 @@ def launching(view: JobView, health_faults: Sequence[Fault] = ()) -> Decision:
         return Decision()
     elastic = view.elastic.outcome(True) if launch.growing and view.elastic else None
     return Decision(activity=Training(), elastic=elastic, start=True)
+
+
+def faulted(view: JobView, faults: Sequence[Fault]) -> Decision | None:
+    """The faults found in a running attempt: a scale-down where they are preempted nodes
+    lost, spares brought up to replace lost nodes in place; else, recorded, an in-process
+    restart where it can be, or every rank stopped. While spares come up to replace lost
+    nodes: their watch, or given up on another fault (None: no fault, nothing under way)."""
+    if isinstance(view.activity, ReplacingInPlace):
+        # The nodes being replaced are lost: their silence is no news.
+        faults = [f for f in faults if f.node not in view.activity.swap]
+        if not faults:
+            return replace.watch(view)
+        given_up = replace.give_up(view)
+        return chain(given_up, faulted(view.after(given_up), faults))
+    planned = rescale.preempted_lost(view, faults) or replace.begin(view, faults)
+    if planned is not None or not faults:
+        return planned
+    first = chain(Decision(faults=tuple(faults)), rescale.abandon_growth(view, faults[0].message))
+    if recovery.can_restart_in_place(view.after(first)):
+        return chain(first, recovery.restart_in_place(view.after(first)))
+    capture = any(f.type.is_hang for f in faults)
+    mode = StopMode.GRACEFUL if view.config.graceful_fault_stops else StopMode.PROCESS
+    return chain(first, Decision(stop=Stop(mode, faults[0].message, capture)))
 
 
 def stopping(view: JobView, health_faults: Sequence[Fault] = ()) -> Decision:
