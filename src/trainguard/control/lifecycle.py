@@ -63,7 +63,9 @@ def faulted(view: JobView, faults: Sequence[Fault]) -> Decision | None:
         if not faults:
             return replace.watch(view)
         given_up = replace.give_up(view)
-        return chain(given_up, faulted(view.after(given_up), faults))
+        then = faulted(view.after(given_up), faults)
+        assert then is not None  # there are faults
+        return chain(given_up, then)
     planned = rescale.preempted_lost(view, faults) or replace.begin(view, faults)
     if planned is not None or not faults:
         return planned
