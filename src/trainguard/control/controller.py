@@ -105,7 +105,7 @@ class JobController:
         self.capacity: int | None = None
         self.preempted: tuple[str, ...] = ()
 
-    # -- queries -----------------------------------------------------------
+    # -- queries -------------------------------------------------------------------------------
 
     @property
     def current(self) -> Attempt | None:
@@ -127,7 +127,7 @@ class JobController:
         """Events recorded since the last call, oldest first."""
         return self.record.drain()
 
-    # -- inputs ------------------------------------------------------------
+    # -- inputs --------------------------------------------------------------------------------
 
     def start(self, now: float) -> list[Action]:
         """Launch every node of the job; the first attempt starts once they all answer."""
@@ -244,78 +244,7 @@ class JobController:
             return []
         return self._apply(now, attempt, planned, reports)
 
-    # -- launching -----------------------------------------------------------
-
-    def _new_attempt(
-        self, now: float, plan: NextAttempt, reports: Mapping[str, NodeReport]
-    ) -> list[Action]:
-        """The next attempt on ``self.nodes``: launch ``plan.launch`` first, or start at
-        once if all are up."""
-        number = len(self.attempts)
-        attempt = Attempt(number, now, self.nodes, new_watch(self.config, number, now), plan.scope)
-        attempt.activity = plan.activity or Training()
-        self.attempts.append(attempt)
-        actions: list[Action] = [RetireNodes(plan.retire)] if plan.retire else []
-        launch = plan.launch
-        if launch:
-            attempt.launch_deadline = now + self.config.node_start_timeout
-            actions.append(LaunchNodes(tuple(launch), number, self.avoid_hosts, keep=plan.keep))
-            kept = f" (the live agents of {', '.join(plan.keep)} may be kept)" if plan.keep else ""
-            self._event(
-                now,
-                EventKind.NODES_LAUNCHING,
-                f"attempt {number}: bringing up {len(launch)} node agents{kept}",
-                attempt=number,
-                data={"nodes": list(launch), "avoid_hosts": list(self.avoid_hosts)},
-            )
-            return actions
-        planned = lifecycle.launching(self._view(now, attempt, reports))
-        return actions + self._apply(now, attempt, planned, reports)
-
-    def _start_attempt(
-        self, now: float, attempt: Attempt, host: StoreEndpoint | None = None
-    ) -> StartNodes:
-        """Start ``attempt`` on its nodes; ``host``: the rendezvous to keep (an attempt in
-        place whose rank 0 keeps its process keeps serving its store: a new port would
-        have to be bound, and may be taken by then), else the platform's for node 0."""
-        cfg = self.config
-        endpoint = self._endpoint_for(attempt.number, attempt.nodes[0])
-        if host is not None and not endpoint.hosted:
-            endpoint = host  # a hosted store is never kept: the service opens a fresh one
-        attempt.endpoint = endpoint
-        sources = self._replica_sources(attempt)
-        attempt.assignments = assign_attempt(cfg, attempt.nodes, attempt.number, endpoint, sources)
-        attempt.watch = new_watch(cfg, attempt.number, now)  # hang timers start with the workers
-        self._event(
-            now,
-            EventKind.ATTEMPT_STARTED,
-            f"attempt {attempt.number}: {len(attempt.nodes)} nodes x {cfg.nproc_per_node} ranks "
-            f"({attempt.scope} scope), rendezvous {endpoint.addr}:{endpoint.port}",
-            attempt=attempt.number,
-            data={
-                "master_addr": endpoint.addr,
-                "master_port": endpoint.port,
-                "scope": attempt.scope.value,
-                "nodes": list(attempt.nodes),
-            },
-        )
-        attempt.phase, self.phase = AttemptPhase.RUNNING, JobPhase.RUNNING
-        return StartNodes(attempt.number, attempt.assignments, attempt.scope)
-
-    def _replica_sources(self, attempt: Attempt) -> dict[str, str]:
-        """The nodes of ``attempt`` that took another's place since ranks last ran (a spare
-        for a lost node, swapped at a restart or at launch), and whose: their ranks restore
-        from that node's memory-tier replicas. Empty in place: there the ranks a spare takes
-        get their state from a peer (control/replace.py), and no checkpoint is read."""
-        if attempt.scope is RestartScope.IN_PROCESS:
-            return {}
-        ran = next(
-            (a for a in reversed(self.attempts) if a.number < attempt.number and a.assignments),
-            None,
-        )
-        return {} if ran is None else replica_sources(ran.nodes, attempt.nodes)
-
-    # -- running -------------------------------------------------------------
+    # -- running -------------------------------------------------------------------------------
 
     def _observe_running(
         self,
@@ -385,68 +314,7 @@ class JobController:
             return []
         return [found.fault(now, attempt.number, watch.progress.step if watch.progress else None)]
 
-    def _complete(
-        self,
-        now: float,
-        attempt: Attempt,
-        reports: Mapping[str, NodeReport],
-        reason: str = "all ranks completed",
-    ) -> list[Action]:
-        """The job succeeds once its newest checkpoint is durable (or the wait is over)."""
-        actions: list[Action] = []
-        if self._final_persist_until is None:
-            self._final_persist_until = now + self.config.final_persist_timeout
-        checkpoints = self.checkpoints
-        notes: list[Note | None] = [*checkpoints.settle(now, attempt.nodes, reports)]
-        if now < self._final_persist_until:
-            final = checkpoints.flush(now, attempt.nodes, reports)
-            if final is not None:
-                request, note = final
-                notes.append(note)
-                actions.append(request)
-            if checkpoints.busy:  # the newest checkpoint is on its way to durable storage
-                self._notes(now, notes)
-                return actions
-        else:
-            timeout = self.config.final_persist_timeout
-            why = f"not committed within the {timeout:g} s the job's end waits for it"
-            notes.append(checkpoints.give_up(now, why))
-        notes.append(checkpoints.shortfall())
-        self._notes(now, notes)
-        self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0", reports)
-        return [*actions, *self._finish(now, JobPhase.SUCCEEDED, reason)]
-
-    def _notes(self, now: float, notes: Iterable[Note | None]) -> None:
-        """Record the events of the planners, the health book and the checkpoint planner."""
-        for n in notes:
-            if n is not None:
-                self._event(
-                    now, n.kind, n.message, n.attempt, n.node, data=dict(n.data or {}) or None
-                )
-
-    # -- stopping and what follows -------------------------------------------------
-
-    def _stop(
-        self, now: float, attempt: Attempt, mode: StopMode, reason: str, capture: bool = False
-    ) -> StopNodes:
-        attempt.phase = AttemptPhase.STOPPING
-        attempt.reason = attempt.reason or reason
-        attempt.watch.pause(now)
-        grace = self.config.stop_grace_seconds if mode is StopMode.GRACEFUL else 0.0
-        notice = 0.0  # an elastic scaling: ranks that read requests save and exit first
-        if attempt.scale is not None and self.config.elastic is not None:
-            notice = self.config.elastic.graceful_shutdown_timeout
-        attempt.stop_allowance = notice + grace + self.config.stop_slack_seconds
-        self._event(
-            now,
-            EventKind.STOPPING_ALL,
-            f"stopping all ranks of attempt {attempt.number} ({mode}): {attempt.reason}",
-            attempt=attempt.number,
-            data={"mode": mode.value, "capture_stacks": capture},
-        )
-        return StopNodes(attempt.number, attempt.nodes, mode, grace, capture, notice)
-
-    # -- decisions ------------------------------------------------------------------
+    # -- decisions carried out -----------------------------------------------------------------
 
     def _view(self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]) -> JobView:
         """The job as the planners see it now (control/decision.py)."""
@@ -502,6 +370,70 @@ class JobController:
             actions += self._apply(now, attempt, d.then, reports)
         return actions
 
+    def _new_attempt(
+        self, now: float, plan: NextAttempt, reports: Mapping[str, NodeReport]
+    ) -> list[Action]:
+        """The next attempt on ``self.nodes``: launch ``plan.launch`` first, or start at
+        once if all are up."""
+        number = len(self.attempts)
+        attempt = Attempt(number, now, self.nodes, new_watch(self.config, number, now), plan.scope)
+        attempt.activity = plan.activity or Training()
+        self.attempts.append(attempt)
+        actions: list[Action] = [RetireNodes(plan.retire)] if plan.retire else []
+        if launch := plan.launch:
+            attempt.launch_deadline = now + self.config.node_start_timeout
+            actions.append(LaunchNodes(launch, number, self.avoid_hosts, keep=plan.keep))
+            kept = f" (the live agents of {', '.join(plan.keep)} may be kept)" if plan.keep else ""
+            message = f"attempt {number}: bringing up {len(launch)} node agents{kept}"
+            data = {"nodes": list(launch), "avoid_hosts": list(self.avoid_hosts)}
+            self._event(now, EventKind.NODES_LAUNCHING, message, number, data=data)
+            return actions
+        planned = lifecycle.launching(self._view(now, attempt, reports))
+        return actions + self._apply(now, attempt, planned, reports)
+
+    def _start_attempt(
+        self, now: float, attempt: Attempt, host: StoreEndpoint | None = None
+    ) -> StartNodes:
+        """Start ``attempt`` on its nodes; ``host``: the rendezvous to keep (an attempt in
+        place whose rank 0 keeps its process keeps serving its store: a new port would
+        have to be bound, and may be taken by then), else the platform's for node 0."""
+        cfg = self.config
+        endpoint = self._endpoint_for(attempt.number, attempt.nodes[0])
+        if host is not None and not endpoint.hosted:
+            endpoint = host  # a hosted store is never kept: the service opens a fresh one
+        attempt.endpoint = endpoint
+        sources = self._replica_sources(attempt)
+        attempt.assignments = assign_attempt(cfg, attempt.nodes, attempt.number, endpoint, sources)
+        attempt.watch = new_watch(cfg, attempt.number, now)  # hang timers start with the workers
+        self._event(
+            now,
+            EventKind.ATTEMPT_STARTED,
+            f"attempt {attempt.number}: {len(attempt.nodes)} nodes x {cfg.nproc_per_node} ranks "
+            f"({attempt.scope} scope), rendezvous {endpoint.addr}:{endpoint.port}",
+            attempt=attempt.number,
+            data={
+                "master_addr": endpoint.addr,
+                "master_port": endpoint.port,
+                "scope": attempt.scope.value,
+                "nodes": list(attempt.nodes),
+            },
+        )
+        attempt.phase, self.phase = AttemptPhase.RUNNING, JobPhase.RUNNING
+        return StartNodes(attempt.number, attempt.assignments, attempt.scope)
+
+    def _replica_sources(self, attempt: Attempt) -> dict[str, str]:
+        """The nodes of ``attempt`` that took another's place since ranks last ran (a spare
+        for a lost node, swapped at a restart or at launch), and whose: their ranks restore
+        from that node's memory-tier replicas. Empty in place: there the ranks a spare takes
+        get their state from a peer (control/replace.py), and no checkpoint is read."""
+        if attempt.scope is RestartScope.IN_PROCESS:
+            return {}
+        ran = next(
+            (a for a in reversed(self.attempts) if a.number < attempt.number and a.assignments),
+            None,
+        )
+        return {} if ran is None else replica_sources(ran.nodes, attempt.nodes)
+
     def _in_place(self, now: float, ended: Attempt, plan: InPlace) -> list[Action]:
         """The attempt after ``ended``, in place on ``self.nodes`` (:class:`InPlace`)."""
         number = len(self.attempts)
@@ -520,7 +452,62 @@ class JobController:
             actions.append(RetireNodes(plan.dropped))
         return actions
 
-    # -- records ------------------------------------------------------------------
+    def _stop(
+        self, now: float, attempt: Attempt, mode: StopMode, reason: str, capture: bool = False
+    ) -> StopNodes:
+        attempt.phase = AttemptPhase.STOPPING
+        attempt.reason = attempt.reason or reason
+        attempt.watch.pause(now)
+        grace = self.config.stop_grace_seconds if mode is StopMode.GRACEFUL else 0.0
+        notice = 0.0  # an elastic scaling: ranks that read requests save and exit first
+        if attempt.scale is not None and self.config.elastic is not None:
+            notice = self.config.elastic.graceful_shutdown_timeout
+        attempt.stop_allowance = notice + grace + self.config.stop_slack_seconds
+        message = f"stopping all ranks of attempt {attempt.number} ({mode}): {attempt.reason}"
+        data = {"mode": mode.value, "capture_stacks": capture}
+        self._event(now, EventKind.STOPPING_ALL, message, attempt.number, data=data)
+        return StopNodes(attempt.number, attempt.nodes, mode, grace, capture, notice)
+
+    def _complete(
+        self,
+        now: float,
+        attempt: Attempt,
+        reports: Mapping[str, NodeReport],
+        reason: str = "all ranks completed",
+    ) -> list[Action]:
+        """The job succeeds once its newest checkpoint is durable (or the wait is over)."""
+        actions: list[Action] = []
+        if self._final_persist_until is None:
+            self._final_persist_until = now + self.config.final_persist_timeout
+        checkpoints = self.checkpoints
+        notes: list[Note | None] = [*checkpoints.settle(now, attempt.nodes, reports)]
+        if now < self._final_persist_until:
+            final = checkpoints.flush(now, attempt.nodes, reports)
+            if final is not None:
+                request, note = final
+                notes.append(note)
+                actions.append(request)
+            if checkpoints.busy:  # the newest checkpoint is on its way to durable storage
+                self._notes(now, notes)
+                return actions
+        else:
+            timeout = self.config.final_persist_timeout
+            why = f"not committed within the {timeout:g} s the job's end waits for it"
+            notes.append(checkpoints.give_up(now, why))
+        notes.append(checkpoints.shortfall())
+        self._notes(now, notes)
+        self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0", reports)
+        return [*actions, *self._finish(now, JobPhase.SUCCEEDED, reason)]
+
+    # -- records -------------------------------------------------------------------------------
+
+    def _notes(self, now: float, notes: Iterable[Note | None]) -> None:
+        """Record the events of the planners, the health book and the checkpoint planner."""
+        for n in notes:
+            if n is not None:
+                self._event(
+                    now, n.kind, n.message, n.attempt, n.node, data=dict(n.data or {}) or None
+                )
 
     def _record_fault(self, now: float, attempt: Attempt, fault: Fault) -> None:
         fault = self.record.fault(now, attempt, fault)
@@ -536,13 +523,9 @@ class JobController:
         attempt.phase = phase
         attempt.ended_at = now
         attempt.reason = attempt.reason or reason
-        self._event(
-            now,
-            EventKind.ATTEMPT_ENDED,
-            f"attempt {attempt.number} {phase.value.lower()}: {attempt.reason}",
-            attempt=attempt.number,
-            data={"outcome": str(phase)},
-        )
+        message = f"attempt {attempt.number} {phase.value.lower()}: {attempt.reason}"
+        data = {"outcome": str(phase)}
+        self._event(now, EventKind.ATTEMPT_ENDED, message, attempt.number, data=data)
 
     def _finish(self, now: float, phase: JobPhase, reason: str) -> list[Action]:
         self.phase = phase

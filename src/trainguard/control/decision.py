@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from trainguard.control.actions import Action, AttemptPhase, JobPhase, StopMode
 from trainguard.control.assignment import StoreEndpoint
@@ -129,34 +130,24 @@ class JobView:
         return len(self.history)
 
     def after(self, decision: Decision) -> JobView:
-        """The view once ``decision``'s pool, activity, faults and the attempt's end are
-        applied (the attempt a copy: the view's own is unchanged)."""
+        """The view once ``decision``'s pool, activity and faults are applied, and the
+        attempt's end (on a copy of the attempt: the view's own is unchanged)."""
         view: JobView = self
         step: Decision | None = decision
         while step is not None:
             names = ("nodes", "spares", "growth", "avoid_hosts", "elastic", "activity")
-            changes: dict[str, object] = {
-                n: v for n in names if (v := getattr(step, n)) is not None
-            }
+            changes: dict[str, Any] = {n: v for n in names if (v := getattr(step, n)) is not None}
             if step.faults or step.end is not None:
-                changes.update(view._ended(step.faults, step.end))
-            view, step = dataclasses.replace(view, **changes), step.then  # type: ignore[arg-type]
+                a = view.attempt
+                new = dataclasses.replace(a, faults=[*a.faults, *step.faults])
+                if step.end is not None:
+                    new.phase, new.ended_at = step.end[0], view.now
+                    new.reason = a.reason or step.end[1]
+                times = dict(view.node_fault_times)
+                for f in step.faults:
+                    if f.node is not None:
+                        times[f.node] = (*times.get(f.node, ()), f.time)
+                attempts = tuple(new if x is a else x for x in view.attempts)
+                changes.update(attempt=new, attempts=attempts, node_fault_times=times)
+            view, step = dataclasses.replace(view, **changes), step.then
         return view
-
-    def _ended(
-        self, faults: tuple[Fault, ...], end: tuple[AttemptPhase, str] | None
-    ) -> dict[str, object]:
-        """The attempt with ``faults`` recorded and ended as ``end`` says, and the nodes'
-        fault times with them."""
-        a = self.attempt
-        phase, ended_at, reason = (a.phase, a.ended_at, a.reason) if end is None else (
-            end[0], self.now, a.reason or end[1])  # fmt: skip
-        now = dataclasses.replace(
-            a, faults=[*a.faults, *faults], phase=phase, ended_at=ended_at, reason=reason
-        )
-        times = dict(self.node_fault_times)
-        for f in faults:
-            if f.node is not None:
-                times[f.node] = (*times.get(f.node, ()), f.time)
-        attempts = tuple(now if x is a else x for x in self.attempts)
-        return {"attempt": now, "attempts": attempts, "node_fault_times": times}

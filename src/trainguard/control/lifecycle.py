@@ -1,7 +1,9 @@
-"""An attempt's own turns: its launch ends in its start (or faults), its stop in its end.
+"""An attempt's own turns: its launch ends in its start, its faults in a stop (or a
+restart in place), its stop in its end and what follows.
 
-Planners (control/decision.py) over the :class:`JobView` of an attempt LAUNCHING or
-STOPPING; the controller applies the :class:`Decision` each returns.
+Planners (control/decision.py) over the :class:`JobView` of an attempt LAUNCHING,
+RUNNING with faults, or STOPPING; the controller applies the :class:`Decision` each
+returns.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from collections.abc import Sequence
 
 from trainguard.control import recovery, replace, rescale
 from trainguard.control.actions import AttemptPhase, StopMode
-from trainguard.control.attempt import Attempt, Launching, ReplacingInPlace, Training
+from trainguard.control.attempt import Launching, ReplacingInPlace, Training
 from trainguard.control.contact import launch_verdict, settled
 from trainguard.control.decision import Decision, JobView, Stop, chain
 from trainguard.control.detect import finished, stop_faults
@@ -70,8 +72,9 @@ def faulted(view: JobView, faults: Sequence[Fault]) -> Decision | None:
     if planned is not None or not faults:
         return planned
     first = chain(Decision(faults=tuple(faults)), rescale.abandon_growth(view, faults[0].message))
-    if recovery.can_restart_in_place(view.after(first)):
-        return chain(first, recovery.restart_in_place(view.after(first)))
+    restart = recovery.restart_in_place(view.after(first))
+    if restart is not None:
+        return chain(first, restart)
     capture = any(f.type.is_hang for f in faults)
     mode = StopMode.GRACEFUL if view.config.graceful_fault_stops else StopMode.PROCESS
     return chain(first, Decision(stop=Stop(mode, faults[0].message, capture)))
@@ -98,7 +101,9 @@ def stopping(view: JobView, health_faults: Sequence[Fault] = ()) -> Decision:
     if scale is not None and not waiting and finished(attempt.number, nodes, view.reports):
         return chain(first, Decision(complete="all ranks completed"))  # before it stopped
     attempt = view.after(first).attempt
-    if not waiting and view.cancel is None and _work_done_but_exit(attempt):
+    # Every fault an ExitHang of ranks whose work was done (control/exit_hang.py).
+    done = all(f.type is FaultType.EXIT_HANG and f.evidence.get("finished") for f in attempt.faults)
+    if not waiting and view.cancel is None and attempt.faults and done:
         ranks = sorted(r for f in attempt.faults for r in f.evidence.get("ranks", []))
         why = f"all ranks completed (ranks {ranks} ended as ExitHang after their work)"
         return chain(first, Decision(complete=why))
@@ -119,11 +124,3 @@ def _after_end(view: JobView, ended: Decision) -> Decision:
     why = after.attempt.faults[0].message if after.attempt.faults else "the attempt stopped"
     ended = chain(ended, rescale.abandon_growth(after, why))
     return chain(ended, recovery.after_failure(view.after(ended)))
-
-
-def _work_done_but_exit(attempt: Attempt) -> bool:
-    """Every fault of the stopped ``attempt`` is an ExitHang of ranks whose work was done
-    (control/exit_hang.py): the job completes."""
-    return bool(attempt.faults) and all(
-        f.type is FaultType.EXIT_HANG and f.evidence.get("finished") is True for f in attempt.faults
-    )
