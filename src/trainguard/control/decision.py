@@ -95,9 +95,10 @@ class Decision:
 
 
 def chain(first: Decision, *rest: Decision) -> Decision:
-    """``first``, then each of ``rest`` in turn."""
-    if not rest:
-        return first
+    """``first``, then each of ``rest`` in turn (an empty decision left out)."""
+    rest = tuple(d for d in rest if d != Decision())
+    if not rest or first == Decision():
+        return chain(*rest) if rest else first
     later = chain(*rest) if first.then is None else chain(first.then, *rest)
     return dataclasses.replace(first, then=later)
 

@@ -9,8 +9,10 @@ returns.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from trainguard.control import recovery, replace, rescale
+from trainguard.control import recovery, rescale
+from trainguard.control import replace as in_place
 from trainguard.control.actions import AttemptPhase, StopMode
 from trainguard.control.attempt import Launching, ReplacingInPlace, Training
 from trainguard.control.contact import launch_verdict, settled
@@ -63,12 +65,12 @@ def faulted(view: JobView, faults: Sequence[Fault]) -> Decision | None:
         # The nodes being replaced are lost: their silence is no news.
         faults = [f for f in faults if f.node not in view.activity.swap]
         if not faults:
-            return replace.watch(view)
-        given_up = replace.give_up(view)
+            return in_place.watch(view)
+        given_up = in_place.give_up(view)
         then = faulted(view.after(given_up), faults)
         assert then is not None  # there are faults
         return chain(given_up, then)
-    planned = rescale.preempted_lost(view, faults) or replace.begin(view, faults)
+    planned = rescale.preempted_lost(view, faults) or in_place.begin(view, faults)
     if planned is not None or not faults:
         return planned
     first = chain(Decision(faults=tuple(faults)), rescale.abandon_growth(view, faults[0].message))
@@ -99,17 +101,19 @@ def stopping(view: JobView, health_faults: Sequence[Fault] = ()) -> Decision:
     if waiting and now < deadline:
         return first
     if scale is not None and not waiting and finished(attempt.number, nodes, view.reports):
-        return chain(first, Decision(complete="all ranks completed"))  # before it stopped
+        return replace(first, complete="all ranks completed")  # before it stopped
     attempt = view.after(first).attempt
     # Every fault an ExitHang of ranks whose work was done (control/exit_hang.py).
     done = all(f.type is FaultType.EXIT_HANG and f.evidence.get("finished") for f in attempt.faults)
     if not waiting and view.cancel is None and attempt.faults and done:
         ranks = sorted(r for f in attempt.faults for r in f.evidence.get("ranks", []))
         why = f"all ranks completed (ranks {ranks} ended as ExitHang after their work)"
-        return chain(first, Decision(complete=why))
+        return replace(first, complete=why)
     faults = stop_faults(now, attempt.number, nodes, attempt.faults, waiting, view.reports, rule)
     outcome = AttemptPhase.FAILED if attempt.faults or faults else AttemptPhase.STOPPED
-    ended = chain(first, Decision(faults=tuple(faults), end=(outcome, "stopped")))
+    ended = replace(
+        first, faults=(*first.faults, *faults), end=(outcome, attempt.reason or "stopped")
+    )
     if scale is not None and outcome is AttemptPhase.STOPPED and view.cancel is None:
         return chain(ended, recovery.rescale(view.after(ended), scale))
     return _after_end(view, ended)
