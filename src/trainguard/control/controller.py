@@ -8,8 +8,9 @@ tested with plain values.
 
 An attempt goes LAUNCHING (its nodes' agents come up: a fresh job, a full job restart)
 -> RUNNING (``/start`` sent; or ``/rejoin`` for an in-process restart) -> STOPPING (any
-fault stops every rank at once) -> ended; then :func:`decide_restart` picks the next
-attempt's scope, or the job fails.
+fault stops every rank at once) -> ended; then the policy picks the next attempt's
+scope, or the job fails. Planners decide each turn (control/lifecycle.py and the modules
+it calls); :meth:`JobController._apply` carries their decisions out.
 
 Assumptions the decisions rely on:
 - a node's status is only evidence about the attempt it names; an agent that has not
@@ -274,7 +275,9 @@ class JobController:
         if len(current) == len(attempt.assignments) and all(
             status.state is NodeState.COMPLETED for _, status in current
         ):
-            return actions + self._complete(now, attempt, reports)
+            return actions + self._apply(
+                now, attempt, Decision(complete="all ranks completed"), reports
+            )
         if self.elastic and not isinstance(attempt.activity, Rejoining) and self._cancel is None:
             looked = rescale.look(self._view(now, attempt, reports))  # in place, or a stop
             actions += self._apply(now, attempt, looked, reports)
@@ -469,11 +472,7 @@ class JobController:
         return StopNodes(attempt.number, attempt.nodes, mode, grace, capture, notice)
 
     def _complete(
-        self,
-        now: float,
-        attempt: Attempt,
-        reports: Mapping[str, NodeReport],
-        reason: str = "all ranks completed",
+        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport], reason: str
     ) -> list[Action]:
         """The job succeeds once its newest checkpoint is durable (or the wait is over)."""
         actions: list[Action] = []
