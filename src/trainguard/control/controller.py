@@ -358,7 +358,8 @@ class JobController:
         actions = list(d.actions)
         if d.stop is not None:
             actions.append(self._stop(now, attempt, d.stop.mode, d.stop.reason, d.stop.capture))
-        attempt.stop_deadline = d.stop_deadline or attempt.stop_deadline
+        if d.stop_deadline is not None:
+            attempt.stop_deadline = d.stop_deadline
         if d.finish is not None:
             actions += self._finish(now, *d.finish)
         elif d.complete is not None:

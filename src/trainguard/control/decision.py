@@ -1,9 +1,9 @@
 """What the planners see and what they decide: a frozen view in, a decision value out.
 
-The planners (control/recovery.py, replace.py, rescale.py) are functions of a
-:class:`JobView`, the job as the controller holds it at one look, that return a
-:class:`Decision`: how the attempt ends, the node pool after it, the next attempt (and
-how it starts), the actions and the events. :meth:`JobController._apply
+The planners (control/lifecycle.py, recovery.py, replace.py, rescale.py) are functions
+of a :class:`JobView`, the job as the controller holds it at one look, that return a
+:class:`Decision`: the faults, how the attempt ends, the node pool after it, the next
+attempt (and how it starts), the actions and the events. :meth:`JobController._apply
 <trainguard.control.controller.JobController._apply>` is the one place that carries a
 decision out. The planners never change the view (the elastic watch's looks return its
 next value, which the decision carries), so each is tested with literal values.
