@@ -277,8 +277,8 @@ def _send_parts(sock: socket.socket, parts: Sequence[Part]) -> None:
     with its timeout as the kernel's: one call per file, not one per socket buffer)."""
     with blocking(sock):
         for prefix, file, size in parts:
-            if prefix:
-                sock.sendall(prefix)
+            if prefix:  # MSG_MORE: it goes out with the file's first bytes, not alone
+                sock.sendall(prefix, socket.MSG_MORE if size else 0)
             sent = 0
             while sent < size:
                 got = os.sendfile(sock.fileno(), file.fileno(), sent, size - sent)

@@ -227,8 +227,10 @@ class ReplicaStore:
         """Write ``length`` bytes of ``stream`` to ``source/relpath`` (atomically: nothing
         of it stays when the stream fails or ends early), if :meth:`room` has room for
         them (else :class:`ReplicaRoomError`, before a byte is read)."""
-        target = self.root / _safe_name(source) / safe_relpath(relpath)
-        self._prune_dcp(self.root / source, relpath)
+        held = self.root / _safe_name(source)
+        target = held / safe_relpath(relpath)
+        if relpath.startswith("dcp/"):
+            self._prune_dcp(held, relpath)
         self._claim(target, length, relpath)
         try:
             self._private_dir(target.parent)
@@ -353,7 +355,10 @@ def _size(path: Path) -> int:
 
 def _free_bytes(path: Path) -> int:
     """Free bytes of the filesystem ``path`` is (or will be) on."""
-    for candidate in (path, *path.parents):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        st = os.statvfs(path)  # there once a replica came; before, a parent answers
+        return st.f_bavail * st.f_frsize
+    for candidate in path.parents:
         try:
             st = os.statvfs(candidate)
         except (FileNotFoundError, NotADirectoryError):
