@@ -8,6 +8,7 @@ import http.server
 import io
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -160,9 +161,9 @@ def test_the_room_counts_what_earlier_batches_left(peer: AgentProcess) -> None:
     # A file's replacement counts in place of the file.
     assert status_of(batch(("a.data", b"A" * (half + 50)))) == 201
     assert held(peer, "node-5").joinpath("a.data").read_bytes() == b"A" * (half + 50)
-    # Files removed behind the store's back are found gone before a refusal.
-    for path in held(peer, "node-5").iterdir():
-        path.unlink()
+    # Files removed behind the store's back (their directory too) are found gone before
+    # a refusal, and the directory is made again.
+    shutil.rmtree(held(peer, "node-5"))
     assert status_of(batch(("d.data", b"d" * (room - 10)))) == 201
     held(peer, "node-5").joinpath("d.data").unlink()
 

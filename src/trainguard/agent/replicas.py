@@ -291,8 +291,9 @@ class ReplicaStore:
         return self._sizes
 
     def _private_dir(self, directory: Path) -> None:
-        """Make ``directory`` (and its parents) private, once (:func:`private_dir`)."""
-        if directory not in self._dirs:
+        """Make ``directory`` (and its parents) private (:func:`private_dir`), once while
+        it stands (one removed behind the store's back is made again)."""
+        if directory not in self._dirs or not os.path.isdir(directory):
             private_dir(directory)
             self._dirs.add(directory)
 
