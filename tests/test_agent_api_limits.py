@@ -25,6 +25,7 @@ from agent_harness import TOKEN, AgentProcess, spawn_agent
 from conftest import wait_for
 from trainguard.agent.api import MAX_JSON_BYTES
 from trainguard.agent.client import AgentClient, AgentError
+from trainguard.agent.replica_batch import frame_header
 from trainguard.agent.replicas import ReplicaStore
 from trainguard.agent.server import AgentHTTPServer, ServerLimits
 from trainguard.wire.requests import (
@@ -497,6 +498,21 @@ def test_a_body_must_come_whole_in_time(server: AgentHTTPServer) -> None:
         status, _, body = read_reply(sock)
         assert status == 408 and "body incomplete" in error_of(body)
         assert closed_by_peer(sock)
+
+
+def test_a_replica_batch_that_stalls_midway_is_dropped_in_time(
+    server: AgentHTTPServer, tmp_path: Path
+) -> None:
+    """A file's bytes stop coming: the transfer ends within the io timeout (the splice
+    waits in the kernel), and nothing of the file stays."""
+    body = frame_header("a.data", 10_000) + b"x" * 3000
+    with connect(server.port) as sock:
+        sock.sendall(head("POST", "/replica/node-1", Content_Length=len(body) + 7000) + body)
+        began = time.monotonic()
+        assert closed_by_peer(sock, timeout=SHORT.io_seconds + 10.0)
+        assert time.monotonic() - began >= SHORT.io_seconds - 0.1
+    held = tmp_path / "replicas" / "node-1"
+    assert not held.exists() or list(held.iterdir()) == []
 
 
 def test_an_idle_connection_is_closed(server: AgentHTTPServer) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainguard.agent.logs import Console, LogLayout, LogTailer
+from trainguard.monitor.lines import split_lines
 from trainguard.monitor.progress import ProgressMatcher
 from trainguard.monitor.rules import LogRuleSpec, NodeLogMonitor
 
@@ -79,7 +80,9 @@ def make_tailer(
         {0: 4, 1: 5},
         interval=INTERVAL,
         console=console,
-        on_line=lambda rank, stream, line, t: lines.append((rank, stream, line)),
+        on_lines=lambda rank, stream, block, t: lines.extend(
+            (rank, stream, line.decode()) for line in split_lines(block)
+        ),
     )
     return layout, tailer
 
@@ -141,11 +144,11 @@ def test_a_failing_hook_does_not_stop_the_tailer(tmp_path: Path) -> None:
     layout.rank_dir(0, 0).mkdir(parents=True)
     stream = RecordingStream()
 
-    def bad_hook(rank: int, name: str, line: str, t: float) -> None:
+    def bad_hook(rank: int, name: str, block: bytes, t: float) -> None:
         raise RuntimeError("monitor bug")
 
     tailer = LogTailer(
-        layout, 0, {0: 0}, interval=INTERVAL, console=Console(stream), on_line=bad_hook
+        layout, 0, {0: 0}, interval=INTERVAL, console=Console(stream), on_lines=bad_hook
     )
     tailer.start()
     layout.stdout(0, 0).write_bytes(b"one\ntwo\n")
@@ -181,7 +184,7 @@ def test_a_burst_is_one_console_write_and_a_rule_still_fires_on_its_middle_line(
     layout = LogLayout(tmp_path)
     layout.rank_dir(0, 4).mkdir(parents=True)
     tailer = LogTailer(
-        layout, 0, {0: 4}, interval=INTERVAL, console=Console(stream), on_line=monitor.on_line
+        layout, 0, {0: 4}, interval=INTERVAL, console=Console(stream), on_lines=monitor.on_lines
     )
     burst = b"".join(
         b"Batch %d Loss: %s, Speed: 10.0 samples/sec\n" % (i, b"nan" if i == 1000 else b"0.5")
@@ -208,8 +211,56 @@ def test_a_console_write_holds_whole_lines_and_at_most_pipe_buf_bytes() -> None:
     longer line alone)."""
     stream = RecordingStream()
     lines = [b"x" * 100] * 300 + [b"y" * 10_000, b"z"]
-    Console(stream).write_lines(2, lines)
+    Console(stream).write_lines(2, b"".join(line + b"\n" for line in lines))
     assert b"".join(stream.writes) == b"".join(b"[rank2]: " + line + b"\n" for line in lines)
     assert all(w.endswith(b"\n") for w in stream.writes)
     assert all(len(w) <= select.PIPE_BUF for w in stream.writes if b"y" not in w)
     assert 1 < len(stream.writes) < 20
+
+
+def test_a_line_cut_between_two_reads_is_judged_whole(tmp_path: Path) -> None:
+    """A worker's line arrives in two writes, read in two passes: the rules see it once,
+    whole (a NaN in its second half is found, the line is the evidence)."""
+    rule = LogRuleSpec(name="loss", log_pattern=r".*Loss: ([^,]+),")
+    monitor = NodeLogMonitor([rule], ProgressMatcher())
+    layout = LogLayout(tmp_path)
+    layout.rank_dir(0, 4).mkdir(parents=True)
+    out = layout.stdout(0, 4).open("wb", buffering=0)
+    tailer = LogTailer(layout, 0, {0: 4}, interval=INTERVAL, on_lines=monitor.on_lines)
+    tailer.start()
+    out.write(b"Batch 7 Loss: 0.5, ok\nBatch 8 Loss: n")
+    eventually(lambda: monitor.snapshot().rules["loss"].matches == 1)
+    time.sleep(5 * INTERVAL)  # passes that find only the partial line
+    out.write(b"an, Speed: 1.0 samples/sec\n")
+    assert tailer.stop(timeout=10)
+    snapshot = monitor.snapshot()
+    assert snapshot.rules["loss"].matches == 2
+    assert [(d.kind, d.line) for d in snapshot.detections] == [
+        ("NaNMetric", "Batch 8 Loss: nan, Speed: 1.0 samples/sec")
+    ]
+    assert snapshot.progress is not None and snapshot.progress.step == 8
+
+
+def test_lines_read_a_pass_later_keep_the_time_they_were_written(tmp_path: Path) -> None:
+    """Between passes the tailer waits (``interval``) while a worker writes on: what it
+    then reads is timed when it was written (its file's modification time), not when it
+    was read, so the pace of the passes does not move a hang timer or a step's time."""
+    got: list[tuple[bytes, float, float]] = []  # block, its time, when it was handed over
+    layout = LogLayout(tmp_path)
+    layout.rank_dir(0, 0).mkdir(parents=True)
+    out = layout.stdout(0, 0).open("wb", buffering=0)
+    tailer = LogTailer(
+        layout, 0, {0: 0}, interval=1.0,
+        on_lines=lambda rank, stream, block, t: got.append((block, t, time.time())),
+    )  # fmt: skip
+    tailer.start()
+    out.write(b"first\n")  # after a quiet spell: read at once
+    eventually(lambda: len(got) == 1)
+    out.write(b"second\n")  # read by the next pass, up to a second later
+    written = time.time()
+    eventually(lambda: len(got) == 2)
+    assert tailer.stop(timeout=10)
+    block, t, handed = got[1]
+    assert block == b"second\n"
+    assert t <= written + 0.05  # the file's clock may lag time.time() by a tick
+    assert handed - t > 0.5

@@ -8,6 +8,7 @@ import http.server
 import io
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -136,6 +137,35 @@ def test_a_batch_file_over_the_room_is_refused_before_its_bytes(peer: AgentProce
         status, _, reply = read_reply(sock)  # no byte of the file sent
     assert status == 413 and "room for" in error_of(reply)
     assert not held(peer, "node-4").joinpath("big.data").exists()
+
+
+def test_the_room_counts_what_earlier_batches_left(peer: AgentProcess) -> None:
+    root = held(peer, "node-5").parent
+    files = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")]
+    room = ROOM - sum(p.stat().st_size for p in files)  # what the other tests left aside
+    half = room // 2
+
+    def status_of(body: bytes, declared: int | None = None) -> int:
+        with post(peer, "node-5", body, declared) as sock:
+            if declared is not None:
+                sock.shutdown(socket.SHUT_WR)
+            return read_reply(sock)[0]
+
+    assert status_of(batch(("a.data", b"a" * half))) == 201
+    assert status_of(batch(("b.data", b"b" * (half + 100)))) == 413  # a.data counts
+    torn = batch(("b.data", b"b" * (half - 100)))
+    assert status_of(torn[:-1000], declared=len(torn)) == 400
+    assert not held(peer, "node-5").joinpath("b.data").exists()
+    # The torn file's bytes are not counted: c.data fits beside a.data.
+    assert status_of(batch(("c.data", b"c" * (half - 100)))) == 201
+    # A file's replacement counts in place of the file.
+    assert status_of(batch(("a.data", b"A" * (half + 50)))) == 201
+    assert held(peer, "node-5").joinpath("a.data").read_bytes() == b"A" * (half + 50)
+    # Files removed behind the store's back (their directory too) are found gone before
+    # a refusal, and the directory is made again.
+    shutil.rmtree(held(peer, "node-5"))
+    assert status_of(batch(("d.data", b"d" * (room - 10)))) == 201
+    held(peer, "node-5").joinpath("d.data").unlink()
 
 
 def _commit_shard(memory: Path, step: int) -> bytes:

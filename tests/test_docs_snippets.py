@@ -51,7 +51,8 @@ from docs_blocks import (
 )
 from docs_shell import command_lines, problems, simple_commands, variants
 from trainguard.spec import load_job
-from trainguard.spec.model import Container, TrainguardOptions, TrainingJob, TrainingJobSpec
+from trainguard.spec.kube import Container
+from trainguard.spec.model import TrainguardOptions, TrainingJob, TrainingJobSpec
 
 HARNESS = REPO / "tests" / "docs_harness"
 STARTING_SPEC = REPO / "docs" / "examples" / "job-minimal.yaml"

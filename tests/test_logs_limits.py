@@ -3,6 +3,7 @@ terminal's share of the lines, and a 40 MB flood through ``trainguard run``."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from conftest import Trainguard
 from trainguard.agent import spool as spool_module
 from trainguard.agent.logcap import RotatingFile, copy_truncate
 from trainguard.agent.logs import LogLayout, LogTailer
+from trainguard.platform.console import Console
 from trainguard.platform.throttle import LineThrottle
 from trainguard.wire.logs import LogLimits
 
@@ -331,3 +333,21 @@ def test_a_40mb_flood_through_trainguard_run(tg: Trainguard, tmp_path: Path) -> 
     shown = run.stdout.count("[rank0]: flood ")
     assert 0 < shown <= 1000 + 200 * elapsed + 10  # the burst, then the rate
     assert f"lines not shown; see trainguard logs {job_id}" in run.stderr
+
+
+def test_the_console_pump_shows_the_terminals_share_of_a_block_and_logs_all(
+    tmp_path: Path,
+) -> None:
+    """The runner copies an agent's console a block at a time: the terminal gets the
+    throttle's share (the first lines), the rest is counted and said, console.log gets
+    every line, and a last line without its newline is not lost."""
+    out, err = io.StringIO(), io.StringIO()
+    console = Console("job-1", out, err)
+    console._terminal = LineThrottle(rate=1e-9, burst=3, note_every=0.0)
+    with console.copied_to(tmp_path / "console.log", LogLimits()):
+        console.pump(io.BytesIO(b"[rank0]: a\n[rank0]: b\n[rank0]: c\n[rank0]: d\n[rank0]: e"))
+    assert out.getvalue() == "[rank0]: a\n[rank0]: b\n[rank0]: c\n"
+    note = "[trainguard] 1 lines not shown; see trainguard logs job-1\n"
+    assert err.getvalue() == note * 2  # one of the block, then the last line's
+    assert (tmp_path / "console.log").read_bytes().endswith(b"[rank0]: d\n[rank0]: e")
+    assert [LineThrottle(burst=5).admit_many(n) for n in (0, 2, 9)] == [0, 2, 5]

@@ -1,10 +1,10 @@
-"""The planners (control/recovery.py, replace.py, rescale.py) as pure functions: a literal
-JobView in, a Decision value out. No controller, no processes."""
+"""The planners (control/recovery.py, replace.py, rescale.py, lifecycle.py) as pure
+functions: a literal JobView in, a Decision value out. No controller, no processes."""
 
 from __future__ import annotations
 
 import control_helpers as h
-from trainguard.control import recovery, replace, rescale
+from trainguard.control import lifecycle, recovery, replace, rescale
 from trainguard.control.actions import (
     AttemptPhase,
     JobPhase,
@@ -21,6 +21,7 @@ from trainguard.control.attempt import (
     Launching,
     Rejoining,
     ReplacingInPlace,
+    Rescaling,
     Training,
 )
 from trainguard.control.config import ControlConfig
@@ -31,6 +32,7 @@ from trainguard.control.events import EventKind, Fault, FaultType
 from trainguard.control.inprocess import Rejoin
 from trainguard.control.policy import PolicyConfig, RestartRecord, RestartScope
 from trainguard.control.reports import NodeReport, NodeState
+from trainguard.wire.status import WorkerState
 
 NODES = ("node-0", "node-1")
 HOST = StoreEndpoint("10.0.0.1", 29500)
@@ -122,9 +124,8 @@ def test_a_failed_rank_with_survivors_restarts_in_place_keeping_rank_0s_rendezvo
     failed = h.workers(1, r3=h.failed_worker(3))
     reports["node-1"] = h.report("node-1", NodeState.RUNNING, 0, workers=failed)
     a = attempt(cfg, (dead,))
-    assert recovery.can_restart_in_place(view(cfg, a, reports))
     decided = recovery.restart_in_place(view(cfg, a, reports))
-    assert decided.end == (AttemptPhase.FAILED, "rank 3 died")
+    assert decided is not None and decided.end == (AttemptPhase.FAILED, "rank 3 died")
     assert decided.scope is RestartScope.IN_PROCESS and decided.counted
     assert decided.next == InPlace(survivors=(0, 1, 2), host=HOST)
 
@@ -217,3 +218,125 @@ def test_the_rejoin_watch_returns_the_ranks_it_replaced_in_the_next_value() -> N
         view(cfg, attempt(cfg, activity=decided.activity), running(*NODES), now=6.0)
     )
     assert again.actions == () and again.activity == decided.activity
+
+
+def launching(cfg: ControlConfig, activity: Activity | None = None) -> Attempt:
+    """Attempt 0 on NODES, its agents coming up until 30 s (no rank started)."""
+    a = attempt(cfg, activity=activity)
+    a.phase, a.assignments, a.launch_deadline = AttemptPhase.LAUNCHING, (), 30.0
+    return a
+
+
+def stopping(
+    cfg: ControlConfig, faults: tuple[Fault, ...], activity: Activity | None = None
+) -> Attempt:
+    """Attempt 0 on NODES, stopping since a look before (its nodes have until 20 s)."""
+    a = attempt(cfg, faults, activity)
+    a.phase, a.stop_deadline = AttemptPhase.STOPPING, 20.0
+    a.reason = faults[0].message if faults else None
+    return a
+
+
+def test_a_node_lost_while_launching_fails_the_attempt_and_the_policy_plans_on_after_it() -> None:
+    cfg = config(spare_node_ids=("node-2",))
+    a = launching(cfg)
+    # node-1 not up yet, before the deadline: wait.
+    assert lifecycle.launching(view(cfg, a, h.ready(["node-0"]))) == Decision()
+    gone = {**h.ready(["node-0"]), "node-1": h.lost("node-1")}
+    decided = lifecycle.launching(view(cfg, a, gone))
+    [fault] = decided.faults
+    assert fault.type is FaultType.NODE_LOST and fault.node == "node-1"
+    assert decided.end == (AttemptPhase.FAILED, fault.message) and decided.start is False
+    # What follows is planned on the view after that end: a counted restart, the spare in.
+    restart = decided.then
+    assert restart is not None and restart.nodes == ("node-0", "node-2") and restart.counted
+    assert restart.next == NextAttempt(
+        RestartScope.JOB, ("node-0", "node-2"), ("node-1",), keep=("node-0",)
+    )
+    assert a.faults == [] and a.phase is AttemptPhase.LAUNCHING  # the view's attempt unchanged
+    # Every agent up and idle: the attempt starts.
+    assert lifecycle.launching(view(cfg, a, h.ready(NODES))) == Decision(
+        activity=Training(), start=True
+    )
+
+
+def test_a_scale_ups_new_node_lost_while_launching_fails_the_scale_up_not_the_job() -> None:
+    cfg = config(elastic=ElasticConfig(1, 3))
+    watch = ElasticWatch(ElasticConfig(1, 3))
+    a = launching(cfg, Launching(growing=("node-1",)))
+    gone = {**h.ready(["node-0"]), "node-1": h.lost("node-1")}
+    decided = lifecycle.launching(view(cfg, a, gone, elastic=watch))
+    assert decided.faults == () and decided.end == (AttemptPhase.FAILED, "node-1 did not come up")
+    assert decided.nodes == ("node-0",) and decided.growth == ("node-1",)
+    assert decided.elastic is not None and decided.elastic.failures == 1
+    assert decided.next == NextAttempt(RestartScope.PROCESS, retire=("node-1",))
+    # It came up: the attempt starts, and the scale-up counts as a success.
+    started = lifecycle.launching(view(cfg, a, h.ready(NODES), elastic=watch))
+    assert started.start and started.activity == Training()
+    assert started.elastic is not None and started.elastic is not watch
+
+
+def test_a_stopped_attempt_ends_on_its_faults_then_the_policy_restarts_it() -> None:
+    cfg = config()
+    crash = Fault(FaultType.WORKER_CRASH, 5.0, 0, "node-1", rank=3, message="rank 3 died")
+    a = stopping(cfg, (crash,))
+    # node-1 still stops, before its deadline: wait (the deadline set at the first look).
+    still = h.reports(NODES, NodeState.STOPPING)
+    assert lifecycle.stopping(view(cfg, a, still)) == Decision(stop_deadline=20.0)
+    a.stop_deadline = None
+    assert (
+        lifecycle.stopping(view(cfg, a, still, now=12.0)).stop_deadline == 12.0 + a.stop_allowance
+    )
+    a.stop_deadline = 20.0
+    stopped = h.reports(NODES, NodeState.FAULTED)
+    decided = lifecycle.stopping(view(cfg, a, stopped))
+    assert decided.faults == () and decided.end == (AttemptPhase.FAILED, "rank 3 died")
+    restart = decided.then
+    assert restart is not None and restart.scope is RestartScope.PROCESS and restart.counted
+    assert restart.phase is JobPhase.RESTARTING and restart.next == NextAttempt(
+        RestartScope.PROCESS
+    )
+    # Past the deadline, the node still stopping is faulted for it too; a cancel ends the job.
+    late = lifecycle.stopping(view(cfg, a, still, now=21.0, cancel=(JobPhase.STOPPED, "deleted")))
+    assert [f.type for f in late.faults] == [FaultType.NODE_STOP_TIMEOUT] * 2
+    assert late.then == Decision(finish=(JobPhase.STOPPED, "deleted"))
+
+
+def test_a_scaling_stop_restarts_at_the_new_size_or_completes_where_the_work_was_done() -> None:
+    cfg = config(elastic=ElasticConfig(1, 3))
+    scale = Scale(1, "scale down 2 -> 1 nodes", drop=("node-1",))
+    a = stopping(cfg, (), Rescaling(scale))
+    a.reason = scale.reason
+    watch = ElasticWatch(ElasticConfig(1, 3))
+    # node-1 is taken away: its silence is no fault; node-0's ranks were stopped.
+    stopped = {
+        "node-0": h.report(
+            "node-0", NodeState.STOPPED, 0, workers=h.workers(0, WorkerState.STOPPED)
+        ),
+        "node-1": h.lost("node-1"),
+    }
+    decided = lifecycle.stopping(view(cfg, a, stopped, elastic=watch))
+    assert decided.faults == () and decided.end == (AttemptPhase.STOPPED, scale.reason)
+    rescaled = decided.then
+    assert rescaled is not None and rescaled.nodes == ("node-0",) and not rescaled.counted
+    assert rescaled.next == NextAttempt(RestartScope.PROCESS, (), ("node-1",), Launching())
+    # Its ranks exited 0 on their own before they stopped: the job completes.
+    done = {
+        **stopped,
+        "node-0": h.report(
+            "node-0", NodeState.COMPLETED, 0, workers=h.workers(0, WorkerState.SUCCEEDED)
+        ),
+    }
+    assert lifecycle.stopping(view(cfg, a, done, elastic=watch)) == Decision(
+        stop_deadline=20.0, complete="all ranks completed"
+    )
+
+
+def test_a_fault_while_running_is_recorded_and_stops_every_rank() -> None:
+    cfg = config()
+    hang = Fault(FaultType.LOG_HANG, 5.0, 0, "node-1", rank=2, message="rank 2 hangs")
+    decided = lifecycle.faulted(view(cfg, attempt(cfg), running(*NODES)), [hang])
+    assert decided == Decision(
+        faults=(hang,), then=Decision(stop=Stop(StopMode.PROCESS, "rank 2 hangs", capture=True))
+    )
+    assert lifecycle.faulted(view(cfg, attempt(cfg), running(*NODES)), []) is None

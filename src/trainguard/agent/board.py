@@ -234,12 +234,12 @@ class NodeBoard:
 
     # -- from any thread ---------------------------------------------------------------
 
-    def monitor_line(self, rank: int, stream: str, line: str, t: float) -> None:
-        """Feed a worker line to the current attempt's monitor (an in-process restart
-        replaces the monitor while the workers, and the tailer, go on)."""
+    def monitor_lines(self, rank: int, stream: str, block: bytes, t: float) -> None:
+        """Feed a block of worker lines to the current attempt's monitor (an in-process
+        restart replaces the monitor while the workers, and the tailer, go on)."""
         monitor = self.monitor
         if monitor is not None:
-            monitor.on_line(rank, stream, line, t)
+            monitor.on_lines(rank, stream, block, t)
 
     def snapshot(self, persister: DurablePersister | None) -> NodeStatus:
         with self.lock:

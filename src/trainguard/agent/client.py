@@ -12,6 +12,7 @@ request with a ``Content-Length`` body, a reply with a status line, headers and 
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import urllib.parse
@@ -20,6 +21,7 @@ from typing import IO
 
 from pydantic import ValidationError
 
+from trainguard.agent.blocking_socket import blocking
 from trainguard.agent.rank_log import LOGS_PATH, LogPiece
 from trainguard.http_client import error_text
 from trainguard.wire.base import Wire
@@ -223,8 +225,7 @@ def _exchange(
                     raise ValueError("reply ended inside its headers")
                 data += more
             data = data.partition(b"\r\n\r\n")[2]
-            for prefix, file, size in parts:
-                _send_part(sock, prefix, file, size)
+            _send_parts(sock, parts)
             data = data or sock.recv(_CHUNK)
     except (ConnectionError, BrokenPipeError) as exc:
         raise _Dropped from exc
@@ -271,11 +272,21 @@ def _exchange(
     return status, keep, b"".join(chunks)
 
 
-def _send_part(sock: socket.socket, prefix: bytes, file: IO[bytes], size: int) -> None:
-    if prefix:
-        sock.sendall(prefix)
-    left = size - (sock.sendfile(file, 0, size) if size else 0)
-    while left > 0:  # the file shrank since its size was taken: zeros keep the framing
-        pad = min(left, _CHUNK)
-        sock.sendall(bytes(pad))
-        left -= pad
+def _send_parts(sock: socket.socket, parts: Sequence[Part]) -> None:
+    """Each part's bytes, then its file's (``sendfile``, the socket blocking meanwhile
+    with its timeout as the kernel's: one call per file, not one per socket buffer)."""
+    with blocking(sock):
+        for prefix, file, size in parts:
+            if prefix:  # MSG_MORE: it goes out with the file's first bytes, not alone
+                sock.sendall(prefix, socket.MSG_MORE if size else 0)
+            sent = 0
+            while sent < size:
+                got = os.sendfile(sock.fileno(), file.fileno(), sent, size - sent)
+                if not got:
+                    break
+                sent += got
+            left = size - sent
+            while left > 0:  # the file shrank since its size was taken: zeros keep the framing
+                pad = min(left, _CHUNK)
+                sock.sendall(bytes(pad))
+                left -= pad

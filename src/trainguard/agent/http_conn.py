@@ -16,7 +16,6 @@ import contextlib
 import fcntl
 import http
 import os
-import select
 import socket
 import time
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from trainguard.agent.api import Reply, error_reply
+from trainguard.agent.blocking_socket import blocking
 
 __all__ = ["Connection", "HttpError", "RequestHead", "head_end", "parse_head", "reply_bytes"]
 
@@ -187,7 +187,8 @@ class Connection:
         return bytes(body)
 
     def body_stream(self, length: int) -> BodyStream:
-        """A ``read(size)`` over the next ``length`` bytes of body (a streamed body)."""
+        """A ``read(size)`` over the next ``length`` bytes of body (a streamed body); to
+        close once read (a ``with`` block: it may hold a pipe)."""
         return BodyStream(self, length)
 
     def send(self, data: bytes) -> None:
@@ -226,6 +227,7 @@ class BodyStream:
     def __init__(self, conn: Connection, length: int) -> None:
         self._conn = conn
         self._left = length
+        self._pipe: tuple[int, int] | None = None
 
     def read(self, size: int = -1, /) -> bytes:
         """``size`` bytes (all that is left if fewer), fewer only if the client hangs up."""
@@ -265,19 +267,28 @@ class BodyStream:
     def splice_into(self, fd: int, count: int) -> int:
         """Write the next ``count`` bytes of body to the file ``fd``: the buffered ones,
         then straight from the socket through a pipe (``splice``: the bytes never pass
-        through Python, and the kernel copies them once, not twice). How many were
-        written: none only when the client hung up. :class:`TimeoutError` when none
+        through Python, and the kernel copies them once, not twice; one pipe for the
+        whole body, closed by :meth:`close`). How many were written: none only when the
+        client hung up. :class:`TimeoutError` when a MiB of them (or the rest) does not
         come within the socket's timeout."""
         count = min(count, self._left)
         buffer = self._conn.buffer
         done = min(len(buffer), count)
-        head = bytes(buffer[:done])  # what came with the request's head: a little
-        del buffer[:done]
-        while head:
-            head = head[os.write(fd, head) :]
+        if done:  # what came with the request's head or a header line: a little
+            with memoryview(buffer) as view:
+                written = 0
+                while written < done:
+                    written += os.write(fd, view[written:done])
+            del buffer[:done]
         sock = self._conn.sock
         if done < count and type(sock) is socket.socket:  # the kernel's bytes are the body
-            done += _splice(sock, fd, count - done)
+            if self._pipe is None:
+                self._pipe = _open_pipe()
+            try:
+                done += _splice(sock, self._pipe, fd, count - done)
+            except BaseException:
+                self.close()  # the pipe may hold bytes: none may go to the next file
+                raise
         elif done < count:  # a wrapped socket (TLS): its bytes through Python
             chunk = sock.recv(min(_CHUNK, count - done))
             done += len(chunk)
@@ -288,7 +299,9 @@ class BodyStream:
 
     def readline(self, size: int = -1, /) -> bytes:
         """The body's next line, with its ``\\n``: at most ``size`` bytes (fewer at the
-        body's end, or when the client hangs up); never reads past the body."""
+        body's end, or when the client hangs up); never reads past the body, nor more
+        than ``size`` bytes past the line (the bytes after a batch's header line are a
+        file's, for :meth:`splice_into`)."""
         buffer = self._conn.buffer
         limit = self._left if size < 0 else min(size, self._left)
         while True:
@@ -296,7 +309,7 @@ class BodyStream:
             if end >= 0 or len(buffer) >= limit:
                 take = end + 1 if end >= 0 else limit
                 break
-            got = self._conn.sock.recv(min(_CHUNK, self._left - len(buffer)))
+            got = self._conn.sock.recv(min(_CHUNK, limit - len(buffer)))
             if not got:
                 take = min(len(buffer), limit)
                 break
@@ -306,29 +319,44 @@ class BodyStream:
         self._left -= take
         return line
 
+    def close(self) -> None:
+        """Close the pipe :meth:`splice_into` opened, if any."""
+        if self._pipe is not None:
+            pipe, self._pipe = self._pipe, None
+            os.close(pipe[0])
+            os.close(pipe[1])
 
-def _splice(sock: socket.socket, fd: int, count: int) -> int:
-    """Move ``count`` bytes from ``sock`` to the file ``fd`` through a pipe; how many
-    moved (fewer: the peer hung up). The socket's timeout bounds each wait for bytes."""
+    def __enter__(self) -> BodyStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _open_pipe() -> tuple[int, int]:
+    """A pipe for :func:`_splice`: (read end, write end), as large as allowed."""
     read_end, write_end = os.pipe2(os.O_CLOEXEC)
-    try:
-        with contextlib.suppress(OSError):  # a larger pipe, fewer calls (else 64 KiB)
-            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        moved = 0
+    with contextlib.suppress(OSError):  # a larger pipe, fewer calls (else 64 KiB)
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    return read_end, write_end
+
+
+def _splice(sock: socket.socket, pipe: tuple[int, int], fd: int, count: int) -> int:
+    """Move ``count`` bytes from ``sock`` to the file ``fd`` through ``pipe`` (empty
+    before and after); how many moved (fewer: the peer hung up). The socket blocks
+    meanwhile (:func:`~trainguard.agent.blocking_socket.blocking`), so that one call
+    moves a pipe's worth of bytes (1 MiB) however they come in (a non-blocking one took
+    what had come: many calls, and a ``select`` each): :class:`TimeoutError` when a
+    pipe's worth (or the rest) does not come within the socket's timeout."""
+    read_end, write_end = pipe
+    moved = 0
+    with blocking(sock):
         while moved < count:
-            try:
-                got = os.splice(sock.fileno(), write_end, min(_PIPE_BYTES, count - moved))
-            except BlockingIOError:  # a socket with a timeout is non-blocking
-                if not select.select([sock], [], [], sock.gettimeout())[0]:
-                    raise TimeoutError("timed out waiting for the body") from None
-                continue
+            got = os.splice(sock.fileno(), write_end, min(_PIPE_BYTES, count - moved))
             if not got:
                 break
             left = got
             while left:
                 left -= os.splice(read_end, fd, left)
             moved += got
-        return moved
-    finally:
-        os.close(read_end)
-        os.close(write_end)
+    return moved

@@ -131,7 +131,8 @@ class RequestHandler:
                 with self._transfer():
                     if head.expects_continue:
                         conn.send(_CONTINUE)
-                    store.receive(source, relpath, conn.body_stream(length), length)
+                    with conn.body_stream(length) as body:
+                        store.receive(source, relpath, body, length)
                 reply = json_reply(201, {"stored": relpath})
             elif head.method == "POST" and not relpath:
                 if length is None:
@@ -139,7 +140,8 @@ class RequestHandler:
                 with self._transfer():
                     if head.expects_continue:
                         conn.send(_CONTINUE)
-                    stored = store.receive_batch(source, conn.body_stream(length))
+                    with conn.body_stream(length) as body:
+                        stored = store.receive_batch(source, body)
                 reply = json_reply(201, {"stored": stored})
             elif length:
                 raise HttpError(413, _too_large(head, 0))

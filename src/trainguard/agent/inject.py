@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from trainguard.monitor.lines import split_lines
 from trainguard.monitor.progress import DEFAULT_PROGRESS_PATTERN, ProgressMatcher
 from trainguard.platform.actuate import SignalActuator
 from trainguard.platform.inject import signal_rank
@@ -70,6 +71,15 @@ class StepInjector:
     def fired(self) -> tuple[InjectedFault, ...]:
         with self._lock:
             return tuple(self._fired[k] for k in sorted(self._fired))
+
+    def on_lines(self, rank: int, stream: str, block: bytes, t: float) -> None:
+        """Whole worker lines (the tailer's thread): each as :meth:`on_line`, while an
+        injection is armed for a rank of this node (else nothing is read)."""
+        with self._lock:
+            if not any(i.rank in self._pids for i in self._armed.values()):
+                return
+        for line in split_lines(block):
+            self.on_line(rank, stream, line.decode(errors="replace"), t)
 
     def on_line(self, rank: int, stream: str, line: str, t: float) -> None:
         """A worker's output line (the tailer's thread): fire what its step makes due.

@@ -29,24 +29,33 @@ has finished with is truncated past 1 MiB (all of it is in ``rank-{R}.log``).
 Between passes the tailer sleeps on an ``inotify`` watch of the ranks' directories
 (:mod:`trainguard.agent.filewatch`): a write wakes it (a pass at once after a quiet spell,
 at most one per ``interval`` while a worker keeps writing, with the 20 ms look for a flood
-in between only after a busy pass), and a node whose workers print nothing costs no
-wake-ups but one pass a second. Where inotify is missing it polls: a pass every
-``interval``, a look every 20 ms.
+in between only after a busy pass), a rank that exits has its last lines read at once
+(:meth:`LogTailer.finish_rank`), and a node whose workers print nothing costs no wake-ups
+but one pass a second. Where inotify is missing it polls: a pass every ``interval``, a
+look every 20 ms. The agent's ``interval`` is 0.25 s (``AgentTimings.tail_interval``): a
+wake-up costs more CPU than matching a block of lines, and a worker that prints a line a
+step (100 a second) is read in blocks of ~25 lines, 4 wake-ups a second (as few writes
+to the console, and wake-ups of the runner's pump that copies it). Detection does not wait for the
+pace: the lines a pass reads carry the time they were written by (the spool's
+modification time, :meth:`LogTailer._written_at`), not the time they were read, so a hang
+timer or a step's time is as exact as at a pass every 20 ms.
 
-A chunk's complete lines go to the rank's log in one write and to the console in writes
-of whole lines up to ``PIPE_BUF`` bytes (:meth:`Console.write_lines`), then one by one to
-``on_line``.
+What a pass reads goes out as a block of whole lines: one write to the rank's log, writes
+of whole lines up to ``PIPE_BUF`` bytes to the console (:meth:`Console.write_lines`), one
+call of ``on_lines`` (the log rules and the progress scan a block with one RE2 search per
+pattern and match, :mod:`trainguard.monitor.lines`; no Python runs per line).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import select
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Final
 
@@ -60,8 +69,9 @@ logger = logging.getLogger(__name__)
 ATTEMPT_MARKER = "=== trainguard: attempt {attempt} ==="
 STREAMS = ("stdout", "stderr")
 
-LineHook = Callable[[int, str, str, float], None]
-"""``on_line(rank, stream, line, t)``: a worker line (no newline), read at unix time ``t``."""
+LinesHook = Callable[[int, str, bytes, float], None]
+"""``on_lines(rank, stream, block, t)``: whole worker lines (each ending in a newline),
+written by unix time ``t`` (see :meth:`LogTailer._written_at`)."""
 
 _READ_CHUNK = 64 * 1024
 _CHECK_EVERY = 4 * _READ_CHUNK  # while reading, how often to look how far the writer is
@@ -120,24 +130,16 @@ class Console:
     def write_line(self, rank: int, line: bytes) -> None:
         """``[rank{R}]: line``; a line that already starts so (torch.distributed's
         excepthook prefixes each line of a rank's traceback the same way) is left as is."""
-        self.write_lines(rank, (line,))
+        self.write_lines(rank, line + b"\n")
 
-    def write_lines(self, rank: int, lines: Sequence[bytes]) -> None:
-        """Several lines of ``rank``, each prefixed as :meth:`write_line` does, a few
-        whole lines per write + flush: each write holds at most ``PIPE_BUF`` bytes (or one
-        longer line), so that on a shared pipe it cannot interleave with another agent's."""
-        if not lines:
+    def write_lines(self, rank: int, block: bytes) -> None:
+        """Whole lines of ``rank`` (each ending in a newline), each prefixed as
+        :meth:`write_line` does, a few whole lines per write + flush: each write holds at
+        most ``PIPE_BUF`` bytes (or one longer line), so that on a shared pipe it cannot
+        interleave with another agent's."""
+        if not block:
             return
-        prefix = b"[rank%d]: " % rank
-        shown = [(line if line.startswith(prefix) else prefix + line) + b"\n" for line in lines]
-        pieces: list[bytes] = []
-        start, size = 0, 0
-        for end, line in enumerate(shown):
-            if size and size + len(line) > select.PIPE_BUF:
-                pieces.append(b"".join(shown[start:end]))
-                start, size = end, 0
-            size += len(line)
-        pieces.append(b"".join(shown[start:]))
+        pieces = _pipe_pieces(_prefixed(b"[rank%d]: " % rank, block))
         with self._lock:
             if not self._broken:
                 for index, piece in enumerate(pieces):
@@ -159,6 +161,30 @@ class Console:
                 self._fallback = None  # no room, no directory: the echo is lost, not the job
 
 
+def _prefixed(prefix: bytes, block: bytes) -> bytes:
+    """Each line of ``block`` with ``prefix`` in front, unless it starts with it."""
+    if prefix not in block:  # the usual case: no line by line
+        return prefix + block[:-1].replace(b"\n", b"\n" + prefix) + b"\n"
+    lines = block[:-1].split(b"\n")
+    return b"".join((line if line.startswith(prefix) else prefix + line) + b"\n" for line in lines)
+
+
+def _pipe_pieces(shown: bytes) -> list[bytes]:
+    """``shown`` (whole lines) cut at line ends into pieces of at most ``PIPE_BUF`` bytes
+    (a longer line alone)."""
+    if len(shown) <= select.PIPE_BUF:
+        return [shown]
+    pieces: list[bytes] = []
+    start = 0
+    while start < len(shown):
+        end = shown.rfind(b"\n", start, start + select.PIPE_BUF) + 1
+        if end <= start:  # one line longer than PIPE_BUF
+            end = shown.find(b"\n", start + select.PIPE_BUF) + 1 or len(shown)
+        pieces.append(shown[start:end])
+        start = end
+    return pieces
+
+
 def orphaned_console(log_dir: Path, node_id: str) -> Path:
     """Where a node's agent writes its console once nobody reads its pipe."""
     return log_dir / f"console-{node_id}.orphaned.log"
@@ -173,6 +199,7 @@ class _Followed:
     stream: str
     spool: Spool
     pending: bytes = b""
+    read_at: float = field(default_factory=time.time)  # its last read that gave lines
     done: bool = False
     finishing: bool = False  # its process has exited: read to the end, then stop
 
@@ -181,10 +208,10 @@ class LogTailer:
     """Follows the stdout/stderr files of one attempt's workers on this node.
 
     Every complete line goes to the rank's combined log, to the console and to
-    ``on_line``. A partial last line is held until its newline arrives, or until
-    the worker is known to have exited (:meth:`finish_rank`) or the tailer is
-    stopped; :meth:`stop` drains everything before it returns. Disk use is bounded by
-    ``limits`` (see the module docstring).
+    ``on_lines`` (a block of whole lines at a time). A partial last line is held until
+    its newline arrives, or until the worker is known to have exited
+    (:meth:`finish_rank`) or the tailer is stopped; :meth:`stop` drains everything
+    before it returns. Disk use is bounded by ``limits`` (see the module docstring).
     """
 
     def __init__(
@@ -195,7 +222,7 @@ class LogTailer:
         *,
         interval: float,
         console: Console | None = None,
-        on_line: LineHook | None = None,
+        on_lines: LinesHook | None = None,
         max_line_bytes: int = 1024 * 1024,
         limits: LogLimits | None = None,
     ) -> None:
@@ -206,7 +233,7 @@ class LogTailer:
         self._ranks = dict(ranks)
         self.interval = interval  # may change while it runs (an armed injection reads faster)
         self._console = console
-        self._on_line = on_line
+        self._on_lines = on_lines
         self._max_line = max_line_bytes
         self._limits = limits or LogLimits()
         self._followed = [
@@ -219,6 +246,7 @@ class LogTailer:
         self._polling = False  # True: poll, although watched (a file outside the watch)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._woken = threading.Event()  # poked (a rank finished, stop): pass at once
         self._hook_failed = False
         self._read_bytes = 0  # read by the tailer's thread since its last pass began
         self._thread = threading.Thread(
@@ -262,7 +290,9 @@ class LogTailer:
             self._poke()
 
     def _poke(self) -> None:
-        """Wake the tailer's wait for a change (with ``_lock`` held)."""
+        """Wake the tailer's wait for a change or for its next pass (with ``_lock``
+        held)."""
+        self._woken.set()
         if self._watch is not None:
             self._watch.poke()
 
@@ -293,6 +323,7 @@ class LogTailer:
         try:
             while True:
                 final = self._stop.is_set()
+                self._woken.clear()  # a poke from now on is for the next pass
                 self._read_bytes = 0
                 behind = self._pass(final)
                 if final:
@@ -328,15 +359,16 @@ class LogTailer:
         self._pace(deadline, busy or watch is None)
 
     def _pace(self, deadline: float, flood_watch: bool) -> None:
-        """Wait until ``deadline``, or less: until stopped, or (``flood_watch``) until a
-        worker has written a lot since (a flood starts between two passes: its spool
+        """Wait until ``deadline``, or less: until poked (a rank finished: its last lines
+        are read at once; stopped), or (``flood_watch``) until a worker has written a lot
+        since (a flood starts between two passes: its spool
         stays small). Without ``flood_watch`` (the workers wrote little lately) one
         sleep: a worker's first burst waits for the next pass, the skip bounds it."""
         if not flood_watch:
-            self._stop.wait(max(0.0, deadline - time.monotonic()))
+            self._woken.wait(max(0.0, deadline - time.monotonic()))
             return
         while (left := deadline - time.monotonic()) > 0:
-            if self._stop.wait(min(left, _WATCH_INTERVAL)):
+            if self._woken.wait(min(left, _WATCH_INTERVAL)):
                 return
             if self._flooding():
                 return
@@ -357,7 +389,7 @@ class LogTailer:
             if final or finishing:
                 self._read(followed, None)
                 if followed.pending:
-                    self._emit(followed, followed.pending)
+                    self._emit(followed, followed.pending + b"\n")
                     followed.pending = b""
                 followed.done = True
                 followed.spool.finish(SPOOL_KEPT_WHEN_DONE)  # all of it is in rank-{R}.log
@@ -394,18 +426,20 @@ class LogTailer:
     def _feed(self, followed: _Followed, chunk: bytes) -> None:
         """Emit the complete lines of ``chunk`` (after what is pending); keep the rest."""
         self._read_bytes += len(chunk)
-        *lines, followed.pending = (followed.pending + chunk).split(b"\n")
+        data = followed.pending + chunk
+        cut = data.rfind(b"\n") + 1
+        block, followed.pending = data[:cut], data[cut:]
         if len(followed.pending) > self._max_line:  # no newline in sight: cut it
-            lines.append(followed.pending)
+            block += followed.pending + b"\n"
             followed.pending = b""
-        self._emit_lines(followed, lines)
+        self._emit(followed, block)
 
     def _skip(self, followed: _Followed) -> None:
         """The writer is too far ahead: skip its backlog but the newest part, and say so."""
         skipped, kept = followed.spool.skip()
         if skipped:
             if followed.pending:  # its end is among the skipped bytes
-                self._emit(followed, followed.pending)
+                self._emit(followed, followed.pending + b"\n")
                 followed.pending = b""
             self._note(followed, skipped)
         if kept:
@@ -421,25 +455,38 @@ class LogTailer:
         if self._console is not None:
             self._console.write_line(followed.rank, line)
 
-    def _emit(self, followed: _Followed, line: bytes) -> None:
-        self._emit_lines(followed, [line])
-
-    def _emit_lines(self, followed: _Followed, lines: list[bytes]) -> None:
-        """A chunk's complete lines: one write to the rank's log and one to the console
-        (not one per line), then each line to ``on_line``."""
-        if not lines:
+    def _emit(self, followed: _Followed, block: bytes) -> None:
+        """Whole lines (each ending in a newline): one write to the rank's log, whole-line
+        writes to the console, one call of ``on_lines``."""
+        if not block:
             return
-        t = time.time()
-        self._combined[followed.rank].write(b"\n".join(lines) + b"\n")
+        t = self._written_at(followed)
+        self._combined[followed.rank].write(block)
         if self._console is not None:
-            self._console.write_lines(followed.rank, lines)
-        if self._on_line is None:
+            self._console.write_lines(followed.rank, block)
+        if self._on_lines is None:
             return
-        rank, stream, hook = followed.rank, followed.stream, self._on_line
-        for line in lines:
-            try:
-                hook(rank, stream, line.decode(errors="replace"), t)
-            except Exception:
-                if not self._hook_failed:
-                    logger.exception("on_line hook failed (further failures not logged)")
-                self._hook_failed = True
+        try:
+            self._on_lines(followed.rank, followed.stream, block, t)
+        except Exception:
+            if not self._hook_failed:
+                logger.exception("on_lines hook failed (further failures not logged)")
+            self._hook_failed = True
+
+    @staticmethod
+    def _written_at(followed: _Followed) -> float:
+        """When the lines read now were written, at the latest: the spool's modification
+        time (its newest write, or the tailer's own hole punch or truncation in its
+        previous pass, whichever came later), no earlier than the stream's previous read
+        and no later than now (a network filesystem's clock that is not this machine's
+        moves it by at most a pass). So the pace of the passes does not delay the time a
+        rule or the progress sees."""
+        now = time.time()
+        file = followed.spool.file
+        try:
+            written = now if file is None else os.fstat(file.fileno()).st_mtime
+        except OSError:
+            written = now
+        t = min(now, max(written, followed.read_at))
+        followed.read_at = now
+        return t

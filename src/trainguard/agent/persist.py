@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainguard.agent.meta_cache import MetaCache
 from trainguard.checkpoint.files import checksum, hold_from, write_hold
 from trainguard.wire.status import CheckpointStatus, MemoryStep
 
@@ -109,23 +110,30 @@ class MemoryShardFile:
     meta: dict[str, Any]
 
 
-def scan_memory(root: Path) -> dict[int, dict[int, MemoryShardFile]]:
-    """Step -> rank -> shard, for every copy-complete shard in a node's memory tier."""
+def scan_memory(
+    root: Path, metas: MetaCache | None = None
+) -> dict[int, dict[int, MemoryShardFile]]:
+    """Step -> rank -> shard, for every copy-complete shard in a node's memory tier
+    (``metas``: the metas read before, read again only if changed)."""
+    metas = metas if metas is not None else MetaCache()
     found: dict[int, dict[int, MemoryShardFile]] = {}
     if not root.is_dir():
         return found
+    seen = set()
     for path in root.iterdir():
         match = _META.match(path.name)
         if match is None:
             continue
+        seen.add(path)
         try:
-            meta = json.loads(path.read_bytes())
+            meta = metas.read(path)[1]
             step, rank = int(meta["step"]), int(meta["rank"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being rewritten or foreign; the next scan sees it
         if rank != int(match.group(1)):
             continue
         found.setdefault(step, {})[rank] = MemoryShardFile(rank, step, path, meta)
+    metas.forget_except(seen)
     return found
 
 
@@ -193,6 +201,7 @@ class DurablePersister:
         asked before every shard and before the commit."""
         self._fence = fence
         self.memory_dir = memory_dir
+        self._metas = MetaCache()  # the memory tier's metas, parsed once per version
         self.settings = settings
         self.commit_timeout = commit_timeout
         self._workers_alive = workers_alive
@@ -221,7 +230,7 @@ class DurablePersister:
                 ranks=tuple(sorted(shards)),
                 force=any(bool(s.meta.get("persist")) for s in shards.values()),
             )
-            for step, shards in scan_memory(self.memory_dir).items()
+            for step, shards in scan_memory(self.memory_dir, self._metas).items()
         }
         with self._lock:
             return CheckpointStatus(
@@ -269,7 +278,7 @@ class DurablePersister:
         """The step this node's ranks hold for ``request``, once every one has it."""
         deadline = time.monotonic() + self.commit_timeout
         while True:
-            memory = scan_memory(self.memory_dir)
+            memory = scan_memory(self.memory_dir, self._metas)
             firsts = {
                 rank: min(
                     (

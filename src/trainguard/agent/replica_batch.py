@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, NamedTuple, Protocol
 
-from trainguard.checkpoint.tier_dir import open_private, private_dir
+from trainguard.checkpoint.tier_dir import open_private
 
 __all__ = [
     "BATCH_QUERY",
@@ -111,9 +111,9 @@ def read_frame(stream: BatchStream) -> Frame | None:
 
 
 def write_file(target: Path, stream: BatchStream, size: int, what: str) -> None:
-    """Write the next ``size`` bytes of ``stream`` to ``target`` atomically (a temporary
+    """Write the next ``size`` bytes of ``stream`` to ``target`` (its directory made
+    already, :func:`~trainguard.checkpoint.tier_dir.private_dir`) atomically (a temporary
     file renamed once whole: nothing of it stays when the stream fails or ends early)."""
-    private_dir(target.parent)
     tmp = target.parent / f".tmp-{target.name}-{threading.get_ident()}"
     # A request's body (the agent's server) is spliced from its socket to the file;
     # other streams (a reply, in a restore) are read into a buffer and written.

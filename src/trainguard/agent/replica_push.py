@@ -22,6 +22,7 @@ from typing import IO
 
 from trainguard.agent.client import AgentClient, AgentError
 from trainguard.agent.filewatch import COMMITS, DirWatch
+from trainguard.agent.meta_cache import MetaCache
 from trainguard.agent.replica_batch import file_part
 from trainguard.agent.replicas import (
     TRANSFER_TIMEOUT_SECONDS,
@@ -76,6 +77,7 @@ class ReplicaPusher:
         self.interval = interval
         self.safety_interval = safety_interval
         self._pushed: dict[tuple[str, str], tuple[int, int]] = {}  # (peer, meta) -> version
+        self._metas = MetaCache()  # the memory tier's metas, parsed once per version
         # Kept-alive connections: one per file pushed cost both agents more CPU (and the
         # receiver a thread) than the copying.
         self._peers = {
@@ -119,7 +121,7 @@ class ReplicaPusher:
         """
         units: list[Unit] = [
             (shard.meta, shard.data, shard.version)
-            for shard in newest_whole_step(checksummed_shards(self.memory_dir))
+            for shard in newest_whole_step(checksummed_shards(self.memory_dir, self._metas))
         ]
         units += dcp_step_files(self.memory_dir)
         pushed = 0
@@ -138,7 +140,7 @@ class ReplicaPusher:
                 try:
                     for rel in (unit[1], unit[0]):
                         if rel is not None:
-                            f = files.enter_context(open(self.memory_dir / rel, "rb"))
+                            f = files.enter_context(open(self.memory_dir / rel, "rb", 0))
                             parts.append(file_part(f, rel))
                 except OSError as exc:  # a slot dropped since the scan: the next pass
                     logger.debug("replica push of %s skipped: %s", unit[0], exc)

@@ -36,11 +36,13 @@ import logging
 import os
 import re
 import shutil
+import threading
 import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
+from trainguard.agent.meta_cache import MetaCache
 from trainguard.agent.replica_batch import (
     BATCH_QUERY,
     BatchStream,
@@ -52,6 +54,7 @@ from trainguard.agent.replica_batch import (
     write_file,
 )
 from trainguard.checkpoint.files import checksum
+from trainguard.checkpoint.tier_dir import private_dir
 from trainguard.http_client import open_url
 
 __all__ = [
@@ -98,14 +101,16 @@ class Shard(NamedTuple):
     step: int
 
 
-def checksummed_shards(root: Path) -> list[Shard]:
-    """Every shard in a memory tier whose meta has a checksum."""
+def checksummed_shards(root: Path, metas: MetaCache | None = None) -> list[Shard]:
+    """Every shard in a memory tier whose meta has a checksum (``metas``: the metas read
+    before, read again only if changed)."""
+    metas = metas if metas is not None else MetaCache()
     shards = []
-    for meta_path in sorted(root.glob("*.meta")) if root.is_dir() else []:
+    paths = sorted(root.glob("*.meta")) if root.is_dir() else []
+    for meta_path in paths:
         data_path = meta_path.with_suffix(".data")
         try:
-            st = meta_path.stat()
-            meta = json.loads(meta_path.read_bytes())
+            st, meta = metas.read(meta_path)
         except (OSError, ValueError):
             continue  # being rewritten; the next pass sees it
         if not isinstance(meta, dict) or not meta.get("checksum") or not data_path.exists():
@@ -114,6 +119,7 @@ def checksummed_shards(root: Path) -> list[Shard]:
         if isinstance(rank, int) and isinstance(step, int):
             version = (st.st_mtime_ns, st.st_size)
             shards.append(Shard(meta_path.name, data_path.name, version, rank, step))
+    metas.forget_except(set(paths))
     return shards
 
 
@@ -191,29 +197,46 @@ class ReplicaStore:
 
     ``max_bytes`` (the agent's ``--max-replica-bytes``): the most bytes of replicas it
     holds, of every peer together; None: as much as the filesystem has room for.
+
+    The store is the one writer under ``root``: it counts the bytes it holds as it
+    writes and prunes (the files are walked once, at the first receipt, and again only
+    for :meth:`room` and before a refusal, in case some were removed behind its back),
+    so a file of a batch costs no walk of every file held.
     """
 
     def __init__(self, root: Path, max_bytes: int | None = None) -> None:
         self.root = root
         self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._sizes: dict[Path, int] | None = None  # every file held (or being received)
+        self._held = 0  # their bytes
+        self._dirs: set[Path] = set()  # directories made (and checked) private
 
     def room(self, source: str, relpath: str) -> int:
         """The most bytes a received ``source/relpath`` may have: the free space of the
         replicas' filesystem (RAM), and what ``max_bytes`` leaves beside the other files
-        held (the file it replaces does not count). :class:`ReplicaError` for a bad path."""
+        held (the file it replaces does not count), counted afresh (a walk of the files
+        held: for a single file's ``PUT``; a batch's files count as they come).
+        :class:`ReplicaError` for a bad path."""
         target = self.root / _safe_name(source) / safe_relpath(relpath)
-        room = _free_bytes(self.root)
-        if self.max_bytes is not None:
-            held = sum(_size(p) for p in _files(self.root) if p != target)
-            room = min(room, self.max_bytes - held)
-        return max(0, room)
+        with self._lock:
+            self._sizes = None
+            return self._room(target)
 
     def receive(self, source: str, relpath: str, stream: BatchStream, length: int) -> None:
         """Write ``length`` bytes of ``stream`` to ``source/relpath`` (atomically: nothing
-        of it stays when the stream fails or ends early)."""
-        target = self.root / _safe_name(source) / safe_relpath(relpath)
-        self._prune_dcp(self.root / source, relpath)
-        write_file(target, stream, length, relpath)
+        of it stays when the stream fails or ends early), if :meth:`room` has room for
+        them (else :class:`ReplicaRoomError`, before a byte is read)."""
+        held = self.root / _safe_name(source)
+        target = held / safe_relpath(relpath)
+        if relpath.startswith("dcp/"):
+            self._prune_dcp(held, relpath)
+        self._claim(target, length, relpath)
+        try:
+            self._private_dir(target.parent)
+            write_file(target, stream, length, relpath)
+        finally:
+            self._recount(target)  # the file received, or the one it was to replace
 
     def receive_batch(self, source: str, stream: BatchStream) -> list[str]:
         """Write every file of the batch in ``stream`` under ``source``, in its order,
@@ -222,12 +245,57 @@ class ReplicaStore:
         file: those before it stand, nothing of it does."""
         stored = []
         while (frame := read_frame(stream)) is not None:
-            room = self.room(source, frame.path)
-            if frame.size > room:
-                raise ReplicaRoomError(f"replica {frame.path}: {frame.size} bytes, room for {room}")
             self.receive(source, frame.path, stream, frame.size)
             stored.append(frame.path)
         return stored
+
+    def _room(self, target: Path) -> int:
+        """:meth:`room` for ``target``, with the lock held."""
+        room = _free_bytes(self.root)
+        if self.max_bytes is not None:
+            sizes = self._counted()
+            room = min(room, self.max_bytes - (self._held - sizes.get(target, 0)))
+        return max(0, room)
+
+    def _claim(self, target: Path, size: int, relpath: str) -> None:
+        """Count ``size`` bytes for ``target`` (in place of its file's) if there is room."""
+        with self._lock:
+            room = self._room(target)
+            if size > room and self.max_bytes is not None:
+                self._sizes = None  # before refusing: count what is really there
+                room = self._room(target)
+            if size > room:
+                raise ReplicaRoomError(f"replica {relpath}: {size} bytes, room for {room}")
+            sizes = self._counted()
+            self._held += size - sizes.get(target, 0)
+            sizes[target] = size
+
+    def _recount(self, target: Path) -> None:
+        """Count ``target`` as it is on disk."""
+        try:
+            size: int | None = target.stat().st_size
+        except FileNotFoundError:
+            size = None
+        with self._lock:
+            sizes = self._counted()
+            self._held -= sizes.pop(target, 0)
+            if size is not None:
+                sizes[target] = size
+                self._held += size
+
+    def _counted(self) -> dict[Path, int]:
+        """Every file held and its size (walked the first time), with the lock held."""
+        if self._sizes is None:
+            self._sizes = {path: _size(path) for path in _files(self.root)}
+            self._held = sum(self._sizes.values())
+        return self._sizes
+
+    def _private_dir(self, directory: Path) -> None:
+        """Make ``directory`` (and its parents) private (:func:`private_dir`), once while
+        it stands (one removed behind the store's back is made again)."""
+        if directory not in self._dirs or not os.path.isdir(directory):
+            private_dir(directory)
+            self._dirs.add(directory)
 
     @contextlib.contextmanager
     def batch(self, source: str) -> Iterator[tuple[list[tuple[bytes, IO[bytes], int]], int]]:
@@ -245,15 +313,21 @@ class ReplicaStore:
                 parts.append(file_part(f, entry["path"]))
             yield parts, sum(len(header) + size for header, _, size in parts)
 
-    @staticmethod
-    def _prune_dcp(held: Path, relpath: str) -> None:
-        """A file of DCP step N arriving: remove the steps before the newest DCP_KEEP."""
+    def _prune_dcp(self, held: Path, relpath: str) -> None:
+        """The first file of a DCP step N arriving: remove the steps before the newest
+        DCP_KEEP (and stop counting their files)."""
         match = _DCP_STEP.match(relpath)
-        if match is None:
+        if match is None or (held / "dcp" / f"step-{match[1]}").is_dir():
             return
         steps = {*dcp_steps(held / "dcp"), int(match[1])}
         for old in sorted(steps)[:-DCP_KEEP]:
-            shutil.rmtree(held / "dcp" / f"step-{old}", ignore_errors=True)
+            gone = held / "dcp" / f"step-{old}"
+            shutil.rmtree(gone, ignore_errors=True)
+            with self._lock:
+                self._dirs = {d for d in self._dirs if not d.is_relative_to(gone)}
+                if self._sizes is not None:
+                    for path in [p for p in self._sizes if p.is_relative_to(gone)]:
+                        self._held -= self._sizes.pop(path)
 
     def listing(self, source: str) -> list[dict[str, Any]]:
         return list_files(self.root / _safe_name(source))
@@ -266,7 +340,10 @@ class ReplicaStore:
 
 
 def _files(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
+    """Every file under ``root`` but those being received (``.tmp-*``)."""
+    if not root.is_dir():
+        return []
+    return [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")]
 
 
 def _size(path: Path) -> int:
@@ -279,7 +356,10 @@ def _size(path: Path) -> int:
 
 def _free_bytes(path: Path) -> int:
     """Free bytes of the filesystem ``path`` is (or will be) on."""
-    for candidate in (path, *path.parents):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        st = os.statvfs(path)  # there once a replica came; before, a parent answers
+        return st.f_bavail * st.f_frsize
+    for candidate in path.parents:
         try:
             st = os.statvfs(candidate)
         except (FileNotFoundError, NotADirectoryError):
@@ -338,7 +418,9 @@ def _receive_all(memory_dir: Path, stream: BatchStream) -> int:
     """Write the batch in ``stream`` under ``memory_dir``; the files written."""
     count = 0
     while (frame := read_frame(stream)) is not None:
-        write_file(memory_dir / safe_relpath(frame.path), stream, frame.size, frame.path)
+        target = memory_dir / safe_relpath(frame.path)
+        private_dir(target.parent)
+        write_file(target, stream, frame.size, frame.path)
         count += 1
     return count
 

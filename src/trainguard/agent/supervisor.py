@@ -31,7 +31,7 @@ from trainguard.agent.controller_watch import ControllerWatch
 from trainguard.agent.exits import ExitWatcher
 from trainguard.agent.inject import FAST_TAIL_INTERVAL, StepInjector
 from trainguard.agent.inprocess import Replaced, ResilientGroup
-from trainguard.agent.logs import Console, LineHook, LogLayout, LogTailer
+from trainguard.agent.logs import Console, LinesHook, LogLayout, LogTailer
 from trainguard.agent.monitoring import build_monitor
 from trainguard.agent.persist import MEMORY_DIR_ENV, DurablePersister, make_persister
 from trainguard.agent.replica_push import ReplicaPusher
@@ -72,7 +72,7 @@ class AgentTimings:
     poll_interval: float = 0.1  # how often the supervisor looks at its workers unwoken
     # ... while every worker's exit wakes it (pidfds) and nothing else is awaited
     watched_interval: float = 2.0
-    tail_interval: float = 0.1  # how often the tailer reads the workers' log files
+    tail_interval: float = 0.25  # how often the tailer reads files its workers write to
     reap_timeout: float = 5.0  # wait for a process to vanish after SIGKILL
     drain_timeout: float = 30.0  # wait for the tailer to drain the logs of an attempt
     shutdown_timeout: float = 20.0  # after a signal, exit even if the supervisor is stuck
@@ -127,7 +127,7 @@ class AgentSupervisor:
         agent_env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
         console: Console | None = None,
-        on_line: LineHook | None = None,
+        on_lines: LinesHook | None = None,
         timings: AgentTimings = AgentTimings(),
         token: str = "",
         incarnation: str = "",
@@ -144,7 +144,7 @@ class AgentSupervisor:
         self._agent_env = dict(agent_env or {})
         self._cwd = cwd
         self._console = console
-        self._on_line = on_line
+        self._on_lines = on_lines
         self._timings = timings
         self._token = token  # the job's: pushes to the controller, replicas to peers
         self._commands: queue.Queue[_Command] = queue.Queue()
@@ -408,7 +408,9 @@ class AgentSupervisor:
             group.ranks,
             interval=self._timings.tail_interval,
             console=self._console,
-            on_line=_both(_both(self.board.monitor_line, self._injector.on_line), self._on_line),
+            on_lines=_both(
+                _both(self.board.monitor_lines, self._injector.on_lines), self._on_lines
+            ),
             limits=assignment.monitor.logs,
         )
         self._injector.attempt(
@@ -666,13 +668,13 @@ class AgentSupervisor:
             self.board.exited(exits, errors, stopped, tracebacks)
 
 
-def _both(first: LineHook, second: LineHook | None) -> LineHook:
-    """One line hook calling two (the monitor, then the agent's own hook if any)."""
+def _both(first: LinesHook, second: LinesHook | None) -> LinesHook:
+    """One lines hook calling two (the monitor, then the agent's own hook if any)."""
     if second is None:
         return first
 
-    def hook(rank: int, stream: str, line: str, t: float) -> None:
-        first(rank, stream, line, t)
-        second(rank, stream, line, t)
+    def hook(rank: int, stream: str, block: bytes, t: float) -> None:
+        first(rank, stream, block, t)
+        second(rank, stream, block, t)
 
     return hook

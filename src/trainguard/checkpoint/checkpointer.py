@@ -23,9 +23,7 @@ from trainguard.checkpoint.memory import MemoryTier, default_memory_dir
 from trainguard.checkpoint.restore import Restore, Restorer
 from trainguard.checkpoint.room import MemoryRoom, no_room
 from trainguard.checkpoint.save_times import SaveTimes
-from trainguard.checkpoint.shard import (
-    make_meta,
-)
+from trainguard.checkpoint.shard import make_meta
 from trainguard.checkpoint.stateful import capture
 
 if TYPE_CHECKING:

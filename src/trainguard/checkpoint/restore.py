@@ -90,13 +90,8 @@ class Restorer:
         self._timing: dict[str, float] = {}  # the restore under way: its phases (Restore)
 
     def load(self, state: Any, prepare: PrepareSlots) -> Restore | None:
-        """Restore ``state`` in place from the newest step every rank can load; None if none.
+        """:meth:`Checkpointer.load_latest <trainguard.checkpoint.Checkpointer.load_latest>`.
 
-        An object of ``state`` with ``state_dict()``/``load_state_dict()`` is restored into
-        what its ``state_dict()`` returns now, then given it with ``load_state_dict()``.
-        Each rank reads its shard from the fastest tier that has the step (memory, then
-        durable) and verifies it before anything is changed; a corrupt, foreign or
-        missing shard is logged and skipped, and the ranks fall back to an older step.
         A memory shard whose checksum the writer never added is loaded only by its writer
         (this rank, within this attempt); for any other it is skipped the same way.
         ``prepare`` is given the state's tensors and size once it is restored (or once no

@@ -8,8 +8,9 @@ tested with plain values.
 
 An attempt goes LAUNCHING (its nodes' agents come up: a fresh job, a full job restart)
 -> RUNNING (``/start`` sent; or ``/rejoin`` for an in-process restart) -> STOPPING (any
-fault stops every rank at once) -> ended; then :func:`decide_restart` picks the next
-attempt's scope, or the job fails.
+fault stops every rank at once) -> ended; then the policy picks the next attempt's
+scope, or the job fails. Planners decide each turn (control/lifecycle.py and the modules
+it calls); :meth:`JobController._apply` carries their decisions out.
 
 Assumptions the decisions rely on:
 - a node's status is only evidence about the attempt it names; an agent that has not
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from trainguard.control import recovery, replace, rescale
+from trainguard.control import lifecycle, recovery, rescale
 from trainguard.control.actions import (
     Action,
     AttemptPhase,
@@ -42,19 +43,16 @@ from trainguard.control.actions import (
 from trainguard.control.assignment import StoreEndpoint, assign_attempt, replica_sources
 from trainguard.control.attempt import (
     Attempt,
-    Launching,
     Rejoining,
-    ReplacingInPlace,
     Rescaling,
     Training,
     new_watch,
 )
 from trainguard.control.config import ControlConfig
-from trainguard.control.contact import launch_verdict, settled
-from trainguard.control.decision import Decision, InPlace, JobView, NextAttempt, Stop, chain
-from trainguard.control.detect import finished, refusal_faults, stop_faults
+from trainguard.control.decision import Decision, InPlace, JobView, NextAttempt, Stop
+from trainguard.control.detect import refusal_faults
 from trainguard.control.elastic import ElasticWatch
-from trainguard.control.events import Event, EventKind, Fault, FaultType, Note
+from trainguard.control.events import Event, EventKind, Fault, Note
 from trainguard.control.health import HealthBook
 from trainguard.control.inprocess import Rejoin
 from trainguard.control.persist import CheckpointPlanner
@@ -108,7 +106,7 @@ class JobController:
         self.capacity: int | None = None
         self.preempted: tuple[str, ...] = ()
 
-    # -- queries -----------------------------------------------------------
+    # -- queries -------------------------------------------------------------------------------
 
     @property
     def current(self) -> Attempt | None:
@@ -130,7 +128,7 @@ class JobController:
         """Events recorded since the last call, oldest first."""
         return self.record.drain()
 
-    # -- inputs ------------------------------------------------------------
+    # -- inputs --------------------------------------------------------------------------------
 
     def start(self, now: float) -> list[Action]:
         """Launch every node of the job; the first attempt starts once they all answer."""
@@ -151,12 +149,12 @@ class JobController:
         if attempt is None:
             return self._finish(now, phase, reason)
         if attempt.phase is AttemptPhase.LAUNCHING:  # nothing started yet
-            self._end_attempt(now, attempt, AttemptPhase.STOPPED, reason)
-            return self._finish(now, phase, reason)
+            ended = Decision(end=(AttemptPhase.STOPPED, reason), finish=(phase, reason))
+            return self._apply(now, attempt, ended, {})
         if attempt.phase is not AttemptPhase.RUNNING:
             return []
-        self.phase = JobPhase.STOPPING
-        return [self._stop(now, attempt, StopMode.GRACEFUL, reason)]
+        stop = Decision(phase=JobPhase.STOPPING, stop=Stop(StopMode.GRACEFUL, reason))
+        return self._apply(now, attempt, stop, {})
 
     def take_over(self, now: float, t: Takeover) -> list[Action]:
         """Begin as the successor of a controller that died (control/resume.py)."""
@@ -234,150 +232,20 @@ class JobController:
         for r in refusals:
             if r.request == "persist":
                 self._notes(now, [self.checkpoints.refused(now, r.node_id, r.message)])
-        if attempt.phase is AttemptPhase.LAUNCHING:
-            return self._observe_launching(now, attempt, reports, health_faults)
         if attempt.phase is AttemptPhase.RUNNING:
             return self._observe_running(now, attempt, reports, refusals, health_faults)
-        for fault in health_faults:  # stopping: the restart decision takes it into account
-            self._record_fault(now, attempt, fault)
         if attempt.phase is AttemptPhase.STOPPING:
-            return self._observe_stopping(now, attempt, reports)
-        return []
-
-    # -- launching -----------------------------------------------------------
-
-    def _new_attempt(
-        self, now: float, plan: NextAttempt, reports: Mapping[str, NodeReport]
-    ) -> list[Action]:
-        """The next attempt on ``self.nodes``: launch ``plan.launch`` first, or start at
-        once if all are up."""
-        number = len(self.attempts)
-        attempt = Attempt(number, now, self.nodes, new_watch(self.config, number, now), plan.scope)
-        attempt.activity = plan.activity or Training()
-        self.attempts.append(attempt)
-        actions: list[Action] = [RetireNodes(plan.retire)] if plan.retire else []
-        launch = plan.launch
-        if launch:
-            attempt.launch_deadline = now + self.config.node_start_timeout
-            actions.append(LaunchNodes(tuple(launch), number, self.avoid_hosts, keep=plan.keep))
-            kept = f" (the live agents of {', '.join(plan.keep)} may be kept)" if plan.keep else ""
-            self._event(
-                now,
-                EventKind.NODES_LAUNCHING,
-                f"attempt {number}: bringing up {len(launch)} node agents{kept}",
-                attempt=number,
-                data={"nodes": list(launch), "avoid_hosts": list(self.avoid_hosts)},
-            )
-            return actions
-        return actions + self._observe_launching(now, attempt, reports)
-
-    def _observe_launching(
-        self,
-        now: float,
-        attempt: Attempt,
-        reports: Mapping[str, NodeReport],
-        health_faults: Sequence[Fault] = (),
-    ) -> list[Action]:
-        """Start the attempt once every node's agent answers, idle, its on-start health
-        checks passed; fault the nodes lost on the way, failing a check, or still not
-        ready at the launch deadline."""
-        deadline = attempt.launch_deadline
-        lost, waiting = launch_verdict(
-            attempt.nodes,
-            reports,
-            self.config.contact_rule,
-            deadline is not None and now >= deadline,
-            self.config.node_start_timeout,
-            now,
-            self.config.host_wait,
-        )
-        launching = attempt.activity
-        if isinstance(launching, Launching) and launching.deadline is not None:
-            pending = {n for n, _ in lost} | set(waiting)
-            late = [n for n in launching.relaunching if n in pending]
-            # Only they hold the attempt up past the deadline: go on without them.
-            if self.elastic and now >= launching.deadline and late and len(late) == len(pending):
-                view = self._view(now, attempt, reports)
-                scaled = recovery.faulty_scale_down(view, late)
-                if scaled is not None:
-                    return self._apply(now, attempt, scaled, reports)
-        growing = launching.growing if isinstance(launching, Launching) else ()
-        if lost and growing and {n for n, _ in lost} <= set(growing):
-            planned = recovery.scale_up_failed(
-                self._view(now, attempt, reports), [n for n, _ in lost]
-            )
-            return self._apply(now, attempt, planned, reports)
-        if lost or health_faults:
-            for fault in health_faults:
-                self._record_fault(now, attempt, fault)
-            for node_id, message in lost:
-                fault = Fault(FaultType.NODE_LOST, now, attempt.number, node_id, message=message)
-                self._record_fault(now, attempt, fault)
-            self._end_attempt(now, attempt, AttemptPhase.FAILED, attempt.faults[0].message)
-            if self._cancel is not None:
-                return self._finish(now, *self._cancel)
-            planned = recovery.after_failure(self._view(now, attempt, reports))
-            return self._apply(now, attempt, planned, reports)
-        if waiting or any(self.health.checking(reports.get(n)) for n in attempt.nodes):
+            # Steps its ranks completed before the fault, read since: the step it reached.
+            attempt.watch.observe_progress(attempt.watch.current(attempt.assignments, reports))
+            self.record.reached(attempt)
+            planned = lifecycle.stopping(self._view(now, attempt, reports), health_faults)
+        elif attempt.phase is AttemptPhase.LAUNCHING:
+            planned = lifecycle.launching(self._view(now, attempt, reports), health_faults)
+        else:
             return []
-        return [self._start_attempt(now, attempt)]
+        return self._apply(now, attempt, planned, reports)
 
-    def _start_attempt(
-        self, now: float, attempt: Attempt, host: StoreEndpoint | None = None
-    ) -> StartNodes:
-        """Start ``attempt`` on its nodes; ``host``: the rendezvous to keep (an attempt in
-        place whose rank 0 keeps its process keeps serving its store: a new port would
-        have to be bound, and may be taken by then), else the platform's for node 0."""
-        if isinstance(attempt.activity, Launching):
-            if attempt.activity.growing and self.elastic is not None:
-                self.elastic = self.elastic.outcome(True)
-            attempt.activity = Training()
-        self._fill_assignments(now, attempt, host)
-        attempt.phase = AttemptPhase.RUNNING
-        self.phase = JobPhase.RUNNING
-        return StartNodes(attempt.number, attempt.assignments, attempt.scope)
-
-    def _fill_assignments(
-        self, now: float, attempt: Attempt, host: StoreEndpoint | None = None
-    ) -> None:
-        cfg = self.config
-        endpoint = self._endpoint_for(attempt.number, attempt.nodes[0])
-        if host is not None and not endpoint.hosted:
-            endpoint = host  # a hosted store is never kept: the service opens a fresh one
-        attempt.endpoint = endpoint
-        sources = self._replica_sources(attempt)
-        attempt.assignments = assign_attempt(cfg, attempt.nodes, attempt.number, endpoint, sources)
-        attempt.watch = new_watch(
-            self.config, attempt.number, now
-        )  # hang timers start with the workers
-        self._event(
-            now,
-            EventKind.ATTEMPT_STARTED,
-            f"attempt {attempt.number}: {len(attempt.nodes)} nodes x {cfg.nproc_per_node} ranks "
-            f"({attempt.scope} scope), rendezvous {endpoint.addr}:{endpoint.port}",
-            attempt=attempt.number,
-            data={
-                "master_addr": endpoint.addr,
-                "master_port": endpoint.port,
-                "scope": attempt.scope.value,
-                "nodes": list(attempt.nodes),
-            },
-        )
-
-    def _replica_sources(self, attempt: Attempt) -> dict[str, str]:
-        """The nodes of ``attempt`` that took another's place since ranks last ran (a spare
-        for a lost node, swapped at a restart or at launch), and whose: their ranks restore
-        from that node's memory-tier replicas. Empty in place: there the ranks a spare takes
-        get their state from a peer (control/replace.py), and no checkpoint is read."""
-        if attempt.scope is RestartScope.IN_PROCESS:
-            return {}
-        ran = next(
-            (a for a in reversed(self.attempts) if a.number < attempt.number and a.assignments),
-            None,
-        )
-        return {} if ran is None else replica_sources(ran.nodes, attempt.nodes)
-
-    # -- running -------------------------------------------------------------
+    # -- running -------------------------------------------------------------------------------
 
     def _observe_running(
         self,
@@ -394,40 +262,22 @@ class JobController:
         faults += self._stragglers(now, attempt, current)
         faults += self._exit_hangs(now, attempt, current)
         actions: list[Action] = []
-        if isinstance(attempt.activity, ReplacingInPlace):
-            faults = replace.pending_faults(attempt.activity, faults)
-            view = self._view(now, attempt, reports)
-            if not faults:
-                self.record.progress(now, attempt)
-                return self._apply(now, attempt, replace.watch(view), reports)
-            actions += self._apply(now, attempt, replace.give_up(view), reports)
         if isinstance(attempt.activity, Rejoining) and not faults:
             rejoin, faults = recovery.watch_rejoin(self._view(now, attempt, reports))
             actions += self._apply(now, attempt, rejoin, reports)
         self.record.progress(now, attempt)
-        view = self._view(now, attempt, reports)
-        planned = rescale.preempted_lost(view, faults)
-        if planned is None:
-            planned = replace.begin(view, faults)
+        planned = lifecycle.faulted(self._view(now, attempt, reports), faults)
         if planned is not None:
             return [*actions, *self._apply(now, attempt, planned, reports)]
-        if faults:
-            for fault in faults:
-                self._record_fault(now, attempt, fault)
-            view = self._view(now, attempt, reports)
-            planned = rescale.abandon_growth(view, faults[0].message)
-            if recovery.can_restart_in_place(view.after(planned)):
-                planned = chain(planned, recovery.restart_in_place(view.after(planned)))
-            else:
-                capture = any(f.type.is_hang for f in faults)
-                mode = StopMode.GRACEFUL if self.config.graceful_fault_stops else StopMode.PROCESS
-                planned = chain(planned, Decision(stop=Stop(mode, faults[0].message, capture)))
-            return [*actions, *self._apply(now, attempt, planned, reports)]
-        actions += self._plan_checkpoints(now, attempt, reports)
+        requests, notes = self.checkpoints.observe(now, attempt.nodes, reports)
+        self._notes(now, notes)
+        actions += requests
         if len(current) == len(attempt.assignments) and all(
             status.state is NodeState.COMPLETED for _, status in current
         ):
-            return self._complete(now, attempt, reports, actions)
+            return actions + self._apply(
+                now, attempt, Decision(complete="all ranks completed"), reports
+            )
         if self.elastic and not isinstance(attempt.activity, Rejoining) and self._cancel is None:
             looked = rescale.look(self._view(now, attempt, reports))  # in place, or a stop
             actions += self._apply(now, attempt, looked, reports)
@@ -467,116 +317,7 @@ class JobController:
             return []
         return [found.fault(now, attempt.number, watch.progress.step if watch.progress else None)]
 
-    def _complete(
-        self,
-        now: float,
-        attempt: Attempt,
-        reports: Mapping[str, NodeReport],
-        actions: list[Action],
-        reason: str = "all ranks completed",
-    ) -> list[Action]:
-        if self._final_persist_until is None:
-            self._final_persist_until = now + self.config.final_persist_timeout
-        checkpoints = self.checkpoints
-        notes: list[Note | None] = [*checkpoints.settle(now, attempt.nodes, reports)]
-        if now < self._final_persist_until:
-            final = checkpoints.flush(now, attempt.nodes, reports)
-            if final is not None:
-                request, note = final
-                notes.append(note)
-                actions = [*actions, request]
-            if checkpoints.busy:  # the newest checkpoint is on its way to durable storage
-                self._notes(now, notes)
-                return actions
-        else:
-            timeout = self.config.final_persist_timeout
-            why = f"not committed within the {timeout:g} s the job's end waits for it"
-            notes.append(checkpoints.give_up(now, why))
-        notes.append(checkpoints.shortfall())
-        self._notes(now, notes)
-        self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0")
-        return [*actions, *self._finish(now, JobPhase.SUCCEEDED, reason)]
-
-    def _plan_checkpoints(
-        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-    ) -> list[Action]:
-        requests, notes = self.checkpoints.observe(now, attempt.nodes, reports)
-        self._notes(now, notes)
-        return list(requests)
-
-    def _notes(self, now: float, notes: Iterable[Note | None]) -> None:
-        """Record the events of the planners, the health book and the checkpoint planner."""
-        for n in notes:
-            if n is not None:
-                self._event(
-                    now, n.kind, n.message, n.attempt, n.node, data=dict(n.data or {}) or None
-                )
-
-    # -- stopping and what follows -------------------------------------------------
-
-    def _observe_stopping(
-        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]
-    ) -> list[Action]:
-        if attempt.stop_deadline is None:
-            # Every node has been asked by now (the loop sends before it looks again): the
-            # time the nodes get to stop counts from here, however long the asking took.
-            attempt.stop_deadline = now + attempt.stop_allowance
-        # Steps its ranks completed before the fault, read since: the step it reached.
-        attempt.watch.observe_progress(attempt.watch.current(attempt.assignments, reports))
-        self.record.reached(attempt)
-        # The nodes a scaling drops are taken away: their loss is not a fault.
-        nodes = [n for n in attempt.nodes if attempt.scale is None or n not in attempt.scale.drop]
-        waiting = [n for n in nodes if not self._stopped(reports.get(n))]
-        if waiting and now < attempt.stop_deadline:
-            return []
-        if attempt.scale is not None and not waiting and finished(attempt.number, nodes, reports):
-            return self._complete(now, attempt, reports, [])  # finished before it stopped
-        self.record.attach_stacks(attempt, reports)
-        if not waiting and self._cancel is None and _work_done_but_exit(attempt):
-            ranks = sorted(r for f in attempt.faults for r in f.evidence.get("ranks", []))
-            reason = f"all ranks completed (ranks {ranks} ended as ExitHang after their work)"
-            return self._complete(now, attempt, reports, [], reason)
-        for fault in stop_faults(
-            now, attempt.number, nodes, attempt.faults, waiting, reports, self.config.contact_rule
-        ):
-            self._record_fault(now, attempt, fault)
-        outcome = AttemptPhase.FAILED if attempt.faults else AttemptPhase.STOPPED
-        self._end_attempt(now, attempt, outcome, attempt.reason or "stopped")
-        if self._cancel is not None:
-            phase, reason = self._cancel
-            return self._finish(now, phase, reason)
-        view = self._view(now, attempt, reports)
-        if attempt.scale is not None and not attempt.faults:
-            return self._apply(now, attempt, recovery.rescale(view, attempt.scale), reports)
-        why = attempt.faults[0].message if attempt.faults else "the attempt stopped"
-        actions = self._apply(now, attempt, rescale.abandon_growth(view, why), reports)
-        planned = recovery.after_failure(self._view(now, attempt, reports))
-        return [*actions, *self._apply(now, attempt, planned, reports)]
-
-    def _stop(
-        self, now: float, attempt: Attempt, mode: StopMode, reason: str, capture: bool = False
-    ) -> StopNodes:
-        attempt.phase = AttemptPhase.STOPPING
-        attempt.reason = attempt.reason or reason
-        attempt.watch.pause(now)
-        grace = self.config.stop_grace_seconds if mode is StopMode.GRACEFUL else 0.0
-        notice = 0.0  # an elastic scaling: ranks that read requests save and exit first
-        if attempt.scale is not None and self.config.elastic is not None:
-            notice = self.config.elastic.graceful_shutdown_timeout
-        attempt.stop_allowance = notice + grace + self.config.stop_slack_seconds
-        self._event(
-            now,
-            EventKind.STOPPING_ALL,
-            f"stopping all ranks of attempt {attempt.number} ({mode}): {attempt.reason}",
-            attempt=attempt.number,
-            data={"mode": mode.value, "capture_stacks": capture},
-        )
-        return StopNodes(attempt.number, attempt.nodes, mode, grace, capture, notice)
-
-    def _stopped(self, report: NodeReport | None) -> bool:
-        return settled(report, self.config.contact_rule)
-
-    # -- decisions ------------------------------------------------------------------
+    # -- decisions carried out -----------------------------------------------------------------
 
     def _view(self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport]) -> JobView:
         """The job as the planners see it now (control/decision.py)."""
@@ -587,7 +328,7 @@ class JobController:
             now, self.config, attempt, attempt.activity, reports, self.nodes, self.spares,
             self.growth, self.avoid_hosts, tuple(self.history), tuple(self.attempts),
             dict(self._hosts), fault_times, unusable, self.capacity, self.preempted,
-            self.elastic,
+            self.elastic, self._cancel,
         )  # fmt: skip
 
     def _apply(
@@ -608,7 +349,7 @@ class JobController:
             self._record_fault(now, attempt, fault)
         self._notes(now, [self.health.relaunch(n) for n in d.relaunch])
         if d.end is not None:
-            self._end_attempt(now, attempt, *d.end)
+            self._end_attempt(now, attempt, *d.end, reports)
         if d.scope is not None:
             if d.counted:
                 self.history.append(RestartRecord(now, d.scope))
@@ -617,8 +358,14 @@ class JobController:
         actions = list(d.actions)
         if d.stop is not None:
             actions.append(self._stop(now, attempt, d.stop.mode, d.stop.reason, d.stop.capture))
+        if d.stop_deadline is not None:
+            attempt.stop_deadline = d.stop_deadline
         if d.finish is not None:
             actions += self._finish(now, *d.finish)
+        elif d.complete is not None:
+            actions += self._complete(now, attempt, reports, d.complete)
+        elif d.start:
+            actions.append(self._start_attempt(now, attempt))
         elif isinstance(d.next, NextAttempt):
             actions += self._new_attempt(now, d.next, reports)
         elif isinstance(d.next, InPlace):
@@ -626,6 +373,70 @@ class JobController:
         if d.then is not None:
             actions += self._apply(now, attempt, d.then, reports)
         return actions
+
+    def _new_attempt(
+        self, now: float, plan: NextAttempt, reports: Mapping[str, NodeReport]
+    ) -> list[Action]:
+        """The next attempt on ``self.nodes``: launch ``plan.launch`` first, or start at
+        once if all are up."""
+        number = len(self.attempts)
+        attempt = Attempt(number, now, self.nodes, new_watch(self.config, number, now), plan.scope)
+        attempt.activity = plan.activity or Training()
+        self.attempts.append(attempt)
+        actions: list[Action] = [RetireNodes(plan.retire)] if plan.retire else []
+        if launch := plan.launch:
+            attempt.launch_deadline = now + self.config.node_start_timeout
+            actions.append(LaunchNodes(launch, number, self.avoid_hosts, keep=plan.keep))
+            kept = f" (the live agents of {', '.join(plan.keep)} may be kept)" if plan.keep else ""
+            message = f"attempt {number}: bringing up {len(launch)} node agents{kept}"
+            data = {"nodes": list(launch), "avoid_hosts": list(self.avoid_hosts)}
+            self._event(now, EventKind.NODES_LAUNCHING, message, number, data=data)
+            return actions
+        planned = lifecycle.launching(self._view(now, attempt, reports))
+        return actions + self._apply(now, attempt, planned, reports)
+
+    def _start_attempt(
+        self, now: float, attempt: Attempt, host: StoreEndpoint | None = None
+    ) -> StartNodes:
+        """Start ``attempt`` on its nodes; ``host``: the rendezvous to keep (an attempt in
+        place whose rank 0 keeps its process keeps serving its store: a new port would
+        have to be bound, and may be taken by then), else the platform's for node 0."""
+        cfg = self.config
+        endpoint = self._endpoint_for(attempt.number, attempt.nodes[0])
+        if host is not None and not endpoint.hosted:
+            endpoint = host  # a hosted store is never kept: the service opens a fresh one
+        attempt.endpoint = endpoint
+        sources = self._replica_sources(attempt)
+        attempt.assignments = assign_attempt(cfg, attempt.nodes, attempt.number, endpoint, sources)
+        attempt.watch = new_watch(cfg, attempt.number, now)  # hang timers start with the workers
+        self._event(
+            now,
+            EventKind.ATTEMPT_STARTED,
+            f"attempt {attempt.number}: {len(attempt.nodes)} nodes x {cfg.nproc_per_node} ranks "
+            f"({attempt.scope} scope), rendezvous {endpoint.addr}:{endpoint.port}",
+            attempt=attempt.number,
+            data={
+                "master_addr": endpoint.addr,
+                "master_port": endpoint.port,
+                "scope": attempt.scope.value,
+                "nodes": list(attempt.nodes),
+            },
+        )
+        attempt.phase, self.phase = AttemptPhase.RUNNING, JobPhase.RUNNING
+        return StartNodes(attempt.number, attempt.assignments, attempt.scope)
+
+    def _replica_sources(self, attempt: Attempt) -> dict[str, str]:
+        """The nodes of ``attempt`` that took another's place since ranks last ran (a spare
+        for a lost node, swapped at a restart or at launch), and whose: their ranks restore
+        from that node's memory-tier replicas. Empty in place: there the ranks a spare takes
+        get their state from a peer (control/replace.py), and no checkpoint is read."""
+        if attempt.scope is RestartScope.IN_PROCESS:
+            return {}
+        ran = next(
+            (a for a in reversed(self.attempts) if a.number < attempt.number and a.assignments),
+            None,
+        )
+        return {} if ran is None else replica_sources(ran.nodes, attempt.nodes)
 
     def _in_place(self, now: float, ended: Attempt, plan: InPlace) -> list[Action]:
         """The attempt after ``ended``, in place on ``self.nodes`` (:class:`InPlace`)."""
@@ -645,24 +456,76 @@ class JobController:
             actions.append(RetireNodes(plan.dropped))
         return actions
 
-    # -- records ------------------------------------------------------------------
+    def _stop(
+        self, now: float, attempt: Attempt, mode: StopMode, reason: str, capture: bool = False
+    ) -> StopNodes:
+        attempt.phase = AttemptPhase.STOPPING
+        attempt.reason = attempt.reason or reason
+        attempt.watch.pause(now)
+        grace = self.config.stop_grace_seconds if mode is StopMode.GRACEFUL else 0.0
+        notice = 0.0  # an elastic scaling: ranks that read requests save and exit first
+        if attempt.scale is not None and self.config.elastic is not None:
+            notice = self.config.elastic.graceful_shutdown_timeout
+        attempt.stop_allowance = notice + grace + self.config.stop_slack_seconds
+        message = f"stopping all ranks of attempt {attempt.number} ({mode}): {attempt.reason}"
+        data = {"mode": mode.value, "capture_stacks": capture}
+        self._event(now, EventKind.STOPPING_ALL, message, attempt.number, data=data)
+        return StopNodes(attempt.number, attempt.nodes, mode, grace, capture, notice)
+
+    def _complete(
+        self, now: float, attempt: Attempt, reports: Mapping[str, NodeReport], reason: str
+    ) -> list[Action]:
+        """The job succeeds once its newest checkpoint is durable (or the wait is over)."""
+        actions: list[Action] = []
+        if self._final_persist_until is None:
+            self._final_persist_until = now + self.config.final_persist_timeout
+        checkpoints = self.checkpoints
+        notes: list[Note | None] = [*checkpoints.settle(now, attempt.nodes, reports)]
+        if now < self._final_persist_until:
+            final = checkpoints.flush(now, attempt.nodes, reports)
+            if final is not None:
+                request, note = final
+                notes.append(note)
+                actions.append(request)
+            if checkpoints.busy:  # the newest checkpoint is on its way to durable storage
+                self._notes(now, notes)
+                return actions
+        else:
+            timeout = self.config.final_persist_timeout
+            why = f"not committed within the {timeout:g} s the job's end waits for it"
+            notes.append(checkpoints.give_up(now, why))
+        notes.append(checkpoints.shortfall())
+        self._notes(now, notes)
+        self._end_attempt(now, attempt, AttemptPhase.SUCCEEDED, "all ranks exited 0", reports)
+        return [*actions, *self._finish(now, JobPhase.SUCCEEDED, reason)]
+
+    # -- records -------------------------------------------------------------------------------
+
+    def _notes(self, now: float, notes: Iterable[Note | None]) -> None:
+        """Record the events of the planners, the health book and the checkpoint planner."""
+        for n in notes:
+            if n is not None:
+                self._event(
+                    now, n.kind, n.message, n.attempt, n.node, data=dict(n.data or {}) or None
+                )
 
     def _record_fault(self, now: float, attempt: Attempt, fault: Fault) -> None:
         fault = self.record.fault(now, attempt, fault)
         if fault.node is not None:
             self._node_fault_times.setdefault(fault.node, []).append(fault.time)
 
-    def _end_attempt(self, now: float, attempt: Attempt, phase: AttemptPhase, reason: str) -> None:
+    def _end_attempt(
+        self, now: float, attempt: Attempt, phase: AttemptPhase, reason: str,
+        reports: Mapping[str, NodeReport],
+    ) -> None:  # fmt: skip
+        """End ``attempt``, the stacks its agents captured attached to its hangs."""
+        self.record.attach_stacks(attempt, reports)
         attempt.phase = phase
         attempt.ended_at = now
         attempt.reason = attempt.reason or reason
-        self._event(
-            now,
-            EventKind.ATTEMPT_ENDED,
-            f"attempt {attempt.number} {phase.value.lower()}: {attempt.reason}",
-            attempt=attempt.number,
-            data={"outcome": str(phase)},
-        )
+        message = f"attempt {attempt.number} {phase.value.lower()}: {attempt.reason}"
+        data = {"outcome": str(phase)}
+        self._event(now, EventKind.ATTEMPT_ENDED, message, attempt.number, data=data)
 
     def _finish(self, now: float, phase: JobPhase, reason: str) -> list[Action]:
         self.phase = phase
@@ -684,11 +547,3 @@ class JobController:
         if attempt is None and self.attempts:
             attempt = self.attempts[-1].number
         self.record.event(now, kind, message, attempt, node, rank, data)
-
-
-def _work_done_but_exit(attempt: Attempt) -> bool:
-    """Every fault of the stopped ``attempt`` is an ExitHang of ranks whose work was done
-    (control/exit_hang.py): the job completes."""
-    return bool(attempt.faults) and all(
-        f.type is FaultType.EXIT_HANG and f.evidence.get("finished") is True for f in attempt.faults
-    )

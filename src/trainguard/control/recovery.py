@@ -24,7 +24,6 @@ from trainguard.wire.status import WorkerState
 
 __all__ = [
     "after_failure",
-    "can_restart_in_place",
     "faulty_scale_down",
     "replace_at_launch",
     "rescale",
@@ -223,19 +222,20 @@ def replace_at_launch(view: JobView) -> Decision:
     )
 
 
-def can_restart_in_place(view: JobView) -> bool:
-    cfg, attempt = view.config, view.attempt
-    if not cfg.in_process or view.restarts >= cfg.max_restarts:
-        return False
-    if _script_bug(view) is not None:  # stopped, then failed by after_failure
-        return False
-    return inprocess.eligible(
-        attempt.faults, attempt.number, attempt.assignments, view.reports, cfg.contact_rule
-    )
-
-
-def restart_in_place(view: JobView) -> Decision:
-    attempt, scope = view.attempt, RestartScope.IN_PROCESS
+def restart_in_place(view: JobView) -> Decision | None:
+    """The attempt's faults recorded: its survivors rejoin the next attempt, the dead
+    ranks replaced (None: not eligible, ``inprocess.eligible``; or a script bug, which
+    stops and fails the job through ``after_failure``)."""
+    cfg, attempt, scope = view.config, view.attempt, RestartScope.IN_PROCESS
+    if (
+        not cfg.in_process
+        or view.restarts >= cfg.max_restarts
+        or _script_bug(view) is not None
+        or not inprocess.eligible(
+            attempt.faults, attempt.number, attempt.assignments, view.reports, cfg.contact_rule
+        )
+    ):
+        return None
     reason = attempt.faults[0].message
     dead = {f.rank for f in attempt.faults}
     survivors = tuple(

@@ -32,7 +32,7 @@ from trainguard.control.events import EventKind, Fault, FaultType
 from trainguard.control.policy import RestartScope
 from trainguard.control.rescale import reform, running, standby_up
 
-__all__ = ["begin", "give_up", "pending_faults", "watch"]
+__all__ = ["begin", "give_up", "watch"]
 
 
 def begin(view: JobView, faults: Sequence[Fault]) -> Decision | None:
@@ -69,12 +69,6 @@ def begin(view: JobView, faults: Sequence[Fault]) -> Decision | None:
         events=(Note(EventKind.NODE_REPLACING, message, attempt.number, data={"replacing": swap}),),
         actions=(LaunchNodes(spares, attempt.number, view.avoid_hosts),),
     )
-
-
-def pending_faults(replacing: ReplacingInPlace, faults: Sequence[Fault]) -> list[Fault]:
-    """``faults`` without those of the nodes being replaced in place (they are lost:
-    their silence is no news)."""
-    return [f for f in faults if f.node not in replacing.swap]
 
 
 def give_up(view: JobView) -> Decision:

@@ -97,21 +97,20 @@ class KmsgSource:
 
 class FileSource:
     """A file read like ``tail -f``: what is appended after the source is made (or the
-    whole file, ``from_start``; or a file that appears later, shrinks or is replaced).
+    whole file, when it appears later, shrinks or is replaced).
 
     A file truncated and rewritten past the old length between two reads is not noticed
     (its inode and size look like an append); the rehearsal hook only appends.
     """
 
-    def __init__(self, path: str, from_start: bool = False) -> None:
+    def __init__(self, path: str) -> None:
         self.name = path
         self._offset = 0
         self._inode: int | None = None
         self._partial = b""
-        if not from_start:
-            with contextlib.suppress(OSError):
-                stat = os.stat(path)
-                self._offset, self._inode = stat.st_size, stat.st_ino
+        with contextlib.suppress(OSError):
+            stat = os.stat(path)
+            self._offset, self._inode = stat.st_size, stat.st_ino
 
     def read_lines(self) -> list[str]:
         try:

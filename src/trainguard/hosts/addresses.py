@@ -29,7 +29,6 @@ __all__ = [
 ]
 
 _SIOCGIFADDR = 0x8915
-LOOPBACKS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 @dataclass(frozen=True)

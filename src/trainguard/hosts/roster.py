@@ -181,9 +181,6 @@ class Roster:
         """Of ``node_ids``, those no live host holds yet."""
         return [n for n in node_ids if self.holder(n) is None]
 
-    def spares_waiting(self) -> list[HostRecord]:
-        return [h for h in self._live() if h.role == "spare"]
-
 
 def spec_differences(ours: Any, theirs: Any, path: str = "") -> list[str]:
     """Where two jobs (as JSON) differ, one ``path: ours on the controller, theirs on the

@@ -50,7 +50,7 @@ from trainguard.spec.plan import JobPlan
 from trainguard.spec.secrets import redact_spec
 from trainguard.wire.hosts import JoinReply
 
-__all__ = ["endpoint_of", "loopback_endpoint", "run_on_hosts"]
+__all__ = ["endpoint_of", "loopback_endpoint", "run_on_hosts", "say"]
 
 
 def endpoint_of(args: argparse.Namespace, nnodes: int) -> JobEndpoint | None:
@@ -123,6 +123,11 @@ def run_on_hosts(args: argparse.Namespace, job: JobToRun, endpoint: JobEndpoint)
     return launch(job, Hosts(controller))
 
 
+def say(line: str) -> None:
+    """A line of this host's console: one line, however a worker's error it quotes reads."""
+    print(f"[trainguard] {safe_cell(line)}", file=sys.stderr, flush=True)
+
+
 def _join(
     args: argparse.Namespace,
     plan: JobPlan,
@@ -134,9 +139,6 @@ def _join(
     tls_client: ssl.SSLContext | None,
 ) -> int:
     spec = redact_spec(plan.job.model_dump(mode="json", by_alias=True))
-
-    def say(line: str) -> None:  # one line, however a worker's error it quotes reads
-        print(f"[trainguard] {safe_cell(line)}", file=sys.stderr, flush=True)
 
     def make_launcher(reply: JoinReply) -> AgentLauncher:
         job_dir = store.root / "jobs" / reply.job_id

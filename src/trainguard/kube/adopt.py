@@ -34,6 +34,7 @@ from trainguard.control.controller import JobController
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.resume import Recorded, RecordedAttempt, RecordedElastic
 from trainguard.kube.api import KubeApi, KubeError
+from trainguard.kube.config import Obj
 from trainguard.kube.node import PodNode
 from trainguard.kube.pods import job_selector
 from trainguard.platform.resume import live_status
@@ -42,7 +43,6 @@ __all__ = ["LivePod", "live_pods", "recorded", "takeover_record"]
 
 logger = logging.getLogger(__name__)
 
-Obj = dict[str, Any]
 AGENT_TIMEOUT = 5.0
 
 

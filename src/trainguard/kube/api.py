@@ -18,9 +18,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from trainguard.kube.config import GROUP, PLURAL, VERSION
-
-Obj = dict[str, Any]
+from trainguard.kube.config import GROUP, PLURAL, VERSION, Obj
 
 # Per-request timeout (connect, read) in seconds.
 DEFAULT_REQUEST_TIMEOUT = (5.0, 30.0)
@@ -89,14 +87,10 @@ class KubeApi:
     # -- TrainingJobs ----------------------------------------------------------------
 
     def create_job(self, namespace: str, body: Obj) -> Obj:
-        return self._json(
-            self.custom.create_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, body
-        )
+        return self.create_object(GROUP, VERSION, namespace, PLURAL, body)
 
     def get_job(self, namespace: str, name: str) -> Obj:
-        return self._json(
-            self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name
-        )
+        return self.get_object(GROUP, VERSION, namespace, PLURAL, name)
 
     def list_jobs(self, namespace: str | None) -> list[Obj]:
         if namespace is None:
@@ -108,20 +102,11 @@ class KubeApi:
         return list(data.get("items") or [])
 
     def patch_job_status(self, namespace: str, name: str, status: Obj) -> None:
-        self._json(
-            self.custom.patch_namespaced_custom_object_status,
-            GROUP,
-            VERSION,
-            namespace,
-            PLURAL,
-            name,
-            {"status": status},
-        )
+        patch = self.custom.patch_namespaced_custom_object_status
+        self._json(patch, GROUP, VERSION, namespace, PLURAL, name, {"status": status})
 
     def delete_job(self, namespace: str, name: str) -> None:
-        self._json(
-            self.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name
-        )
+        self.delete_object(GROUP, VERSION, namespace, PLURAL, name)
 
     # -- pods, services, secrets, events ---------------------------------------------
 
@@ -138,30 +123,14 @@ class KubeApi:
             if matches(pod.get("metadata", {}).get("labels") or {}, selector)
         ]
 
-    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
+    def delete_pod(self, namespace: str, name: str) -> None:
         """Delete a pod; one that is already gone is fine."""
         with contextlib.suppress(NotFound):
-            self._json(
-                self.core.delete_namespaced_pod,
-                name,
-                namespace,
-                grace_period_seconds=grace_seconds,
-            )
+            self._json(self.core.delete_namespaced_pod, name, namespace)
 
     def pod_log(self, namespace: str, name: str, container: str | None = None) -> str:
-        try:
-            response: Any = self.core.read_namespaced_pod_log(
-                name,
-                namespace,
-                container=container,
-                _preload_content=False,
-                _request_timeout=DEFAULT_REQUEST_TIMEOUT,
-            )
-        except ApiException as exc:
-            raise _error(exc) from None
-        except (OSError, urllib3.exceptions.HTTPError) as exc:
-            raise KubeError(f"{self.server}: {exc}") from None
-        return bytes(response.data).decode("utf-8", errors="replace")
+        raw = self._call(self.core.read_namespaced_pod_log, name, namespace, container=container)
+        return raw.decode("utf-8", errors="replace")
 
     def create_service(self, namespace: str, body: Obj) -> Obj:
         return self._json(self.core.create_namespaced_service, namespace, body)
@@ -317,7 +286,7 @@ class KubeApi:
 
     # -- plumbing --------------------------------------------------------------------
 
-    def _json(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Obj:
+    def _call(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> bytes:
         try:
             response = call(
                 *args, _preload_content=False, _request_timeout=DEFAULT_REQUEST_TIMEOUT, **kwargs
@@ -326,10 +295,11 @@ class KubeApi:
             raise _error(exc) from None
         except (OSError, urllib3.exceptions.HTTPError) as exc:  # refused, reset, timed out
             raise KubeError(f"{self.server}: {exc}") from None
-        raw = bytes(response.data)
-        if not raw:
-            return {}
-        data = json.loads(raw)
+        return bytes(response.data)
+
+    def _json(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Obj:
+        raw = self._call(call, *args, **kwargs)
+        data = json.loads(raw) if raw else {}
         return data if isinstance(data, dict) else {}
 
 

@@ -29,11 +29,11 @@ from typing import Any, Final
 
 from kubernetes.utils import parse_quantity
 
+from trainguard.kube.config import Obj
 from trainguard.kube.node_labels import SCHEDULABLE
 
 __all__ = ["UNBOUNDED", "Capacity", "PodShape", "capacity", "pod_requests", "staying"]
 
-Obj = dict[str, Any]
 UNBOUNDED: Final = 1 << 20
 """Pods a Node without allocatable resources holds (more than any job asks for)."""
 ENDED: Final = ("Succeeded", "Failed")

@@ -11,7 +11,6 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
 
 import yaml
 
@@ -21,18 +20,19 @@ from trainguard.kube.config import (
     DEFAULT_IMAGE,
     DEFAULT_JOB_NAMESPACE,
     KIND,
+    Obj,
     OperatorConfig,
 )
 from trainguard.kube.health_manifests import HealthAgentOptions
 from trainguard.kube.manifests import all_objects, to_yaml
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.status import parse_time
+from trainguard.platform.launch import usage
 from trainguard.spec import SpecError, load_job
 from trainguard.spec.load import converted
 from trainguard.spec.pytorchjob import is_pytorchjob
 from trainguard.spec.secrets import redact_spec
 
-EXIT_USAGE = 2
 EXIT_FAILED = 1
 TERMINAL_PHASES = ("Succeeded", "Failed", "Stopped")
 # How often `logs -f`, `delete` and `install --wait` look again.
@@ -40,8 +40,6 @@ FOLLOW_INTERVAL_SECONDS = 1.0
 # A container waiting for these cannot start until its image is fixed (or pushed).
 IMAGE_PROBLEMS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 DOCKERFILE = "deploy/Dockerfile"
-
-Obj = dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,16 +61,10 @@ def run(args: argparse.Namespace) -> int:
             "delete": lambda: _delete(api, args, namespace),
         }
         return verbs[args.verb]()
-    except SpecError as exc:
-        for line in str(exc).splitlines():
-            print(f"trainguard: {line}", file=sys.stderr)
-        return EXIT_USAGE
-    except ConfigError as exc:
-        print(f"trainguard: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except (SpecError, ConfigError) as exc:
+        return usage(str(exc))
     except NotFound as exc:
-        print(f"trainguard: not found: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage(f"not found: {exc}")
     except KubeError as exc:
         print(f"trainguard: cluster: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -10,7 +10,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
+
+Obj = dict[str, Any]
+"""A Kubernetes object as the API's JSON has it (camelCase keys)."""
 
 GROUP: Final = "trainguard.dev"
 VERSION: Final = "v1"

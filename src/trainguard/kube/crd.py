@@ -13,10 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.kube.config import CRD_NAME, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
+from trainguard.kube.config import (
+    CRD_NAME,
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+    Obj,
+)
 from trainguard.spec import json_schema
-
-Obj = dict[str, Any]
 
 # Keys of a JSON Schema node that carry no meaning for Kubernetes and are dropped.
 _DROPPED = frozenset({"title", "default", "$defs"})

@@ -43,7 +43,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Obj = dict[str, Any]
 DISRUPTION_TARGET = "DisruptionTarget"
 
 

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
 from types import FrameType
-from typing import Any, Final
+from typing import Final
 
 from trainguard.health import (
     MONITOR_KINDS,
@@ -54,7 +54,7 @@ from trainguard.health import (
     run_checks,
 )
 from trainguard.kube.api import KubeApi, KubeError
-from trainguard.kube.config import NODE_NAME_ENV, OperatorConfig
+from trainguard.kube.config import NODE_NAME_ENV, Obj, OperatorConfig
 from trainguard.kube.node_health import write_health
 from trainguard.kube.node_labels import (
     SCHEDULABLE,
@@ -72,8 +72,6 @@ DEFAULT_MONITORS: Final = ("kernel-log", "nvidia-smi")
 START_READS: Final = 5
 """Tries to read the Node on start (a second apart, then more) before exiting."""
 EXIT_USAGE: Final = 2
-
-Obj = dict[str, Any]
 
 
 def start_change(current: str | None, deep: str | None = None) -> HealthChange:

@@ -16,18 +16,18 @@ privileged pods (Pod Security "privileged").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from trainguard.kube.config import (
     HEALTH_AGENT_LABELS,
     HEALTH_AGENT_NAME,
     NODE_NAME_ENV,
+    Obj,
     OperatorConfig,
 )
 
 __all__ = ["HEALTH_AGENT_RULES", "WORK_DIR", "HealthAgentOptions", "health_agent_objects"]
 
-Obj = dict[str, Any]
 _RBAC: Final = "rbac.authorization.k8s.io"
 WORK_DIR: Final = "/tmp/trainguard-health"
 """Where the agent's disk check writes (in its emptyDir)."""

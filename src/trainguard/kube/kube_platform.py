@@ -48,7 +48,7 @@ from trainguard.control.controller import JobController
 from trainguard.control.reports import NodeReport, Refusal
 from trainguard.kube.api import KubeApi, KubeError
 from trainguard.kube.capacity import PodShape
-from trainguard.kube.config import OperatorConfig
+from trainguard.kube.config import Obj, OperatorConfig
 from trainguard.kube.elastic import NodeCapacity, Preemptions, ReplicaCount
 from trainguard.kube.kueue import KueueWorkload
 from trainguard.kube.node import PodNode
@@ -65,7 +65,6 @@ __all__ = ["Detached", "KubePlatform", "Outside"]
 
 logger = logging.getLogger(__name__)
 
-Obj = dict[str, Any]
 CONCURRENCY = 16
 """API calls (pod creations, deletions) and agent shutdowns in flight at once."""
 NODE_CAPACITY_SECONDS = 5.0

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from trainguard.kube.api import KubeApi, KubeError, NotFound
-from trainguard.kube.config import GROUP, VERSION
+from trainguard.kube.config import GROUP, VERSION, Obj
 
 __all__ = [
     "KUEUE_GROUP",
@@ -46,7 +46,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Obj = dict[str, Any]
 KUEUE_GROUP: Final = "kueue.x-k8s.io"
 KUEUE_VERSION: Final = "v1beta1"
 WORKLOADS: Final = "workloads"

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import yaml
 
@@ -45,17 +44,15 @@ from trainguard.kube.config import (
     DEFAULT_JOB_NAMESPACE,
     DEFAULT_NAMESPACE,
     GROUP,
-    MANAGER,
     OPERATOR_LABELS,
     OPERATOR_NAME,
     OPERATOR_SERVICE,
     PLURAL,
+    Obj,
     OperatorConfig,
 )
 from trainguard.kube.crd import crd
 from trainguard.kube.health_manifests import HealthAgentOptions, health_agent_objects
-
-Obj = dict[str, Any]
 
 LIVENESS_PORT = 8080
 _LABELS = dict(OPERATOR_LABELS)
@@ -304,11 +301,9 @@ def to_yaml(objects: list[Obj]) -> str:
 
 __all__ = [
     "LEASE_RULES",
-    "MANAGER",
     "NETWORK_POLICY_RULE",
     "NODES_ROLE",
     "NODE_RULES",
-    "OPERATOR_NAME",
     "RBAC_RULES",
     "all_objects",
     "leader_objects",

@@ -9,13 +9,11 @@ it runs on. Whether that makes the node lost is the controller's call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from trainguard.kube.config import Obj
 from trainguard.kube.status import PodInfo, parse_time
 
 __all__ = ["PodNode"]
-
-Obj = dict[str, Any]
 
 
 @dataclass

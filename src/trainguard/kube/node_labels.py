@@ -28,9 +28,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
-from trainguard.kube.config import HEALTH_REASON_ANNOTATION, UNHEALTHY_TAINT, OperatorConfig
+from trainguard.kube.config import HEALTH_REASON_ANNOTATION, UNHEALTHY_TAINT, Obj, OperatorConfig
 
 __all__ = [
     "DEEP_STATUSES",
@@ -50,7 +50,6 @@ __all__ = [
     "untolerated",
 ]
 
-Obj = dict[str, Any]
 
 SCHEDULABLE: Final = "Schedulable"
 UNSCHEDULABLE: Final = "Unschedulable"

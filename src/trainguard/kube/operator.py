@@ -28,14 +28,12 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import kopf
 
 from trainguard.kube.api import KubeApi, KubeError
 from trainguard.kube.config import (
-    DEFAULT_NAMESPACE,
     FINALIZER,
     GROUP,
     LEASE_NAME,
@@ -62,8 +60,6 @@ DELETE_STOP_SECONDS = 120.0
 DAEMON_CANCEL_SECONDS = 30.0
 # Time a loop gets to end once let go of (it may be in the middle of a turn).
 DETACH_SECONDS = 20.0
-# Where a pod learns its namespace (the operator's, for its own Service's name).
-SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 _metrics = Metrics()
 _state: dict[str, Any] = {}
@@ -94,11 +90,7 @@ def _inbox() -> Inbox | None:
     with _state_lock:
         if "inbox" not in _state:
             settings = _settings()
-            try:
-                namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
-            except OSError:
-                namespace = DEFAULT_NAMESPACE
-            url = settings.report_base_url(namespace or DEFAULT_NAMESPACE)
+            url = settings.report_base_url(settings.namespace())
             try:
                 _state["inbox"] = Inbox(settings.report_host, settings.report_port, url)
                 logger.info("agents push their reports to %s", url)

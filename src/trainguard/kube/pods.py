@@ -31,7 +31,6 @@ import copy
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from trainguard.agent.jobenv import JOB_ENV_VAR, encode_job_env
 from trainguard.agent.persist import CONFIG_ENV, MEMORY_DIR_ENV
@@ -52,12 +51,11 @@ from trainguard.kube.config import (
     TOKEN_ENV,
     TOKEN_KEY,
     VERSION,
+    Obj,
     OperatorConfig,
 )
 from trainguard.kube.node_labels import untolerated
 from trainguard.spec import NodeGroupPlan, TrainingJob
-
-Obj = dict[str, Any]
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 DEEP_PASSED_WEIGHT = 100
@@ -100,6 +98,16 @@ def owner_reference(body: Obj) -> list[Obj]:
             "blockOwnerDeletion": True,
         }
     ]
+
+
+def _owned_meta(job: TrainingJob, body: Obj, name: str) -> Obj:
+    """The metadata of an object the job owns: in its namespace, with its labels."""
+    return {
+        "name": name,
+        "namespace": job.metadata.namespace,
+        "labels": job_selector(job.metadata.name),
+        "ownerReferences": owner_reference(body),
+    }
 
 
 def pod_argv(group: NodeGroupPlan) -> list[str]:
@@ -258,12 +266,7 @@ def headless_service(job: TrainingJob, body: Obj, settings: OperatorConfig) -> O
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": service_name(name),
-            "namespace": job.metadata.namespace,
-            "labels": job_selector(name),
-            "ownerReferences": owner_reference(body),
-        },
+        "metadata": _owned_meta(job, body, service_name(name)),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -280,12 +283,7 @@ def token_secret(job: TrainingJob, body: Obj, token: str) -> Obj:
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": {
-            "name": secret_name(name),
-            "namespace": job.metadata.namespace,
-            "labels": job_selector(name),
-            "ownerReferences": owner_reference(body),
-        },
+        "metadata": _owned_meta(job, body, secret_name(name)),
         "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
 
@@ -312,12 +310,7 @@ def network_policy(job: TrainingJob, body: Obj, settings: OperatorConfig) -> Obj
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": {
-            "name": network_policy_name(name),
-            "namespace": job.metadata.namespace,
-            "labels": job_selector(name),
-            "ownerReferences": owner_reference(body),
-        },
+        "metadata": _owned_meta(job, body, network_policy_name(name)),
         "spec": {
             "podSelector": {"matchLabels": job_selector(name)},
             "policyTypes": ["Ingress"],

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from trainguard.control.controller import JobController
 from trainguard.control.events import Event, EventKind, FaultType
@@ -19,6 +18,7 @@ from trainguard.control.policy import RestartScope
 from trainguard.control.reports import NodeReport
 from trainguard.kube.adopt import takeover_record
 from trainguard.kube.api import KubeApi, KubeError, NotFound
+from trainguard.kube.config import Obj
 from trainguard.kube.node import PodNode
 from trainguard.kube.node_health import NodeHealthLabels
 from trainguard.kube.status import (
@@ -35,7 +35,6 @@ __all__ = ["COMPONENT", "ClusterRecord"]
 
 logger = logging.getLogger(__name__)
 
-Obj = dict[str, Any]
 COMPONENT = "trainguard-operator"
 NODE_HEALTH_EVENTS = frozenset(
     {EventKind.NODE_HEALTH, EventKind.HEALTH_CHECK, EventKind.HEALTH_FINDING}

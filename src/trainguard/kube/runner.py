@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
 
 from trainguard.control import resume
 from trainguard.control.actions import Action
@@ -31,7 +30,7 @@ from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.controller import JobController
 from trainguard.kube import adopt
 from trainguard.kube.api import KubeApi, KubeError, NotFound
-from trainguard.kube.config import OperatorConfig
+from trainguard.kube.config import Obj, OperatorConfig
 from trainguard.kube.kube_platform import Detached, KubePlatform, Outside
 from trainguard.kube.kueue import KueueWorkload
 from trainguard.kube.node_health import NodeHealthLabels
@@ -60,7 +59,6 @@ __all__ = ["KubeJob"]
 
 logger = logging.getLogger(__name__)
 
-Obj = dict[str, Any]
 Begin = Callable[[float], Sequence[Action]]
 
 

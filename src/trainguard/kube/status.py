@@ -17,9 +17,7 @@ from typing import Any
 from trainguard.control.actions import AttemptPhase
 from trainguard.control.controller import JobController
 from trainguard.control.events import Event, EventKind
-from trainguard.kube.config import GROUP, KIND, VERSION
-
-Obj = dict[str, Any]
+from trainguard.kube.config import GROUP, KIND, VERSION, Obj
 
 # Timeline entries kept in the status (the oldest are dropped; Events keep the rest).
 MAX_STATUS_FAULTS = 20

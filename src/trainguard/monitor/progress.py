@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from trainguard.monitor.regex import RegexError, compile_regex, match_line
+from trainguard.monitor.lines import LineMatch, LinePattern
+from trainguard.monitor.regex import RegexError, match_line
 
 __all__ = ["DEFAULT_PROGRESS_PATTERN", "ProgressMatcher"]
 
@@ -49,9 +50,10 @@ class ProgressMatcher:
         """``pattern``: a regex (RE2, anchored like ``re.match``) whose first capture group
         is the step."""
         try:
-            self._regex = compile_regex(pattern)
+            self._lines = LinePattern(pattern)
         except RegexError as err:
             raise ValueError(f"progress pattern {pattern!r}: {err}") from None
+        self._regex = self._lines.line
         if self._regex.groups < 1:
             raise ValueError(f"progress pattern {pattern!r}: needs a capture group for the step")
         self.pattern = pattern
@@ -59,15 +61,36 @@ class ProgressMatcher:
     def match(self, line: str) -> int | None:
         """The step of a completed-step line, or None for any other line."""
         found = match_line(self._regex, line)
-        if found is None:
-            return None
-        text = found.group(1)
-        if text is None:
-            return None
-        try:
-            return int(text)
-        except ValueError:
-            return None
+        return None if found is None else _step(found.group(1))
+
+    def newest(self, block: bytes) -> int | None:
+        """The step of the last completed-step line of ``block`` (whole lines, valid
+        UTF-8: :func:`~trainguard.monitor.lines.scannable`), or None."""
+        step = _step_of(self._lines.last_line(block))  # mostly the last line is one
+        if step is not None:
+            return step
+        steps = [s for found in self._lines.matches(block) if (s := _step_of(found)) is not None]
+        return steps[-1] if steps else None
+
+    def oldest(self, block: bytes) -> int | None:
+        """The step of the first completed-step line of ``block``, or None."""
+        return next(
+            (s for found in self._lines.matches(block) if (s := _step_of(found)) is not None),
+            None,
+        )
 
     def __repr__(self) -> str:
         return f"ProgressMatcher({self.pattern!r})"
+
+
+def _step(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _step_of(found: LineMatch | None) -> int | None:
+    return None if found is None else _step(found.group)

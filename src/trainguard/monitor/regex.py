@@ -17,11 +17,22 @@ the first capture group. ``\\d``, ``\\w``, ``\\s`` and ``\\b`` are ASCII-only in
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, Final, Protocol, cast
 
 import re2  # type: ignore[import-untyped]  # google-re2 ships no type information
 
-__all__ = ["MAX_PATTERN_MEMORY", "Match", "Pattern", "RegexError", "compile_regex", "match_line"]
+__all__ = [
+    "MAX_PATTERN_MEMORY",
+    "LineStartRegex",
+    "Match",
+    "Pattern",
+    "RegexError",
+    "Spans",
+    "compile_at_line_starts",
+    "compile_regex",
+    "match_line",
+]
 
 MAX_PATTERN_MEMORY: Final = 8 * 1024 * 1024
 """RE2's memory budget for one compiled pattern (bytes); a larger program is refused."""
@@ -63,18 +74,58 @@ def compile_regex(pattern: str) -> Pattern:
     """``pattern`` compiled by RE2; :class:`RegexError` says why not (one line)."""
     if not isinstance(pattern, str):
         raise RegexError(f"must be a string, got {type(pattern).__name__}")
-    return _compile(pattern)
+    return cast(Pattern, _compile(pattern))
 
 
 @functools.lru_cache(maxsize=256)
-def _compile(pattern: str) -> Pattern:
+def _compile(pattern: str, never_nl: bool = False) -> Any:
     options = re2.Options()
     options.log_errors = False  # RE2 would print every refused pattern to stderr
     options.max_mem = MAX_PATTERN_MEMORY
+    options.never_nl = never_nl
     try:
-        return cast(Pattern, re2.compile(pattern, options))
+        return re2.compile(pattern, options)
     except re2.error as err:
         raise RegexError(_reason(pattern, err)) from None
+
+
+def compile_at_line_starts(pattern: str) -> LineStartRegex:
+    """``pattern`` as it runs on a block of lines (:mod:`trainguard.monitor.lines`):
+    anchored at any line's start (``(?m)^``), and never matching a newline (RE2's
+    ``never_nl``), so no match runs from one line into the next. Only for a pattern
+    that :func:`compile_regex` compiles."""
+    return LineStartRegex(_compile(f"(?m)^(?:{pattern})", True))
+
+
+Spans = Sequence[tuple[int, int]]
+"""A match's ``(start, end)`` byte offsets: the whole match, then each group's
+(``(-1, -1)``: the group took no part)."""
+
+
+class LineStartRegex:
+    """A compiled block pattern, matched on bytes and answering with spans.
+
+    google-re2's ``finditer`` builds a match object and a generator per match, four times
+    the cost of RE2's own call; this calls the extension's ``Match`` directly (google-re2
+    1.x), and the public API where that is not there."""
+
+    def __init__(self, compiled: Any) -> None:
+        self.groups: int = compiled.groups
+        self._compiled = compiled
+        regexp = getattr(compiled, "_regexp", None)
+        anchors = getattr(re2, "_Anchor", None)
+        self._raw = None if regexp is None or anchors is None else regexp.Match
+        if anchors is not None:
+            self._anchors = (anchors.UNANCHORED, anchors.ANCHOR_START)
+
+    def spans(self, text: bytes, pos: int, endpos: int, anchored: bool = False) -> Spans | None:
+        """The first match in ``text[pos:endpos]`` (``anchored``: one at ``pos`` only)."""
+        if self._raw is not None:
+            spans: Spans = self._raw(self._anchors[anchored], text, pos, endpos)
+            return None if spans[0][0] < 0 else spans
+        find = self._compiled.match if anchored else self._compiled.search
+        found = find(text, pos, endpos)
+        return None if found is None else [found.span(i) for i in range(self.groups + 1)]
 
 
 def _reason(pattern: str, err: Exception) -> str:

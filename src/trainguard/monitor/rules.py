@@ -35,8 +35,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
+from trainguard.monitor.lines import BlockScans, LinePattern, line_at, line_pattern, scannable
 from trainguard.monitor.progress import ProgressMatcher
-from trainguard.monitor.regex import Pattern, RegexError, compile_regex, match_line
+from trainguard.monitor.regex import Pattern, RegexError, compile_regex
 from trainguard.wire.status import (
     Detection,
     DetectionKind,
@@ -153,6 +154,16 @@ class LogRuleSpec:
         return None if self.stop_pattern is None else compile_regex(self.stop_pattern)
 
     @property
+    def lines(self) -> LinePattern:
+        """`logPattern` to run on a block of lines (cached)."""
+        return line_pattern(self.log_pattern)
+
+    @property
+    def stop_lines(self) -> LinePattern | None:
+        """`stopPattern`, if any, to run on a block of lines (cached)."""
+        return None if self.stop_pattern is None else line_pattern(self.stop_pattern)
+
+    @property
     def has_timer(self) -> bool:
         """Whether the rule can HANG (has a start cut-off or a recurring frequency)."""
         return (
@@ -222,6 +233,10 @@ def parse_metric(text: str | None) -> float | None:
     return None if found is None else float(found.group(1))
 
 
+_Found = tuple[int, int, DetectionKind, "LogRuleSpec", float | None]
+"""What a rule found in a block: (line offset, rule index, kind, rule, value)."""
+
+
 @dataclass
 class _RuleState:
     last_match_at: float | None = None
@@ -266,20 +281,33 @@ class NodeLogMonitor:
 
     def on_line(self, rank: int, stream: str, line: str, t: float) -> None:
         """One output line of ``rank`` (without its newline), read at unix time ``t``."""
+        self.on_lines(rank, stream, line.encode(errors="replace") + b"\n", t)
+
+    def on_lines(self, rank: int, stream: str, block: bytes, t: float) -> None:
+        """Whole output lines of ``rank`` (each ending in a newline), read at unix time
+        ``t``: judged as if one by one, in order (see the module docstring), with one RE2
+        search per pattern and match (:mod:`trainguard.monitor.lines`)."""
         del stream  # both streams are read alike
-        step = self._progress.match(line) if self._progress is not None else None
+        if not block:
+            return
+        text = scannable(block)
+        step = self._progress.newest(text) if self._progress is not None else None
         if step is not None and not self._member(rank):
             step = None  # a step of the attempt before: not this one's progress
         with self._lock:
             if step is not None:
                 self._steps[rank] = (step, t)
-                self._first_steps.setdefault(rank, (step, t))
-            seen = len(self._detections)
-            for rule in self._rules:
+                if rank not in self._first_steps and self._progress is not None:
+                    first = self._progress.oldest(text)
+                    self._first_steps[rank] = (step if first is None else first, t)
+            found: list[_Found] = []
+            scans = BlockScans(text)
+            for index, rule in enumerate(self._rules):
                 state = self._state[rule.name]
                 if not state.stopped:
-                    self._apply(rule, state, rank, line, t)
-            found = len(self._detections) > seen
+                    found += self._apply(index, rule, state, rank, scans, t)
+            for where, _, kind, rule, value in sorted(found, key=lambda f: f[:2]):
+                self._detect(kind, rule, rank, t, line_at(text, where), value)
         if found and self._on_detection is not None:
             self._on_detection()
 
@@ -292,42 +320,54 @@ class NodeLogMonitor:
             return True
         return False
 
-    def _apply(self, rule: LogRuleSpec, state: _RuleState, rank: int, line: str, t: float) -> None:
-        stop = rule.stop
-        if stop is not None and match_line(stop, line):
+    def _apply(
+        self,
+        index: int,
+        rule: LogRuleSpec,
+        state: _RuleState,
+        rank: int,
+        scans: BlockScans,
+        t: float,
+    ) -> list[_Found]:
+        """Rule ``index`` on a block's lines: its state updated, what it found (a
+        detection's line offset, the rule's index, kind, rule and value)."""
+        stopped = None if rule.stop_lines is None else scans.first(rule.stop_lines)
+        end = None if stopped is None else stopped.start  # the stop line counts as nothing
+        found: list[_Found] = []
+        matches = scans.lines(rule.lines, end)
+        groups = rule.lines.groups
+        for match in matches:
+            if rule.fault_on_match and rank not in state.faulted:
+                state.faulted.add(rank)
+                found.append((match.start, index, "LogFault", rule, None))
+            if groups < 1:
+                continue
+            value = parse_metric(match.group)
+            if value is None:
+                continue
+            if not math.isfinite(value):
+                if rank not in state.nan_reported:
+                    state.nan_reported.add(rank)
+                    found.append((match.start, index, "NaNMetric", rule, value))
+                continue
+            if rule.metric_threshold is None:
+                continue
+            if not rule.is_bad(value):
+                state.bad_run[rank] = 0
+                state.slow_reported.discard(rank)
+                continue
+            run = state.bad_run.get(rank, 0) + 1
+            state.bad_run[rank] = run
+            if run >= rule.metric_evaluation_data_points and rank not in state.slow_reported:
+                state.slow_reported.add(rank)
+                found.append((match.start, index, "LogSlow", rule, value))
+        if matches:
+            state.matches += len(matches)
+            if state.last_match_at is None or t > state.last_match_at:
+                state.last_match_at = t
+        if stopped is not None:
             state.stopped = True
-            return
-        pattern = rule.pattern
-        found = match_line(pattern, line)
-        if found is None:
-            return
-        state.matches += 1
-        if state.last_match_at is None or t > state.last_match_at:
-            state.last_match_at = t
-        if rule.fault_on_match and rank not in state.faulted:
-            state.faulted.add(rank)
-            self._detect("LogFault", rule, rank, t, line, None)
-        if pattern.groups < 1:
-            return
-        value = parse_metric(found.group(1))
-        if value is None:
-            return
-        if not math.isfinite(value):
-            if rank not in state.nan_reported:
-                state.nan_reported.add(rank)
-                self._detect("NaNMetric", rule, rank, t, line, value)
-            return
-        if rule.metric_threshold is None:
-            return
-        if not rule.is_bad(value):
-            state.bad_run[rank] = 0
-            state.slow_reported.discard(rank)
-            return
-        run = state.bad_run.get(rank, 0) + 1
-        state.bad_run[rank] = run
-        if run >= rule.metric_evaluation_data_points and rank not in state.slow_reported:
-            state.slow_reported.add(rank)
-            self._detect("LogSlow", rule, rank, t, line, value)
+        return found
 
     def _detect(
         self,

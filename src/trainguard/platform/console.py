@@ -62,13 +62,14 @@ class Console:
     def pump(self, stream: LineSource) -> None:
         """Copy an agent's console (every rank's lines, prefixed) to ours and to the log."""
         try:
-            for lines in line_batches(stream):  # one write per batch of lines, not per line
+            for block in line_batches(stream):  # one write per block of lines, not per line
                 with self._lock:
-                    shown = [line for line in lines if self._terminal.admit()]  # its share
+                    lines = block.count(b"\n") + (not block.endswith(b"\n"))
+                    shown = _first_lines(block, self._terminal.admit_many(lines), lines)
                     if shown:
-                        self._show(self.out, safe_bytes(b"".join(shown)))  # shown, never obeyed
+                        self._show(self.out, safe_bytes(shown))  # shown, never obeyed
                     if self._log is not None:  # the file gets all
-                        self._log.write(b"".join(lines))
+                        self._log.write(block)
                         self._log.flush()
                     self._say_lines_not_shown(locked=True)
         except (OSError, ValueError):
@@ -105,3 +106,11 @@ class Console:
             held = self._terminal.note_due(final)
             if held:
                 self.say(f"{held} lines not shown; see trainguard logs {self.job_id}", locked=True)
+
+
+def _first_lines(block: bytes, count: int, lines: int) -> bytes:
+    """The first ``count`` of the ``lines`` lines of ``block``."""
+    if count >= lines:
+        return block
+    rest = block.split(b"\n", count)[-1]
+    return block[: len(block) - len(rest)]

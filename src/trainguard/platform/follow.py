@@ -23,15 +23,15 @@ class LineSource(Protocol):
 BATCH_BYTES = 64 * 1024
 
 
-def line_batches(source: LineSource, size: int = BATCH_BYTES) -> Iterator[list[bytes]]:
-    """``source``'s lines (each with its newline), a batch at a time until its end: from a
-    pipe (a source with ``read1``), the complete lines of each read of up to ``size``
-    bytes, so a worker's burst costs its reader one wake-up, not one per line; from any
-    other source, a line at a time. A last line without a newline comes at the end."""
+def line_batches(source: LineSource, size: int = BATCH_BYTES) -> Iterator[bytes]:
+    """``source``'s lines, a block of whole lines (each with its newline) at a time until
+    its end: from a pipe (a source with ``read1``), the complete lines of each read of up
+    to ``size`` bytes, so a burst costs its reader one wake-up and no Python per line;
+    from any other source, a line at a time. A last line without a newline comes at the
+    end, as it is."""
     read1 = getattr(source, "read1", None)
     if read1 is None:
-        for line in iter(source.readline, b""):
-            yield [line]
+        yield from iter(source.readline, b"")
         return
     pending = b""
     while chunk := read1(size):
@@ -39,9 +39,9 @@ def line_batches(source: LineSource, size: int = BATCH_BYTES) -> Iterator[list[b
         cut = data.rfind(b"\n") + 1
         pending = data[cut:]
         if cut:
-            yield [line + b"\n" for line in data[: cut - 1].split(b"\n")]
+            yield data[:cut]
     if pending:
-        yield [pending]
+        yield pending
 
 
 class FollowedFile:

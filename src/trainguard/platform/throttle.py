@@ -51,15 +51,19 @@ class LineThrottle:
 
     def admit(self) -> bool:
         """Whether the next line goes to the terminal (False: it is counted instead)."""
+        return self.admit_many(1) == 1
+
+    def admit_many(self, lines: int) -> int:
+        """How many of the next ``lines`` lines go to the terminal, the first ones (the
+        rest are counted instead)."""
         now = self._clock()
         self._tokens = min(self.burst, self._tokens + (now - self._filled_at) * self.rate)
         self._filled_at = now
-        if self._tokens >= 1:
-            self._tokens -= 1
-            return True
-        self._held += 1
-        self.held_total += 1
-        return False
+        admitted = min(lines, int(self._tokens))
+        self._tokens -= admitted
+        self._held += lines - admitted
+        self.held_total += lines - admitted
+        return admitted
 
     def note_due(self, final: bool = False) -> int:
         """Lines held back since the last note, when a note is due (at most every

@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from trainguard.control.events import Event, EventKind, FaultType
 from trainguard.hosts.addresses import JobEndpoint, LocalAddress, resolve, route_to
 from trainguard.hosts.controller_host import ControllerHost
+from trainguard.hosts.run import say
 from trainguard.hosts.security import TOKEN_ENV, TokenError, client_tls, server_tls
-from trainguard.observe.terminal import safe_cell
 from trainguard.platform.launch import EXIT_USAGE, JobToRun, launch
 from trainguard.platform.local import MEMORY_ROOT
 from trainguard.platform.procs import free_port
@@ -107,10 +107,6 @@ def run_in_allocation(
 ) -> int:
     """The batch script's ``trainguard run`` (see the module doc); ``argv``: its own
     command line as ``parser`` reads it, which the other nodes run too."""
-
-    def say(line: str) -> None:  # one line, however a worker's error it quotes reads
-        print(f"[trainguard] {safe_cell(line)}", file=sys.stderr, flush=True)
-
     plan = job.plan
     try:
         alloc = Allocation.from_env()
@@ -139,7 +135,7 @@ def run_in_allocation(
     if alloc.restart_count == 0:  # a tier by this name is another job's (ids wrap, reinstalls)
         shutil.rmtree(MEMORY_ROOT / job_id, ignore_errors=True)
     if plan.job.spec.trainguard.drain_nodes:
-        hosts.listeners.append(_drainer(hosts, say))
+        hosts.listeners.append(_drainer(hosts))
     logs = job.store.root / "jobs" / job_id / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     steps_argv = [sys.executable, "-m", "trainguard.cli", *daemon_argv(argv, endpoint, parser)]
@@ -158,15 +154,12 @@ def run_in_allocation(
             stop_within=max(1.0, kill_wait() - KILL_WAIT_MARGIN),
         )  # fmt: skip
         code = launch(job, target)
-        return _requeue(alloc, plan, requeue_for, say) if requeue_for and code == 1 else code
+        return _requeue(alloc, plan, requeue_for) if requeue_for and code == 1 else code
     finally:
         steps.end()
 
 
-Say = Callable[[str], None]
-
-
-def _drainer(hosts: ControllerHost, say: Say) -> Callable[[Event], None]:
+def _drainer(hosts: ControllerHost) -> Callable[[Event], None]:
     """A listener that drains the Slurm node of a node lost or found unhealthy."""
     warned: list[bool] = []
 
@@ -192,7 +185,7 @@ def _drainer(hosts: ControllerHost, say: Say) -> Callable[[Event], None]:
     return on_event
 
 
-def _requeue(alloc: Allocation, plan: JobPlan, nodes: list[str], say: Say) -> int:
+def _requeue(alloc: Allocation, plan: JobPlan, nodes: list[str]) -> int:
     budget = plan.job.spec.trainguard.max_requeues
     if alloc.restart_count >= budget:
         say(

@@ -34,6 +34,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from trainguard.platform.launch import EXIT_USAGE, usage
 from trainguard.platform.store import StateDirError, open_store
 from trainguard.spec import SpecError, load_job, resolve_plan
 from trainguard.spec.plan import JobPlan
@@ -41,7 +42,6 @@ from trainguard.spec.scripts import check_scripts
 
 __all__ = ["batch_script", "submit_slurm"]
 
-EXIT_USAGE = 2
 SBATCH_TIMEOUT = 60.0
 
 
@@ -86,9 +86,7 @@ def submit_slurm(args: argparse.Namespace, sbatch_args: Sequence[str]) -> int:
         plan = resolve_plan(job, args.file)
         check_scripts(plan, args.file)
     except SpecError as exc:
-        for line in str(exc).splitlines():
-            print(f"trainguard: {line}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage(str(exc))
     if shutil.which("sbatch") is None:
         return fail("submit --slurm: sbatch is not on PATH (is this a Slurm login node?)")
     try:

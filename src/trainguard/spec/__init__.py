@@ -5,6 +5,8 @@ plan = resolve_plan(job, "job.yaml")  # what the controller and platforms run
 """
 
 from trainguard.spec.cli_job import cli_job, dns_name
+from trainguard.spec.elastic import ElasticPolicy
+from trainguard.spec.kube import Container, EnvVar, ObjectMeta, PodSpec, PodTemplateSpec
 from trainguard.spec.launcher import LauncherError, LauncherLine, parse_launcher
 from trainguard.spec.load import (
     HYPERPOD_API_VERSION,
@@ -16,13 +18,7 @@ from trainguard.spec.load import (
 from trainguard.spec.model import (
     API_VERSION,
     KIND,
-    Container,
-    ElasticPolicy,
-    EnvVar,
     LogRule,
-    ObjectMeta,
-    PodSpec,
-    PodTemplateSpec,
     ReplicaSpec,
     RestartPolicy,
     RunPolicy,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,16 +38,51 @@ __all__ = ["HyperpodFlags", "add_hyperpod_flags", "hyperpod_flags", "with_hyperp
 
 SHUTDOWN_SIGNALS = ("SIGTERM", "SIGKILL")
 _PREFIX = "hyperpod:"
-# (flag spellings, takes a value)
-_FLAGS: tuple[tuple[tuple[str, ...], bool], ...] = (
-    (("--pre-train-script", "--pre_train_script"), True),
-    (("--pre-train-args", "--pre_train_args"), True),
-    (("--post-train-script", "--post_train_script"), True),
-    (("--post-train-args", "--post_train_args"), True),
-    (("--shutdown-signal", "--shutdown_signal"), True),
-    (("--shutdown-timeout", "--shutdown_timeout"), True),
-    (("--inprocess-restart", "--inprocess_restart"), False),
-    (("--inprocess-timeout", "--inprocess_timeout"), True),
+# Each flag: how ``trainguard run`` takes it (argparse's keywords) and its help there. A
+# launcher line takes it spelt either way (--pre-train-script, --pre_train_script).
+_FLAGS: tuple[tuple[str, dict[str, Any], str], ...] = (
+    (
+        "--pre-train-script",
+        {"metavar": "SCRIPT"},
+        "run on every node before its workers start; its failure is a fault",
+    ),
+    (
+        "--pre-train-args",
+        {"metavar": "ARGS"},
+        "the pre-train script's arguments, one string split as a shell would",
+    ),
+    (
+        "--post-train-script",
+        {"metavar": "SCRIPT"},
+        "run on every node once its workers all exited 0; its failure is a fault",
+    ),
+    (
+        "--post-train-args",
+        {"metavar": "ARGS"},
+        "the post-train script's arguments, one string split as a shell would",
+    ),
+    (
+        "--shutdown-signal",
+        {"choices": SHUTDOWN_SIGNALS},
+        "the signal that stops workers (default SIGTERM, then SIGKILL after the timeout; "
+        "hyperpodrun's default is SIGKILL)",
+    ),
+    (
+        "--shutdown-timeout",
+        {"metavar": "SECONDS"},
+        "after SIGTERM, SIGKILL follows this long later (spec.trainguard.stopGracePeriodSeconds)",
+    ),
+    (
+        "--inprocess-restart",
+        {"action": "store_true"},
+        "restart in-process after a worker crash (spec.trainguard.inProcessRestart)",
+    ),
+    (
+        "--inprocess-timeout",
+        {"metavar": "SECONDS"},
+        "how long every rank has to rejoin an in-process restart "
+        "(spec.trainguard.restartBarrierTimeoutSeconds)",
+    ),
 )
 # option (field name) -> the flag that sets it, for messages
 FLAG_OF_OPTION = {
@@ -86,116 +121,46 @@ class HyperpodFlags:
 
 def add_hyperpod_flags(parser: argparse.ArgumentParser) -> None:
     """Add hyperpodrun's flags to a launcher-line parser (values land under ``hyperpod:``)."""
-    for spellings, takes_value in _FLAGS:
-        dest = _PREFIX + spellings[0]
-        if takes_value:
-            parser.add_argument(*spellings, dest=dest)
-        else:
-            parser.add_argument(*spellings, dest=dest, action="store_true")
+    for flag, how, _ in _FLAGS:
+        action = how.get("action", "store")  # any value: make_flags checks it
+        parser.add_argument(
+            flag, "--" + flag[2:].replace("-", "_"), dest=_PREFIX + flag, action=action
+        )
 
 
 def add_hyperpodrun_flags(parser: argparse.ArgumentParser) -> None:
     """``trainguard run``'s hyperpodrun flags (the torchrun-style form), in a group."""
     group = parser.add_argument_group("hyperpodrun's flags (the torchrun-style form)")
-    group.add_argument(
-        "--pre-train-script",
-        metavar="SCRIPT",
-        help="run on every node before its workers start; its failure is a fault",
-    )
-    group.add_argument(
-        "--pre-train-args",
-        metavar="ARGS",
-        help="the pre-train script's arguments, one string split as a shell would",
-    )
-    group.add_argument(
-        "--post-train-script",
-        metavar="SCRIPT",
-        help="run on every node once its workers all exited 0; its failure is a fault",
-    )
-    group.add_argument(
-        "--post-train-args",
-        metavar="ARGS",
-        help="the post-train script's arguments, one string split as a shell would",
-    )
-    group.add_argument(
-        "--shutdown-signal",
-        choices=SHUTDOWN_SIGNALS,
-        help="the signal that "
-        "stops workers (default SIGTERM, then SIGKILL after the timeout; "
-        "hyperpodrun's default is SIGKILL)",
-    )
-    group.add_argument(
-        "--shutdown-timeout",
-        metavar="SECONDS",
-        help="after SIGTERM, "
-        "SIGKILL follows this long later (spec.trainguard.stopGracePeriodSeconds)",
-    )
-    group.add_argument(
-        "--inprocess-restart",
-        action="store_true",
-        help="restart in-process after a worker crash (spec.trainguard.inProcessRestart)",
-    )
-    group.add_argument(
-        "--inprocess-timeout",
-        metavar="SECONDS",
-        help="how long every rank "
-        "has to rejoin an in-process restart "
-        "(spec.trainguard.restartBarrierTimeoutSeconds)",
-    )
+    for flag, how, help_text in _FLAGS:
+        group.add_argument(flag, help=help_text, **how)
 
 
 def flags_of_args(args: argparse.Namespace) -> HyperpodFlags:
     """The hyperpodrun flags ``trainguard run`` was given; ValueError if bad."""
-    return make_flags(
-        pre_script=args.pre_train_script,
-        pre_args=args.pre_train_args,
-        post_script=args.post_train_script,
-        post_args=args.post_train_args,
-        shutdown_signal=args.shutdown_signal,
-        shutdown_timeout=args.shutdown_timeout,
-        inprocess_restart=args.inprocess_restart,
-        inprocess_timeout=args.inprocess_timeout,
-    )
+    return make_flags(lambda flag: getattr(args, flag[2:].replace("-", "_")))
 
 
 def hyperpod_flags(ns: Mapping[str, Any]) -> HyperpodFlags:
     """The flags in a parsed launcher line (``add_hyperpod_flags``'s); ValueError if bad."""
     given = {key[len(_PREFIX) :]: value for key, value in ns.items() if key.startswith(_PREFIX)}
-    if not given:
-        return HyperpodFlags()
-    return make_flags(
-        pre_script=given.get("--pre-train-script"),
-        pre_args=given.get("--pre-train-args"),
-        post_script=given.get("--post-train-script"),
-        post_args=given.get("--post-train-args"),
-        shutdown_signal=given.get("--shutdown-signal"),
-        shutdown_timeout=given.get("--shutdown-timeout"),
-        inprocess_restart=bool(given.get("--inprocess-restart", False)),
-        inprocess_timeout=given.get("--inprocess-timeout"),
-    )
+    return make_flags(given.get) if given else HyperpodFlags()
 
 
-def make_flags(
-    *,
-    pre_script: str | None = None,
-    pre_args: str | None = None,
-    post_script: str | None = None,
-    post_args: str | None = None,
-    shutdown_signal: str | None = None,
-    shutdown_timeout: str | float | None = None,
-    inprocess_restart: bool = False,
-    inprocess_timeout: str | float | None = None,
-) -> HyperpodFlags:
-    """Check and combine the flags' raw values; ValueError naming the flag if bad."""
+def make_flags(value: Callable[[str], Any]) -> HyperpodFlags:
+    """Check and combine the flags' raw values (``value(flag)``: None when not given);
+    ValueError naming the flag if bad."""
+    shutdown_signal = value("--shutdown-signal")
     if shutdown_signal is not None and shutdown_signal not in SHUTDOWN_SIGNALS:
         raise ValueError(f"--shutdown-signal={shutdown_signal}: expected SIGTERM or SIGKILL")
     return HyperpodFlags(
-        pre_train=_script("--pre-train", pre_script, pre_args),
-        post_train=_script("--post-train", post_script, post_args),
+        pre_train=_script("--pre-train", value("--pre-train-script"), value("--pre-train-args")),
+        post_train=_script(
+            "--post-train", value("--post-train-script"), value("--post-train-args")
+        ),
         shutdown_signal=shutdown_signal,
-        shutdown_timeout=_seconds("--shutdown-timeout", shutdown_timeout),
-        inprocess_restart=inprocess_restart,
-        inprocess_timeout=_seconds("--inprocess-timeout", inprocess_timeout),
+        shutdown_timeout=_seconds("--shutdown-timeout", value("--shutdown-timeout")),
+        inprocess_restart=bool(value("--inprocess-restart")),
+        inprocess_timeout=_seconds("--inprocess-timeout", value("--inprocess-timeout")),
     )
 
 

@@ -24,7 +24,7 @@ import yaml
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from trainguard.spec.fields import did_you_mean
+from trainguard.spec.fields import FIELD_PROBLEM, did_you_mean
 from trainguard.spec.limits import (
     MAX_NESTING,
     MAX_SPEC_FILE_BYTES,
@@ -32,7 +32,7 @@ from trainguard.spec.limits import (
     JsonSize,
     describe_bytes,
 )
-from trainguard.spec.model import API_VERSION, FIELD_PROBLEM, KIND, TrainingJob
+from trainguard.spec.model import API_VERSION, KIND, TrainingJob
 from trainguard.spec.pytorchjob import (
     KUBEFLOW_API_VERSION,
     KUBEFLOW_KIND,

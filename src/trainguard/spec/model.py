@@ -23,7 +23,6 @@ from trainguard.spec.checkpointing import Checkpointing
 from trainguard.spec.elastic import ElasticPolicy
 from trainguard.spec.fields import (
     DNS_LABEL_HELP,
-    FIELD_PROBLEM,
     DnsName,
     ModuleName,
     NonNegativeSeconds,
@@ -34,13 +33,7 @@ from trainguard.spec.fields import (
     field_problem,
 )
 from trainguard.spec.health import HealthOptions
-from trainguard.spec.kube import (
-    Container,
-    EnvVar,
-    ObjectMeta,
-    PodSpec,
-    PodTemplateSpec,
-)
+from trainguard.spec.kube import ObjectMeta, PodTemplateSpec
 from trainguard.spec.limits import (
     MAX_DATA_POINTS,
     MAX_DURATION_SECONDS,
@@ -56,16 +49,9 @@ from trainguard.spec.logs import LogOptions
 
 __all__ = [
     "API_VERSION",
-    "FIELD_PROBLEM",
     "KIND",
     "WORKLOAD_MODES",
-    "Container",
-    "ElasticPolicy",
-    "EnvVar",
     "LogRule",
-    "ObjectMeta",
-    "PodSpec",
-    "PodTemplateSpec",
     "ReplicaSpec",
     "RestartPolicy",
     "RunPolicy",

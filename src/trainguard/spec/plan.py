@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from trainguard.spec.hyperpod_flags import with_hyperpod_flags
+from trainguard.spec.kube import Container
 from trainguard.spec.launcher import LauncherError, LauncherLine, parse_launcher
 from trainguard.spec.limits import (
     MAX_ARG_BYTES,
@@ -43,7 +44,7 @@ from trainguard.spec.limits import (
     local_limit,
 )
 from trainguard.spec.load import SpecError
-from trainguard.spec.model import Container, ReplicaSpec, TrainingJob
+from trainguard.spec.model import ReplicaSpec, TrainingJob
 from trainguard.spec.pytorchjob import as_written
 from trainguard.spec.secrets import SecretSource, looks_secret
 
