@@ -295,6 +295,7 @@ def _serve(
     from trainguard.agent.train_scripts import TrainScripts
     from trainguard.agent.warm import StartOptions
     from trainguard.agent.workers import reserved_env_keys
+    from trainguard.wakeup import Wakeup
 
     clashes = sorted(set(agent_env) & reserved_env_keys())
     if clashes:
@@ -321,8 +322,14 @@ def _serve(
         tls=_client_tls(args.tls_ca),
     )
     supervisor.standby = args.standby
+    # The main thread sleeps until a signal, the supervisor's end, or its controller's
+    # (ControllerWatch.wait): no tick while nothing happens.
+    wakeup = Wakeup()
+    supervisor.on_done = wakeup.wake
     if args.parent_pid is not None and args.controller_grace:
-        supervisor.controller = ControllerWatch(args.parent_pid, args.controller_grace)
+        supervisor.controller = ControllerWatch(
+            args.parent_pid, args.controller_grace, wakeup=wakeup
+        )
     health = parse_health(args, parser)
     if health is not None:
         from trainguard.agent.health import HealthKeeper
@@ -359,6 +366,7 @@ def _serve(
     received: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: received.append(signum))
+    wakeup.catch_signals()
     supervisor.start()
     server.start()
     if args.port_file is not None:
@@ -374,14 +382,22 @@ def _serve(
     # resumes from this node's memory tier; it is freed once the workers are stopped
     # (a worker still saving would otherwise make it again).
     free_tier = False
-    while not supervisor.done.wait(0.2):
+    while True:
+        if deadline is not None:
+            wakeup.wait(deadline - time.monotonic())
+        elif watch is not None:
+            watch.wait()
+        else:
+            wakeup.wait(None)
+        if supervisor.done.is_set():
+            break
         if received and deadline is None:
             name = signal.Signals(received[0]).name
             exit_code = 128 + received[0]
             supervisor.request_shutdown(f"agent received {name}")
             deadline = time.monotonic() + timings.shutdown_timeout
             # No grace: a SIGTERM with our parent gone is its death (PR_SET_PDEATHSIG).
-            free_tier = args.parent_pid is not None and os.getppid() != args.parent_pid
+            free_tier = _parent_gone(args.parent_pid)
         elif watch is not None and deadline is None:
             if watch.gone_for() is not None and not orphaned:
                 orphaned = True
@@ -403,10 +419,28 @@ def _serve(
                 _remove_memory(Path(memory_dir).parent)
             os._exit(EXIT_STUCK)
     server.stop()
+    # Woken at once, the signal may have come while the parent was still exiting (its
+    # forking thread first): look again now that the workers are stopped.
+    free_tier = free_tier or (bool(received) and _parent_gone(args.parent_pid))
     if free_tier and memory_dir:
         _remove_memory(Path(memory_dir).parent)
     logger.info("agent exits: %s", supervisor.snapshot().reason)
     return exit_code
+
+
+def _parent_gone(parent_pid: int | None) -> bool:
+    """Whether the agent's parent (the controller that launched it) ended or is ending:
+    this agent was handed to another parent, or the parent's main thread has exited (a
+    zombie leader: the rest of it follows; its parent-death signal fires per thread)."""
+    if parent_pid is None:
+        return False
+    if os.getppid() != parent_pid:
+        return True
+    from trainguard.agent.controller_watch import ENDED
+    from trainguard.platform.procs import proc_stat
+
+    stat = proc_stat(parent_pid)
+    return stat is None or stat[0] in ENDED
 
 
 def _client_tls(ca: Path | None) -> ssl.SSLContext | None:

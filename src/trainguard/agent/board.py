@@ -6,7 +6,9 @@ controller did not ask for and must act on (the node turned ``faulted`` or
 ``completed``) calls ``on_news`` (the reporter's nudge: report first). What the
 controller caused itself (a start, a stop) it learns at its next poll: thousands of
 agents pushing every acknowledgement would only slow it down. :meth:`NodeBoard.snapshot`
-assembles the :class:`~trainguard.wire.status.NodeStatus` the agent serves and pushes.
+assembles the :class:`~trainguard.wire.status.NodeStatus` the agent serves and pushes
+(the workers' heartbeat and event files read again only once they may have changed:
+:mod:`trainguard.agent.dircache`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainguard.agent.api import Refused
+from trainguard.agent.dircache import DirCache
 from trainguard.agent.inprocess import ResilientGroup
 from trainguard.monitor.heartbeat import read_heartbeats
 from trainguard.monitor.rules import NodeLogMonitor
@@ -78,6 +81,9 @@ class NodeBoard:
         self.monitor: NodeLogMonitor | None = None
         self._heartbeat_dir: Path | None = None
         self._group: WorkerGroup | None = None
+        # What the workers left, read again only once it may have changed.
+        self._events = DirCache(read_events)
+        self._beats = DirCache(read_heartbeats)
 
     # -- with the lock held ------------------------------------------------------------
 
@@ -242,7 +248,7 @@ class NodeBoard:
             seq, updated_at, stacks = self.seq, self.updated_at, dict(self.stacks)
             workers = [self.workers[k] for k in sorted(self.workers)]
         # Outside the lock: the monitor has its own, heartbeats and events are files.
-        events = read_events(beats_dir.parent / "events") if beats_dir is not None else []
+        events = self._events.get(beats_dir.parent / "events") if beats_dir is not None else []
         workers = [_with_cpu(w) for w in workers]
         if isinstance(group, ResilientGroup):
             facts = group.facts(events)
@@ -263,7 +269,7 @@ class NodeBoard:
             updated_at=updated_at,
             workers=tuple(workers),
             monitor=monitor.snapshot() if monitor is not None else MonitorSnapshot(),
-            heartbeats=read_heartbeats(beats_dir) if beats_dir is not None else {},
+            heartbeats=self._beats.get(beats_dir) if beats_dir is not None else {},
             stacks=stacks,
             events=tuple(events),
             checkpoint=persister.status() if persister is not None else CheckpointStatus(),

@@ -170,6 +170,7 @@ class AgentSupervisor:
         self._spawner: Spawner | None = None  # made on the supervisor thread
         self.restored_from: str | None = None
         self.done = threading.Event()
+        self.on_done: Callable[[], None] = lambda: None  # called once ``done`` is set
         self._thread = threading.Thread(target=self._run, name="trainguard-supervisor", daemon=True)
 
     # -- called from any thread ------------------------------------------------
@@ -350,6 +351,7 @@ class AgentSupervisor:
             self._exits.close()
             self._reporter.close()
             self.done.set()
+            self.on_done()
 
     def _start(self, request: AttemptRequest) -> None:
         if self._shutdown_requested:

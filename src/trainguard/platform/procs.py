@@ -144,11 +144,16 @@ def _stat_fields(pid: int | None) -> list[str] | None:
     """``/proc/<pid>/stat``'s fields after the name (the state letter first), or None."""
     if not pid or pid < 0:
         return None
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            raw = f.read()
+    try:  # os.open, not open(): a status poll reads one per worker (a third of the cost)
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        raw = os.read(fd, 4096).decode("ascii", errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     return raw[raw.rfind(")") + 2 :].split()  # the name in parentheses may hold spaces
 
 

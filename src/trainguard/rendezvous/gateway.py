@@ -17,9 +17,11 @@ gateway admits a connection only
 
 and closes the heavy writers once the service's resident memory has grown by more than
 ``max_bytes`` (``$TRAINGUARD_STORE_MAX_MB``, default 1024) since it listened: a
-connection that sent more than :data:`HEAVY_BYTES` within the last
+connection that sent more than :data:`HEAVY_BYTES` within its current window of
 :data:`HEAVY_WINDOW` seconds. A job's own ranks send bytes, not megabytes, to its store.
-Refusals are one rate-limited log line each.
+The memory is looked at on every chunk a heavy writer sends and, while any writer is
+heavy, every :data:`MEMORY_CHECK_SECONDS`; with none (a job's ordinary run) the gateway
+does nothing between connections. Refusals are one rate-limited log line each.
 """
 
 from __future__ import annotations
@@ -82,6 +84,10 @@ class _Conn:
             self.window_start, self.window_bytes = now, 0
         self.window_bytes += count
 
+    def heavy(self, now: float) -> bool:
+        """Whether it sent more than :data:`HEAVY_BYTES` in its current window."""
+        return self.window_bytes > HEAVY_BYTES and now - self.window_start <= HEAVY_WINDOW
+
 
 class Gateway:
     """Listens on ``host`` for each attempt's store and forwards admitted connections to
@@ -105,11 +111,11 @@ class Gateway:
         self._baseline = resident_bytes()
         self._conns: dict[int, _Conn] = {}
         self._servers: dict[int, asyncio.Server] = {}  # store port -> its door
+        self._guard: asyncio.Task[None] | None = None  # runs while a writer is heavy
         self._loop = asyncio.new_event_loop()
         self._loop.set_exception_handler(self._loop_error)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="door")
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._guard_memory(), self._loop)
 
     def open(self, store_port: int) -> int:
         """The port where ``store_port`` (a store on loopback) is reached; opened once."""
@@ -175,7 +181,7 @@ class Gateway:
             return
         try:
             await asyncio.gather(
-                _pump(reader, store_writer, conn, self._check_memory),
+                _pump(reader, store_writer, conn, self._heavy_sent),
                 _pump(store_reader, writer, None, None),
             )
         finally:
@@ -199,17 +205,25 @@ class Gateway:
                 self._peers = frozenset(str(a) for a in json.loads(self._peers_file.read_text()))
         return peer in self._peers
 
+    def _heavy_sent(self) -> None:
+        """A heavy writer sent a chunk: look at the memory now, and every
+        :data:`MEMORY_CHECK_SECONDS` for as long as any writer stays heavy (what it sent
+        may still be on its way into the store)."""
+        if self._guard is None or self._guard.done():
+            self._guard = self._loop.create_task(self._guard_memory())
+        self._check_memory()
+
     async def _guard_memory(self) -> None:
-        while True:
+        while any(c.heavy(time.monotonic()) for c in self._conns.values()):
             await asyncio.sleep(MEMORY_CHECK_SECONDS)
             self._check_memory()
 
     def _check_memory(self) -> None:
-        """Past the bound, close the heavy writers (on every chunk a heavy one sends, and
-        every :data:`MEMORY_CHECK_SECONDS`)."""
+        """Past the bound, close the heavy writers."""
         grown = resident_bytes() - self._baseline
         if grown > self.max_bytes:
-            heavy = [c for c in self._conns.values() if c.window_bytes > HEAVY_BYTES]
+            now = time.monotonic()
+            heavy = [c for c in self._conns.values() if c.heavy(now)]
             for conn in heavy:
                 self._quiet.note(
                     f"heavy:{conn.peer}",

@@ -50,7 +50,6 @@ __all__ = ["TOKEN_ENV", "StoreService", "main"]
 
 TOKEN_ENV = "TRAINGUARD_STORE_TOKEN"
 KEEP_ATTEMPTS = 2  # the newest attempt's store and the one before (its ranks may linger)
-WATCH_INTERVAL = 0.5  # s between looks at the owner
 MAX_BODY = 4096
 POSTS = ("/open", "/attach", "/shutdown")
 
@@ -150,6 +149,7 @@ def _routes(
                 watch.attach(pid, start)
                 return reply(200, {"attached": pid})
             stop.set()  # /shutdown
+            watch.wakeup.wake()
             return reply(200, {"stopping": True})
         except (KeyError, ValueError) as exc:
             return reply(400, {"error": f"bad request: {exc}"})
@@ -195,11 +195,15 @@ def _serve(args: argparse.Namespace) -> int:
     tmp.write_text(json.dumps(state))
     tmp.replace(args.state)
     try:
-        while not stop.wait(WATCH_INTERVAL):
+        # Asleep until the owner ends, another attaches or /shutdown comes: no tick.
+        while not stop.is_set():
             if (why := watch.expired()) is not None:
                 print(f"rendezvous store service: {why}; exiting", file=sys.stderr)
                 break
+            watch.wait()
     finally:
+        watch.close()
+        watch.wakeup.close()
         server.close()
         service.close()
         gateway.close()
