@@ -26,10 +26,11 @@ from PIL import Image
 
 from conftest import REPO, SCRIPTS, Trainguard, wait_for
 from trainguard.control.events import Event
+from trainguard.control.resume import RecordedAttempt
 from trainguard.observe.account import account
 from trainguard.observe.durable import DurableState, durable_state
 from trainguard.observe.figures import FAULT_COLOR, Png, pace_figure, progress_figure
-from trainguard.observe.history import JOB, AttemptSpan, JobHistory, SeriesSample
+from trainguard.observe.history import JOB, JobHistory, SeriesSample
 from trainguard.observe.report import png_path, render, why_failed
 
 T0 = 1_700_000_000.0
@@ -108,8 +109,8 @@ def _history(**changes: Any) -> JobHistory:
         finished_at=T0 + 42.0,
         restarts=2,
         attempts=(
-            AttemptSpan(0, "Failed", T0, T0 + 14.0, "rank 1 exited"),
-            AttemptSpan(1, "Succeeded", T0 + 14.0, T0 + 42.0, EVIL),
+            RecordedAttempt(0, "Failed", T0, T0 + 14.0, "rank 1 exited"),
+            RecordedAttempt(1, "Succeeded", T0 + 14.0, T0 + 42.0, EVIL),
         ),
         events=events,
         faults=(

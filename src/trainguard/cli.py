@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from trainguard.argtypes import non_negative_int
+from trainguard.argtypes import int_in, non_negative_int
 from trainguard.health.command import add_health_check_parser, health_check_command
 from trainguard.kube.flags import (
     add_cluster_flags,
@@ -25,6 +26,8 @@ from trainguard.spec.hyperpod_flags import add_hyperpodrun_flags
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a reader gone early
+_positive_int = int_in(1)
+_port = int_in(0, 65535)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def job_verb(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        """A verb that acts on one job (its first argument)."""
+        verb = sub.add_parser(name, parents=[common], **kwargs)
+        verb.add_argument("job", help="job id or name")
+        return verb
 
     run = sub.add_parser(
         "run",
@@ -201,32 +210,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_cluster_flags(lst)
 
-    desc = sub.add_parser("describe", parents=[common], help="show a job: nodes, ranks, events")
-    desc.add_argument("job", help="job id or name")
+    desc = job_verb("describe", help="show a job: nodes, ranks, events")
     desc.add_argument("-o", "--output", choices=["text", "json"], default="text")
     add_cluster_flags(desc)
 
-    report = sub.add_parser(
+    report = job_verb(
         "report",
-        parents=[common],
         help="write a job's report: one HTML page and a PNG of its main figure",
         description="Write a self-contained HTML report of a job (running or ended) and, "
         "beside it, a PNG of its main figure (the step over time, faults, recovery).",
     )
-    report.add_argument("job", help="job id or name")
     report.add_argument(
         "-o", "--output", metavar="FILE.html", help="the page (default: ./<job>-report.html)"
     )
 
-    logs = sub.add_parser("logs", parents=[common], help="print a job's worker output")
-    logs.add_argument("job", help="job id or name")
+    logs = job_verb("logs", help="print a job's worker output")
     logs.add_argument("--rank", type=non_negative_int, help="only this global rank")
     logs.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
     add_cluster_flags(logs)
 
-    resume = sub.add_parser(
+    resume = job_verb(
         "resume",
-        parents=[common],
         help="go on with a job whose controller died (re-attach, or restart from a checkpoint)",
         description=(
             "Take a Lost job (its `trainguard run` was killed or crashed) over: re-attach to its "
@@ -234,7 +238,6 @@ def _parser() -> argparse.ArgumentParser:
             "restart it from its newest checkpoint. The job keeps its id."
         ),
     )
-    resume.add_argument("job", help="job id or name")
     resume.add_argument(
         "-f", "--file", help="the job's spec (needed to restart a job whose spec has secrets)"
     )
@@ -246,10 +249,7 @@ def _parser() -> argparse.ArgumentParser:
         help="KEY=VALUE lines for the spec's env valueFrom.secretKeyRef keys (as for run)",
     )
 
-    nodes = sub.add_parser(
-        "nodes", parents=[common], help="a local job's nodes and their health status"
-    )
-    nodes.add_argument("job", help="job id or name")
+    nodes = job_verb("nodes", help="a local job's nodes and their health status")
     nodes.add_argument("-o", "--output", choices=["text", "json"], default="text")
     node = sub.add_parser("node", parents=[common], help="act on a node of a running local job")
     node_verbs = node.add_subparsers(dest="node_verb", required=True, metavar="ACTION")
@@ -262,31 +262,25 @@ def _parser() -> argparse.ArgumentParser:
     replace.add_argument("node", help="node id, e.g. node-1 (see `trainguard nodes JOB`)")
     replace.add_argument("--reason", default="replacement asked for", help="why (recorded)")
 
-    scale = sub.add_parser(
+    scale = job_verb(
         "scale",
-        parents=[common],
         help="set how many nodes a running elastic job may use (it scales to fit)",
     )
-    scale.add_argument("job", help="job id or name")
     scale.add_argument(
         "--capacity", type=non_negative_int, required=True, metavar="N", help="nodes available"
     )
 
-    stop = sub.add_parser(
+    stop = job_verb(
         "stop",
-        parents=[common],
         help="stop a running job and keep its record (its phase becomes Stopped)",
         description="Stop a running local job: every rank is stopped, the job's record, logs "
         "and checkpoints are kept (describe, logs and report go on working). A job whose "
         "controller died (Lost) has what is left of it killed.",
     )
-    delete = sub.add_parser(
-        "delete",
-        parents=[common],
-        help="stop a job and remove its record and logs (its checkpoints are kept)",
+    delete = job_verb(
+        "delete", help="stop a job and remove its record and logs (its checkpoints are kept)"
     )
     for command in (stop, delete):
-        command.add_argument("job", help="job id or name")
         command.add_argument(
             "--timeout",
             type=float,
@@ -351,13 +345,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    value = non_negative_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
 def _nnodes(text: str) -> tuple[int, int]:
     """``N`` or torchrun's elastic ``MIN:MAX``."""
     low, sep, high = text.partition(":")
@@ -366,13 +353,6 @@ def _nnodes(text: str) -> tuple[int, int]:
     if last < first:
         raise argparse.ArgumentTypeError(f"MIN:MAX with MIN <= MAX, got {text}")
     return first, last
-
-
-def _port(text: str) -> int:
-    value = non_negative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be <= 65535, got {text}")
-    return value
 
 
 def _seconds(text: str) -> float:

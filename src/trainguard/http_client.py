@@ -20,7 +20,7 @@ from typing import Any
 
 from trainguard.auth import bearer
 
-__all__ = ["HTTPStatusError", "call_json", "error_text", "open_url"]
+__all__ = ["HTTPStatusError", "call_json", "error_text", "open_url", "url_host"]
 
 
 class HTTPStatusError(OSError):
@@ -86,3 +86,8 @@ def error_text(raw: bytes) -> str:
     if isinstance(data, dict) and isinstance(data.get("error"), str):
         return str(data["error"])
     return raw.decode(errors="replace")[:500]
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL names it (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host

@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from trainguard.http_client import url_host
 from trainguard.netlimits import ConnLimits, ConnTable, QuietLog, conn_limits, quiet_loggers
 
 __all__ = ["ListenError", "RouteServer", "busy_middleware", "gate", "loop_errors"]
@@ -78,7 +79,7 @@ class RouteServer:
         bound = int(sock.getsockname()[1])
         self.port = bound
         scheme = "https" if tls is not None else "http"
-        self.url = (public_url or f"{scheme}://{_host(host)}:{bound}").rstrip("/")
+        self.url = (public_url or f"{scheme}://{url_host(host)}:{bound}").rstrip("/")
         self._loop = asyncio.new_event_loop()
         self._loop.set_exception_handler(loop_errors(self._quiet))
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
@@ -183,7 +184,3 @@ def loop_errors(quiet: QuietLog) -> Callable[[asyncio.AbstractEventLoop, dict[st
         quiet.note(f"loop:{message[:40]}", f"{message}{detail}")
 
     return handle
-
-
-def _host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

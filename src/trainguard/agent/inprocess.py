@@ -31,13 +31,12 @@ import logging
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
-from trainguard.agent.logs import LogLayout
-from trainguard.agent.warm import Spawner
-from trainguard.agent.workers import Spawned, WorkerGroup, WorkerProcess, signal_group, worker_envs
+from trainguard.agent.workers import WorkerGroup, WorkerProcess, signal_group, worker_envs
 from trainguard.control.events import EventKind
 from trainguard.wire.control_files import (
     ATTEMPT_ENV,
@@ -67,29 +66,9 @@ Replaced = dict[int, tuple[int, dict[str, Path], str]]
 class ResilientGroup(WorkerGroup):
     """One node's resilient workers across in-process attempts (see the module docstring)."""
 
-    def __init__(
-        self,
-        assignment: NodeAssignment,
-        worker_argv: Sequence[str],
-        layout: LogLayout,
-        *,
-        agent_env: Mapping[str, str],
-        cwd: Path | None,
-        reap_timeout: float,
-        spawned: Spawned = lambda pid: None,
-        spawner: Spawner | None = None,
-    ) -> None:
-        super().__init__(
-            assignment,
-            worker_argv,
-            layout,
-            agent_env=agent_env,
-            cwd=cwd,
-            reap_timeout=reap_timeout,
-            spawned=spawned,
-            spawner=spawner,
-        )
-        self.control_dir = layout.root / "control" / assignment.node_id
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # WorkerGroup's
+        super().__init__(*args, **kwargs)
+        self.control_dir = self._layout.root / "control" / self.assignment.node_id
         self._spares: dict[int, WorkerProcess] = {}  # idle spares by spare id
         self._next_spare = 0  # spare ids are never reused (spare-<k>.json stays behind)
         self._replenish_at: int | None = None  # attempt whose acks start new spares

@@ -267,7 +267,8 @@ class DurablePersister:
                 )
                 with self._lock:
                     self._failed[request.from_step] = message
-                    _trim_dict(self._failed)
+                    for step in sorted(self._failed)[:-HISTORY]:
+                        del self._failed[step]
             finally:
                 if hold_from(str(self.memory_dir)) == request.from_step:
                     write_hold(str(self.memory_dir), None)
@@ -398,11 +399,6 @@ class DurablePersister:
 
 def _trim(items: list[int]) -> None:
     del items[:-HISTORY]
-
-
-def _trim_dict(items: dict[int, str]) -> None:
-    for key in sorted(items)[:-HISTORY]:
-        del items[key]
 
 
 def make_persister(

@@ -127,9 +127,8 @@ def scale_requested(every: int = 1) -> bool:
     return watch.agreed
 
 
-def elastic_event_detected(every: int = 1) -> bool:
-    """`scale_requested` under HyperPod's name."""
-    return scale_requested(every)
+elastic_event_detected = scale_requested
+"""`scale_requested` under HyperPod's name."""
 
 
 def clear_scale_request() -> None:

@@ -40,7 +40,7 @@ from aiohttp import web
 from trainguard.auth import bearer_ok
 from trainguard.hosts.addresses import JobEndpoint, LocalAddress
 from trainguard.hosts.host_agents import PORT_WAIT_SECONDS, HostAgents
-from trainguard.http_client import HTTPStatusError, call_json
+from trainguard.http_client import HTTPStatusError, call_json, url_host
 from trainguard.http_server import RouteServer
 from trainguard.platform.node import AgentLauncher
 from trainguard.wire.base import WireError, parse_json
@@ -113,7 +113,7 @@ class HostDaemon:
         self._tls_client = tls_client
         self._say = say
         scheme = "https" if tls_client is not None else "http"
-        self.controller_url = f"{scheme}://{_bracket(endpoint.host)}:{endpoint.port}"
+        self.controller_url = f"{scheme}://{url_host(endpoint.host)}:{endpoint.port}"
         self._lock = threading.Lock()
         self.agents = HostAgents(token, local.addr, first_launch, out)
         self._ready = threading.Event()  # set once the join's answer is taken in
@@ -352,7 +352,3 @@ def cut_off(ifname: str, seconds: float) -> None:
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

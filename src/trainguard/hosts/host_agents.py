@@ -27,6 +27,7 @@ from typing import IO
 
 from trainguard.agent.client import AgentClient, AgentError
 from trainguard.health.suite import Peers
+from trainguard.http_client import url_host
 from trainguard.observe.terminal import safe_bytes
 from trainguard.platform.node import AgentLauncher, LocalNode
 from trainguard.wire.hosts import JoinReply, LaunchReply, LaunchRequest
@@ -150,7 +151,7 @@ class HostAgents:
             return None
         try:
             port = self._serving(node)
-            host = f"[{self._addr}]" if ":" in self._addr else self._addr
+            host = url_host(self._addr)
             client = AgentClient(f"http://{host}:{port}", self._token, timeout=ASSIGN_TIMEOUT)
             try:
                 client.assign(AssignRequest(incarnation=launch.incarnation, peers=launch.peers))

@@ -45,7 +45,7 @@ from trainguard.platform.local import EXIT_INTERRUPTED, MEMORY_ROOT, agent_launc
 from trainguard.platform.node import AgentLauncher
 from trainguard.platform.store import JobNotFound, Store
 from trainguard.platform.target import Hosts
-from trainguard.platform.views import JOINED
+from trainguard.platform.views import JOINED, TERMINAL_PHASES
 from trainguard.spec.plan import JobPlan
 from trainguard.spec.secrets import redact_spec
 from trainguard.wire.hosts import JoinReply
@@ -194,7 +194,7 @@ def _join(
             signal.signal(signal.SIGTERM, previous)
     if daemon.reply is not None:
         ended = daemon.progress[0] if daemon.progress is not None else None
-        if ended not in ("Succeeded", "Failed", "Stopped"):  # no word of the end
+        if ended not in TERMINAL_PHASES:  # no word of the end
             ended = "Succeeded" if code == 0 else "Failed"
         store.update_job(daemon.reply.job_id, phase=ended)
         free_memory_tiers(MEMORY_ROOT / daemon.reply.job_id, daemon.launched)

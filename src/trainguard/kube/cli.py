@@ -28,13 +28,13 @@ from trainguard.kube.manifests import all_objects, to_yaml
 from trainguard.kube.plan import kube_plan
 from trainguard.kube.status import parse_time
 from trainguard.platform.launch import usage
+from trainguard.platform.views import TERMINAL_PHASES
 from trainguard.spec import SpecError, load_job
 from trainguard.spec.load import converted
 from trainguard.spec.pytorchjob import is_pytorchjob
 from trainguard.spec.secrets import redact_spec
 
 EXIT_FAILED = 1
-TERMINAL_PHASES = ("Succeeded", "Failed", "Stopped")
 # How often `logs -f`, `delete` and `install --wait` look again.
 FOLLOW_INTERVAL_SECONDS = 1.0
 # A container waiting for these cannot start until its image is fixed (or pushed).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainguard.http_client import url_host
 from trainguard.kube.config import Obj
 from trainguard.kube.status import PodInfo, parse_time
 
@@ -45,10 +46,7 @@ class PodNode:
         return str(((self.pod or {}).get("status") or {}).get("phase") or "Pending")
 
     def agent_url(self, port: int) -> str | None:
-        ip = self.pod_ip
-        if ip is None:
-            return None
-        return f"http://{f'[{ip}]' if ':' in ip else ip}:{port}"
+        return None if self.pod_ip is None else f"http://{url_host(self.pod_ip)}:{port}"
 
     def ended(self) -> tuple[str, float | None] | None:
         """Why the pod can no longer run the job (and when it ended, if known), or None."""

@@ -49,11 +49,10 @@ from trainguard.kube.status import parse_time, rfc3339
 from trainguard.observe.metrics import Metrics, serve
 from trainguard.platform.inbox import Inbox
 from trainguard.platform.procs import tune_gc_for_a_controller
+from trainguard.platform.views import TERMINAL_PHASES
 from trainguard.spec import SpecError
 
 logger = logging.getLogger("trainguard.operator")
-
-TERMINAL_PHASES = ("Succeeded", "Failed", "Stopped")
 # After a delete: at most this long to stop the workers before the pods are deleted anyway.
 DELETE_STOP_SECONDS = 120.0
 # Time a job's daemon gets to return once stopped (it lets go of its loop at once).

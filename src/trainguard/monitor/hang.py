@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, cast
+from typing import Literal, NamedTuple
 
 from trainguard.monitor.rules import LogRuleSpec
 from trainguard.wire.status import RuleActivity
@@ -72,28 +72,6 @@ class HangDetection:
     def reason(self) -> str:
         """HyperPod-style reason ``LogHang_<rule>``."""
         return f"LogHang_{self.rule}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rule": self.rule,
-            "kind": self.kind,
-            "time": self.time,
-            "since": self.since,
-            "limit": self.limit,
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> HangDetection:
-        kind = data["kind"]
-        if kind not in ("start", "recurring"):
-            raise ValueError(f"hang detection: kind: unknown {kind!r}")
-        return cls(
-            rule=str(data["rule"]),
-            kind=cast(HangKind, kind),
-            time=float(data["time"]),
-            since=float(data["since"]),
-            limit=float(data["limit"]),
-        )
 
 
 @dataclass

@@ -204,17 +204,7 @@ class LogRuleSpec:
     @classmethod
     def from_model(cls, rule: LogRule) -> LogRuleSpec:
         """From the validated spec model (`trainguard.spec.LogRule`)."""
-        return cls(
-            name=rule.name,
-            log_pattern=rule.log_pattern,
-            expected_start_cut_off_in_seconds=rule.expected_start_cut_off_in_seconds,
-            expected_recurring_frequency_in_seconds=rule.expected_recurring_frequency_in_seconds,
-            stop_pattern=rule.stop_pattern,
-            metric_threshold=rule.metric_threshold,
-            operator=rule.operator,
-            metric_evaluation_data_points=rule.metric_evaluation_data_points,
-            fault_on_match=rule.fault_on_match,
-        )
+        return cls(**{attr: getattr(rule, attr) for attr in _KEYS.values()})
 
 
 def _camel(attr: str) -> str:

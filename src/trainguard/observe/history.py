@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.control.events import Event
+from trainguard.control.resume import RecordedAttempt
 from trainguard.platform.store import Store
 
-__all__ = ["JOB", "AttemptSpan", "JobHistory", "SeriesSample", "Trace", "load_history"]
+__all__ = ["JOB", "JobHistory", "SeriesSample", "Trace", "load_history"]
 
 JOB = -1
 """The ``rank`` of the job's progress samples (their value is the step)."""
@@ -42,15 +43,6 @@ class SeriesSample:
 
 
 @dataclass(frozen=True)
-class AttemptSpan:
-    number: int
-    phase: str
-    started_at: float
-    ended_at: float | None = None
-    reason: str | None = None
-
-
-@dataclass(frozen=True)
 class JobHistory:
     """Everything recorded about one job (see the module docstring)."""
 
@@ -61,7 +53,7 @@ class JobHistory:
     started_at: float | None
     finished_at: float | None
     restarts: int = 0
-    attempts: tuple[AttemptSpan, ...] = ()
+    attempts: tuple[RecordedAttempt, ...] = ()
     events: tuple[Event, ...] = ()
     faults: tuple[Mapping[str, Any], ...] = ()  # the fault timeline (FaultRecord.to_json)
     samples: tuple[SeriesSample, ...] = ()
@@ -86,7 +78,7 @@ def load_history(store: Store, ref: str) -> JobHistory:
         finished_at=job.finished_at,
         restarts=job.restarts,
         attempts=tuple(
-            AttemptSpan(a["number"], a["phase"], a["started_at"], a["ended_at"], a["reason"])
+            RecordedAttempt(a["number"], a["phase"], a["started_at"], a["ended_at"], a["reason"])
             for a in store.attempts(job.id)
         ),
         events=tuple(store.events(job.id)),

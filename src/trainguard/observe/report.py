@@ -40,6 +40,7 @@ from trainguard.observe.figures import (
 from trainguard.observe.history import JobHistory, load_history
 from trainguard.observe.page import Html, cell, chip, document, esc, facts, img, table
 from trainguard.platform.store import Store
+from trainguard.platform.views import dash, effective_phase, stamp
 
 __all__ = ["Report", "png_path", "render", "report_command", "why_failed", "write"]
 
@@ -68,7 +69,7 @@ def render(history: JobHistory, now: float, *, world_size: int | None = None) ->
         _checkpoint_section(history.events, acc),
         _attempt_section(history, acc),
     ]
-    page = document(f"trainguard report: {history.name}", "\n".join(sections), _clock(now))
+    page = document(f"trainguard report: {history.name}", "\n".join(sections), stamp(now))
     return Report(page, figure, acc)
 
 
@@ -88,8 +89,6 @@ def write(report: Report, html_path: Path) -> Path:
 
 def report_command(store: Store, ref: str, output: str | None) -> int:
     """The ``report`` verb: write the files and print their paths."""
-    from trainguard.platform.views import effective_phase
-
     job = store.job(ref)
     history = replace(load_history(store, job.id), phase=effective_phase(job))
     report = render(history, time.time(), world_size=job.nnodes * job.nproc_per_node)
@@ -111,8 +110,8 @@ def _header(history: JobHistory, acc: Accounting, now: float, world_size: int | 
     known = [
         ("Job", history.job_id),
         ("Phase", history.phase),
-        ("Started", _clock(history.started_at)),
-        ("Finished", f"running (as of {_clock(now)})" if running else _clock(history.finished_at)),
+        ("Started", stamp(history.started_at)),
+        ("Finished", f"running (as of {stamp(now)})" if running else stamp(history.finished_at)),
         ("Duration", _duration(acc.wall_seconds)),
         ("World size", "-" if world_size is None else str(world_size)),
         ("Restarts", str(history.restarts)),
@@ -201,7 +200,7 @@ def _progress_section(figure: Png, acc: Accounting) -> str:
             f"{d.seconds:.1f} s",
             d.cause,
             d.scope or "-",
-            _dash(d.attempt),
+            dash(d.attempt),
         ]
         for d in acc.downtime
     ]
@@ -233,20 +232,20 @@ def _fault_section(history: JobHistory, acc: Accounting) -> str:
             [
                 Html(
                     f"{esc(_since(detected, acc, unit, name))}"
-                    f"<br><small>{esc(_clock(detected))}</small>"
+                    f"<br><small>{esc(stamp(detected))}</small>"
                 )
                 if isinstance(detected, int | float)
                 else "-",
                 Html(f'<b style="color:{FAULT_COLOR}">{esc(f.get("type", "-"))}</b>'),
                 f"yes ({injected})" if isinstance(injected, str) else ("yes" if injected else "no"),
-                _dash(f.get("attempt")),
-                _dash(f.get("node")),
-                _dash(f.get("rank")),
-                _dash(f.get("fault_step", f.get("step"))),
-                _dash(f.get("resumed_step")),
-                _dash(f.get("scope")),
+                dash(f.get("attempt")),
+                dash(f.get("node")),
+                dash(f.get("rank")),
+                dash(f.get("fault_step", f.get("step"))),
+                dash(f.get("resumed_step")),
+                dash(f.get("scope")),
                 f"{recovery:.2f}" if isinstance(recovery, int | float) else "-",
-                _dash(f.get("lost_steps")),
+                dash(f.get("lost_steps")),
                 Html(f'<span class="msg">{esc(f.get("message", ""))}</span>'),
             ]
         )
@@ -305,7 +304,7 @@ def _pace_section(history: JobHistory, figure: Png | None) -> str:
         )
     if stragglers:
         rows = [
-            [_clock(e.time), _dash(e.attempt), _dash(e.rank), _dash(e.node), e.message]
+            [stamp(e.time), dash(e.attempt), dash(e.rank), dash(e.node), e.message]
             for e in stragglers
         ]
         out += "<h3>Stragglers</h3>" + table(["time", "attempt", "rank", "node", "message"], rows)
@@ -373,9 +372,9 @@ def _checkpoint_section(events: Sequence[Event], acc: Accounting) -> str:
             rows.append(
                 [
                     _since(min(e.time for e in group), acc, unit, name),
-                    _dash(attempt),
+                    dash(attempt),
                     tier,
-                    _dash(step),
+                    dash(step),
                     str(len({e.rank for e in group})),
                     f"{statistics.median(seconds):.3f} / {max(seconds):.3f}" if seconds else "-",
                 ]
@@ -414,19 +413,11 @@ def _attempt_section(history: JobHistory, acc: Accounting) -> str:
 # -- pieces ------------------------------------------------------------------------------
 
 
-def _dash(value: object) -> str:
-    return "-" if value is None else str(value)
-
-
 def _steps(steps: Sequence[int]) -> str:
     if not steps:
         return "-"
     shown = ", ".join(map(str, steps[-8:]))
     return shown if len(steps) <= 8 else f"..., {shown}"
-
-
-def _clock(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
 def _since(t: float, acc: Accounting, unit: float, name: str) -> str:

@@ -93,10 +93,6 @@ class JobResult:
         return 0 if self.phase is JobPhase.SUCCEEDED else 1
 
 
-def new_job_id(name: str) -> str:
-    return f"{name}-{secrets.token_hex(3)}"
-
-
 def agent_launcher(
     plan: JobPlan,
     job_dir: Path,
@@ -176,7 +172,7 @@ class LocalRunner:
         # Why a resume may not start new agents.
         self.restart_blocked = target.restart_blocked if isinstance(target, Resume) else None
         job_id = self.resume.id if self.resume else slurm.job_id if slurm else None
-        self.job_id = job_id or new_job_id(plan.name)
+        self.job_id = job_id or f"{plan.name}-{secrets.token_hex(3)}"
         self.job_dir = store.root / "jobs" / self.job_id
         self.console = Console(self.job_id, out or sys.stdout, err or sys.stderr)
         self._say = self.console.say  # a line to the user

@@ -30,6 +30,7 @@ from trainguard.control.controller import JobController
 from trainguard.control.events import Event
 from trainguard.control.reports import NodeReport, Refusal
 from trainguard.health.suite import Peers
+from trainguard.http_client import url_host
 from trainguard.observe.job import JobObserver
 from trainguard.observe.live import LiveLine
 from trainguard.observe.summary import event_line
@@ -374,8 +375,8 @@ class LocalPlatform:
         if node is None:
             self._unlocated.discard(node_id)
         elif (port := node.port()) is not None:
-            host = f"[{node.address}]" if ":" in node.address else node.address
-            self.book.located(node_id, f"http://{host}:{port}", self.host_of(node))
+            url = f"http://{url_host(node.address)}:{port}"
+            self.book.located(node_id, url, self.host_of(node))
             self._unlocated.discard(node_id)
             return True
         return False
@@ -392,7 +393,7 @@ class LocalPlatform:
         before its replacement is launched); :meth:`record` stores them."""
         events = controller.drain_events()
         for event in events:
-            self._say_event(event)
+            self._say(event_line(event))
             for listener in self.listeners:
                 listener(event)
         self._announced += events
@@ -507,6 +508,3 @@ class LocalPlatform:
             return False
         self._written[key] = row
         return True
-
-    def _say_event(self, event: Event) -> None:
-        self._say(event_line(event))

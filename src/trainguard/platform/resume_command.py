@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from trainguard.platform.launch import JobToRun, launch, usage
 from trainguard.platform.store import JobNotFound, JobRow, StateDirError, Store, open_store
 from trainguard.platform.target import Resume
-from trainguard.platform.views import effective_phase
+from trainguard.platform.views import TERMINAL_PHASES, effective_phase
 from trainguard.spec import SpecError, load_job, parse_job, resolve_plan
 from trainguard.spec.plan import JobPlan
 from trainguard.spec.secrets import SecretSource, redact_spec
@@ -56,7 +56,7 @@ def resume_job(store: Store, job: JobRow, file: str | None, env_files: Sequence[
     """Resume ``job`` (see the module docstring); the exit code."""
     phase = effective_phase(job)
     if phase != "Lost":
-        what = "is still running" if phase not in ("Succeeded", "Failed", "Stopped") else "ended"
+        what = "is still running" if phase not in TERMINAL_PHASES else "ended"
         return usage(
             f"job {job.id} {what} (phase {phase}); only a Lost job (its controller died) "
             "can be resumed"

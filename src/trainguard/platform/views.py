@@ -34,7 +34,7 @@ Cell = Callable[[dict[str, Any]], str]
 """How a column of a ``describe`` table shows one item."""
 
 
-def _stamp(t: float | None) -> str:
+def stamp(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
@@ -99,7 +99,7 @@ def list_jobs(store: Store, output: str) -> int:
             str(j.nnodes),
             str(j.nnodes * j.nproc_per_node),
             str(j.restarts),
-            _stamp(j.created_at),
+            stamp(j.created_at),
         ]
         for j in jobs
     ]
@@ -155,9 +155,9 @@ def describe(store: Store, ref: str, output: str) -> int:
             f"(world size {data['world_size']})",
         ),
         ("Restarts", data["restarts"]),
-        ("Created", _stamp(data["created_at"])),
-        ("Started", _stamp(data["started_at"])),
-        ("Finished", _stamp(data["finished_at"])),
+        ("Created", stamp(data["created_at"])),
+        ("Started", stamp(data["started_at"])),
+        ("Finished", stamp(data["finished_at"])),
         ("Duration", f"{duration:.1f}s" if duration is not None else "-"),
         ("Goodput", _goodput(data["accounting"])),
         ("Durable", DurableState.from_json(data["checkpoints"]).line()),
@@ -177,10 +177,10 @@ def describe(store: Store, ref: str, output: str) -> int:
         data["nodes"],
         {
             "NODE": lambda n: n["node_id"],
-            "NODE RANK": lambda n: _dash(n["node_rank"]),
+            "NODE RANK": lambda n: dash(n["node_rank"]),
             "RANKS": lambda n: ",".join(map(str, n["ranks"])) or "-",
             "STATE": lambda n: n["state"],
-            "ATTEMPT": lambda n: _dash(n["attempt"]),
+            "ATTEMPT": lambda n: dash(n["attempt"]),
             "HOST": lambda n: n["host"] or "-",
             "PIDS": lambda n: _pids(n["workers"]),
             "AGENT": lambda n: n["agent_url"] or "-",
@@ -192,8 +192,8 @@ def describe(store: Store, ref: str, output: str) -> int:
         {
             "#": lambda a: str(a["number"]),
             "PHASE": lambda a: a["phase"],
-            "STARTED": lambda a: _stamp(a["started_at"]),
-            "ENDED": lambda a: _stamp(a["ended_at"]),
+            "STARTED": lambda a: stamp(a["started_at"]),
+            "ENDED": lambda a: stamp(a["ended_at"]),
             "RENDEZVOUS": lambda a: f"{a['master_addr']}:{a['master_port']}",
             "REASON": lambda a: a["reason"] or "-",
         },
@@ -203,20 +203,20 @@ def describe(store: Store, ref: str, output: str) -> int:
             "Faults",
             data["faults"],
             {
-                "DETECTED": lambda f: _stamp(f["detected_at"]),
+                "DETECTED": lambda f: stamp(f["detected_at"]),
                 "TYPE": lambda f: (
                     f["type"] + (" (injected)" if f["evidence"].get("injected") else "")
                 ),
                 "ATTEMPT": lambda f: str(f["attempt"]),
                 "NODE": lambda f: f["node"] or "-",
-                "RANK": lambda f: _dash(f["rank"]),
-                "STEP": lambda f: _dash(f["fault_step"]),
-                "RESUMED": lambda f: _dash(f["resumed_step"]),
+                "RANK": lambda f: dash(f["rank"]),
+                "STEP": lambda f: dash(f["fault_step"]),
+                "RESUMED": lambda f: dash(f["resumed_step"]),
                 "SCOPE": lambda f: f["scope"] or "-",
                 "RECOVERY": lambda f: (
                     "-" if f["recovery_seconds"] is None else f"{f['recovery_seconds']:.1f}s"
                 ),
-                "LOST STEPS": lambda f: _dash(f["lost_steps"]),
+                "LOST STEPS": lambda f: dash(f["lost_steps"]),
                 "MESSAGE": lambda f: f["message"][:120],
             },
         )
@@ -225,11 +225,11 @@ def describe(store: Store, ref: str, output: str) -> int:
         "Events",
         data["events"],
         {
-            "TIME": lambda e: _stamp(e["time"]),
+            "TIME": lambda e: stamp(e["time"]),
             "KIND": lambda e: e["kind"],
-            "ATTEMPT": lambda e: _dash(e["attempt"]),
+            "ATTEMPT": lambda e: dash(e["attempt"]),
             "NODE": lambda e: e["node"] or "-",
-            "RANK": lambda e: _dash(e["rank"]),
+            "RANK": lambda e: dash(e["rank"]),
             "MESSAGE": lambda e: e["message"],
         },
     )
@@ -270,7 +270,7 @@ def _pids(workers: list[dict[str, int]]) -> str:
     return ",".join(str(w["pid"]) for w in sorted(workers, key=lambda w: w["rank"])) or "-"
 
 
-def _dash(value: object) -> str:
+def dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 

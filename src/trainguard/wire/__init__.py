@@ -9,61 +9,6 @@
 
 Both ends use the same models: the agent server and its client, the agent and the
 worker wrapper. A body that does not fit gets a :class:`WireError` naming the field.
-pydantic only: no torch, nothing that opens a socket.
+pydantic only: no torch, nothing that opens a socket. Import the models from their
+modules (this package re-exports nothing).
 """
-
-from trainguard.wire.base import Wire, WireError, parse_json
-from trainguard.wire.requests import (
-    Accepted,
-    AttemptRequest,
-    InjectRequest,
-    MonitorConfig,
-    NodeAssignment,
-    PersistRequest,
-    ReplaceRequest,
-    StepInjection,
-    StopRequest,
-)
-from trainguard.wire.status import (
-    Beat,
-    CheckpointStatus,
-    Detection,
-    InjectedFault,
-    MemoryStep,
-    MonitorSnapshot,
-    NodeState,
-    NodeStatus,
-    Progress,
-    RuleActivity,
-    WorkerEvent,
-    WorkerState,
-    WorkerStatus,
-)
-
-__all__ = [
-    "Accepted",
-    "AttemptRequest",
-    "Beat",
-    "CheckpointStatus",
-    "Detection",
-    "InjectRequest",
-    "InjectedFault",
-    "MemoryStep",
-    "MonitorConfig",
-    "MonitorSnapshot",
-    "NodeAssignment",
-    "NodeState",
-    "NodeStatus",
-    "PersistRequest",
-    "Progress",
-    "ReplaceRequest",
-    "RuleActivity",
-    "StepInjection",
-    "StopRequest",
-    "Wire",
-    "WireError",
-    "WorkerEvent",
-    "WorkerState",
-    "WorkerStatus",
-    "parse_json",
-]

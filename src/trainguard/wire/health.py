@@ -48,6 +48,3 @@ class HealthReport(Wire):
     deep: DeepStatus | None = None
     checks: tuple[CheckReport, ...] = Field(default=(), max_length=MAX_CHECKS)
     findings: tuple[FindingReport, ...] = Field(default=(), max_length=MAX_FINDINGS)
-
-    def failed_checks(self) -> tuple[CheckReport, ...]:
-        return tuple(c for c in self.checks if c.outcome == "failed")
