@@ -229,11 +229,12 @@ def test_survivors_restart_in_process_and_replacements_take_state_from_peers(
         assert job.final(rank)["sha256"] == reference(baseline), job.logs()
         assert job.final(rank)["samples_seen"] == STEPS * 8 * WORLD
     acks = {rank: read_ack(job.control, rank) for rank in range(WORLD)}
-    assert {r: (a.attempt, a.state_source) for r, a in acks.items() if a} == {
-        0: (3, "self"),
-        1: (3, "peer"),
-        2: (3, "self"),
-    }
+    sources = {r: (a.attempt, a.state_source) for r, a in acks.items() if a}
+    # Rank 1 stopped inside a step's all_reduce; in gloo's ring one survivor can come
+    # out of that step while the other cannot. Rank 0, a step behind then, takes the
+    # newer state from a peer, which is right (seen once in a full suite run at load).
+    assert sources[0] in {(3, "self"), (3, "peer")}
+    assert {r: sources[r] for r in (1, 2)} == {1: (3, "peer"), 2: (3, "self")}
     # Rank 2 survives both faults in one process and runs every step exactly once: the
     # step each fault interrupted is redone, no completed step is.
     assert job.final(2)["pid"] == first[2]
