@@ -29,9 +29,13 @@ class Wakeup:
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
         self._signals = False
+        self._closed = False
 
     def wake(self) -> None:
-        """End the current (or the next) :meth:`wait`."""
+        """End the current (or the next) :meth:`wait`; nothing after :meth:`close` (its
+        descriptor's number may belong to another file by then)."""
+        if self._closed:
+            return
         with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
             os.write(self._write, b"w")
 
@@ -41,20 +45,28 @@ class Wakeup:
         signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         self._signals = True
 
-    def wait(self, timeout: float | None, fds: Sequence[int] = ()) -> None:
+    def wait(self, timeout: float | None, fds: Sequence[int] = ()) -> tuple[bool, set[int]]:
         """Sleep until woken, a signal (if caught), one of ``fds`` readable, or ``timeout``
-        seconds (None: no limit)."""
+        seconds (None: no limit); whether it was woken (or a signal came), and which of
+        ``fds`` are readable (the caller drains them)."""
         poller = select.poll()  # not select(): a busy process's descriptors pass 1024
         poller.register(self._read, select.POLLIN)
         for fd in fds:
             poller.register(fd, select.POLLIN)
-        ready = poller.poll(None if timeout is None else max(0.0, timeout) * 1000.0)
-        if any(fd == self._read for fd, _ in ready):
+        ready = {
+            fd for fd, _ in poller.poll(None if timeout is None else max(0.0, timeout) * 1000.0)
+        }
+        woken = self._read in ready
+        if woken:
             with contextlib.suppress(OSError):
                 while os.read(self._read, 4096):
                     pass
+        return woken, ready & set(fds)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._signals:
             with contextlib.suppress(ValueError):  # not the main thread: leave it
                 signal.set_wakeup_fd(-1)

@@ -11,14 +11,14 @@ is missing (not Linux, no glibc, the watch limit reached, a directory that does 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
-import select
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Final
+
+from trainguard.wakeup import Wakeup
 
 __all__ = ["COMMITS", "REREAD_SECONDS", "DirWatch"]
 
@@ -54,15 +54,12 @@ _LIBC = _libc()
 
 
 class DirWatch:
-    """An ``inotify`` descriptor on some directories, and a pipe to wake its waiter."""
+    """An ``inotify`` descriptor on some directories, and a :class:`Wakeup` for its waiter."""
 
     def __init__(self, fd: int, mask: int = _MASK) -> None:
         self._fd = fd
         self._mask = mask
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._poll = select.poll()
-        self._poll.register(self._fd, select.POLLIN)
-        self._poll.register(self._wake_r, select.POLLIN)
+        self._wakeup = Wakeup()
         self._closed = False
 
     @classmethod
@@ -94,24 +91,21 @@ class DirWatch:
     def wait(self, timeout: float) -> tuple[bool, bool]:
         """Block up to ``timeout`` seconds until a file changed or :meth:`poke` was
         called (since the last wait); whether each happened: ``(changed, poked)``."""
-        ready = {fd for fd, _ in self._poll.poll(max(0, int(timeout * 1000)))}
-        for fd in ready:
+        poked, ready = self._wakeup.wait(timeout, (self._fd,))
+        if ready:
             try:
-                while os.read(fd, _DRAIN):
+                while os.read(self._fd, _DRAIN):
                     pass
             except BlockingIOError:
                 pass
-        return self._fd in ready, self._wake_r in ready
+        return bool(ready), poked
 
     def poke(self) -> None:
-        """Wake the waiter (from another thread; not after :meth:`close`)."""
-        if self._closed:
-            return
-        with contextlib.suppress(OSError):  # the pipe is full (it will wake) or closed
-            os.write(self._wake_w, b"x")
+        """Wake the waiter (from another thread; nothing after :meth:`close`)."""
+        self._wakeup.wake()
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            for fd in (self._fd, self._wake_r, self._wake_w):
-                os.close(fd)
+            os.close(self._fd)
+            self._wakeup.close()
