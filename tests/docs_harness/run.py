@@ -9,17 +9,30 @@ if any, checks what the block did. The blocks run one after another in this proc
 process: a process group one block's harness set up is the next one's (a group cannot
 be made again on the same rendezvous once destroyed). Each block that completes prints
 ``docs block ok: <file>``.
+
+A block's namespace lives until the process ends, as a script's globals do: freed in the
+middle of the run, a whole script's DDP model can be the last owner of the process group
+the script destroyed, and freeing it joins the gloo threads under the GIL while one of
+them waits for the GIL to free its last work (the torch deadlock
+:mod:`trainguard.agent.script_end` describes; this job's template preloads no torch, so
+its guard is not installed). Before the end, the thread lets go of the GIL for a moment,
+as that guard does, so that no gloo thread still waits for it when the interpreter
+finalizes.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+LET_GO_SECONDS = 0.1  # trainguard.agent.script_end.LET_GO_SECONDS
 
-def run_block(harness_name: str, block: Path) -> None:
+
+def run_block(harness_name: str, block: Path) -> dict[str, Any]:
+    """Run one block; its namespace, which the caller keeps until the process ends."""
     harness = importlib.import_module(harness_name)
     first_line = block.read_text(encoding="utf-8").splitlines()[0]
     source = first_line.removeprefix("# docs block: ").strip()  # e.g. docs/checkpoints.md
@@ -31,14 +44,21 @@ def run_block(harness_name: str, block: Path) -> None:
     if after is not None:
         after(namespace)
     print(f"docs block ok: {block.name}", flush=True)
+    return namespace
 
 
 def main(argv: list[str]) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    namespaces = []
     for pair in argv:
         harness_name, _, block = pair.partition("=")
-        run_block(harness_name, Path(block))
+        namespaces.append(run_block(harness_name, Path(block)))
+    time.sleep(LET_GO_SECONDS)
+    _kept.extend(namespaces)
     return 0
+
+
+_kept: list[dict[str, Any]] = []  # every block's namespace, freed as the process ends
 
 
 if __name__ == "__main__":
