@@ -137,15 +137,31 @@ def _netns_pids(netns: str) -> list[int]:
 
 
 def _kill_netns(netns: str, timeout: float = KILL_TIMEOUT) -> None:
-    """SIGKILL every process in ``netns`` until none is left."""
+    """SIGKILL every process in ``netns`` until none is left, then wait until each has
+    exited: a dying process leaves its namespaces before it is a zombie."""
     deadline = time.monotonic() + timeout
+    killed: set[int] = set()
     while pids := _netns_pids(netns):
         if time.monotonic() > deadline:
             raise RuntimeError(f"processes left in {netns} after {timeout:.0f}s: {pids}")
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        killed.update(pids)
         time.sleep(0.02)
+    while dying := [pid for pid in killed if _running(pid)]:  # waited for, never killed again
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes of {netns} still exiting after {timeout:.0f}s: {dying}")
+        time.sleep(0.02)
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def _remove(record: dict[str, Any]) -> list[str]:

@@ -71,9 +71,9 @@ def test_a_hang_without_any_log_rule_is_found_by_its_missing_progress(
     spec = write_job(
         tmp_path / "job.yaml",
         "stall",
-        [sys.executable, "-u", str(worker), "600"],
+        [sys.executable, "-u", str(worker), "1200"],  # rank 0 ends 11 s after the hang
         runPolicy={"jobMaxRetryCount": 1},
-        trainguard={"noProgressTimeoutSeconds": 3},
+        trainguard={"noProgressTimeoutSeconds": 5},  # a loaded machine stalled a step 3 s
     )
     done = tg.run("run", "-f", str(spec), "--inject", "hang:rank=1@step=100", timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -120,6 +120,11 @@ def test_worker_and_pod_faults_recover_then_delete_stops_everything(cluster: Clu
     wait_for(
         lambda: all((out / f"rank-{r}-attempt-0.json").exists() for r in range(4)), JOB_TIMEOUT
     )
+    # Each node's Kubernetes Node, once the status has it for every pod.
+    wait_for(
+        lambda: all(n.get("hostNode") for n in cluster.status("fake-faults")["nodes"]),
+        JOB_TIMEOUT,
+    )
     first_nodes = cluster.status("fake-faults")["nodes"]
     first_pods = [n["pod"] for n in first_nodes]
     host_of = {n["pod"]: n["hostNode"] for n in first_nodes}  # the pod's Kubernetes Node
