@@ -67,6 +67,9 @@ def test_a_block_is_matched_as_its_lines_one_by_one(pattern: str) -> None:
     text = scannable(BLOCK)
     expected = one_by_one(pattern, BLOCK)
     assert [tuple(m) for m in lines.matches(text)] == expected
+    assert [tuple(m) for m in lines.scan(text)] == expected
+    cut = expected[len(expected) // 2][0] if expected else len(text)  # a line's start
+    assert [tuple(m) for m in lines.scan(text, cut)] == [m for m in expected if m[0] < cut]
     last = lines.last_line(text)
     last_start = text.rfind(b"\n", 0, len(text) - 1) + 1
     assert (None if last is None else tuple(last)) == next(
@@ -76,6 +79,7 @@ def test_a_block_is_matched_as_its_lines_one_by_one(pattern: str) -> None:
     if lines._block is not None:
         lines._block._raw = None
         assert [tuple(m) for m in lines.matches(text)] == expected
+        assert [tuple(m) for m in lines.scan(text)] == expected
 
 
 def test_rules_judge_a_block_as_its_lines_one_by_one_wherever_it_is_cut() -> None:

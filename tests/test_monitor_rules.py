@@ -18,6 +18,7 @@ from trainguard.monitor.rules import (
     Detection,
     LogRuleSpec,
     NodeLogMonitor,
+    parse_metric,
 )
 from trainguard.spec import SpecError, parse_job
 from trainguard.spec.model import LogRule
@@ -442,3 +443,26 @@ def test_a_line_matched_as_bytes_gives_what_re2_gives_on_the_text(pattern: str, 
     if expected is not None and found is not None:
         for index in range(compiled.groups + 1):
             assert found.group(index) == expected.group(index)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("12.5", 12.5),
+        (".5", 0.5),
+        ("5.", 5.0),
+        ("1234", 1234.0),
+        ("1.2.3", 1.2),
+        ("1_000", 1.0),  # float() would take the underscore: the number is "1"
+        ("\uff11\uff12", 12.0),  # full-width digits, as Python reads them
+        (" 7 samples", 7.0),
+        ("1e3", 1000.0),
+        ("", None),
+        (".", None),
+        (None, None),
+    ],
+)
+def test_a_metric_is_the_number_at_the_start_of_its_group(
+    text: str | None, value: float | None
+) -> None:
+    assert parse_metric(text) == value

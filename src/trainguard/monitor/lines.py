@@ -113,6 +113,16 @@ class LinePattern:
             if pos == 0:
                 return
 
+    def scan(self, block: bytes, end: int | None = None) -> list[LineMatch]:
+        """All of :meth:`matches` at once (cheaper per line than taking them one by one)."""
+        stop = len(block) if end is None else end
+        if self._block is None:
+            return list(self._one_by_one(block, stop))
+        found = self._block.each_line(block, stop - 1)
+        if not self.groups:
+            return [LineMatch(spans[0][0], None) for spans in found]
+        return [LineMatch(spans[0][0], _group(block, spans)) for spans in found]
+
     def last_line(self, block: bytes) -> LineMatch | None:
         """``block``'s last line, if the pattern matches it."""
         if not block:
@@ -151,7 +161,7 @@ class BlockScans:
         :meth:`LinePattern.matches`)."""
         key = (pattern.pattern, end)
         if key not in self._scans:
-            self._scans[key] = list(pattern.matches(self.block, end))
+            self._scans[key] = pattern.scan(self.block, end)
         return self._scans[key]
 
     def first(self, pattern: LinePattern) -> LineMatch | None:

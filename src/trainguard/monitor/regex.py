@@ -127,6 +127,30 @@ class LineStartRegex:
         found = find(text, pos, endpos)
         return None if found is None else [found.span(i) for i in range(self.groups + 1)]
 
+    def each_line(self, text: bytes, endpos: int) -> list[Spans]:
+        """Every match in ``text[:endpos]`` (whole lines), at most one per line, in order:
+        after a match, the next search starts at the next line. One call of RE2 per
+        matching line and little Python around it (a block's lines mostly all match)."""
+        found: list[Spans] = []
+        next_line, pos = text.find, 0
+        if self._raw is None:
+            while pos <= endpos and (spans := self.spans(text, pos, endpos)) is not None:
+                found.append(spans)
+                pos = next_line(b"\n", spans[0][1]) + 1  # the next line's start; 0: none
+                if pos == 0:
+                    break
+            return found
+        raw, unanchored = self._raw, self._anchors[0]
+        while pos <= endpos:
+            spans = raw(unanchored, text, pos, endpos)
+            if spans[0][0] < 0:
+                break
+            found.append(spans)
+            pos = next_line(b"\n", spans[0][1]) + 1
+            if pos == 0:
+                break
+        return found
+
 
 def _reason(pattern: str, err: Exception) -> str:
     raw = err.args[0] if err.args else str(err)

@@ -35,7 +35,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
-from trainguard.monitor.lines import BlockScans, LinePattern, line_at, line_pattern, scannable
+from trainguard.monitor.lines import (
+    BlockScans,
+    LineMatch,
+    LinePattern,
+    line_at,
+    line_pattern,
+    scannable,
+)
 from trainguard.monitor.progress import ProgressMatcher
 from trainguard.monitor.regex import Pattern, RegexError, compile_regex
 from trainguard.wire.status import (
@@ -219,6 +226,8 @@ def parse_metric(text: str | None) -> float | None:
     """The number at the start of a captured group (``nan``/``inf`` included), or None."""
     if text is None:
         return None
+    if text.isascii() and text.replace(".", "", 1).isdigit():  # the usual case: 12.5
+        return float(text)
     found = _NUMBER.match(text)
     return None if found is None else float(found.group(1))
 
@@ -323,15 +332,30 @@ class NodeLogMonitor:
         detection's line offset, the rule's index, kind, rule and value)."""
         stopped = None if rule.stop_lines is None else scans.first(rule.stop_lines)
         end = None if stopped is None else stopped.start  # the stop line counts as nothing
-        found: list[_Found] = []
         matches = scans.lines(rule.lines, end)
-        groups = rule.lines.groups
+        found: list[_Found] = []
+        if rule.fault_on_match and matches and rank not in state.faulted:
+            state.faulted.add(rank)
+            found.append((matches[0].start, index, "LogFault", rule, None))
+        if rule.lines.groups:  # a metric per line: judged line by line
+            found += self._metrics(index, rule, state, rank, matches)
+        if matches:
+            state.matches += len(matches)
+            if state.last_match_at is None or t > state.last_match_at:
+                state.last_match_at = t
+        if stopped is not None:
+            state.stopped = True
+        return found
+
+    @staticmethod
+    def _metrics(
+        index: int, rule: LogRuleSpec, state: _RuleState, rank: int, matches: list[LineMatch]
+    ) -> list[_Found]:
+        """The metric of each of ``matches`` (a rule with a group): a NaN, or
+        ``metricEvaluationDataPoints`` bad ones in a row, found (once per rank)."""
+        found: list[_Found] = []
+        watched = rule.metric_threshold is not None
         for match in matches:
-            if rule.fault_on_match and rank not in state.faulted:
-                state.faulted.add(rank)
-                found.append((match.start, index, "LogFault", rule, None))
-            if groups < 1:
-                continue
             value = parse_metric(match.group)
             if value is None:
                 continue
@@ -340,7 +364,7 @@ class NodeLogMonitor:
                     state.nan_reported.add(rank)
                     found.append((match.start, index, "NaNMetric", rule, value))
                 continue
-            if rule.metric_threshold is None:
+            if not watched:
                 continue
             if not rule.is_bad(value):
                 state.bad_run[rank] = 0
@@ -351,12 +375,6 @@ class NodeLogMonitor:
             if run >= rule.metric_evaluation_data_points and rank not in state.slow_reported:
                 state.slow_reported.add(rank)
                 found.append((match.start, index, "LogSlow", rule, value))
-        if matches:
-            state.matches += len(matches)
-            if state.last_match_at is None or t > state.last_match_at:
-                state.last_match_at = t
-        if stopped is not None:
-            state.stopped = True
         return found
 
     def _detect(
