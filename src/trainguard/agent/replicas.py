@@ -270,8 +270,8 @@ class ReplicaStore:
     ) -> None:
         """:meth:`receive`; ``checked``: directories already made or found this batch."""
         target = self._target(source, relpath)
-        if target.dcp:
-            self._prune_dcp(target.held, relpath)
+        if target.dcp and self._prune_dcp(target.held, relpath):
+            checked.clear()  # a directory it removed is made again if a file needs it
         walks = self._claim(target.path, length, relpath)
         stored = False
         try:
@@ -367,12 +367,12 @@ class ReplicaStore:
                 parts.append(file_part(f, entry["path"]))
             yield parts, sum(len(header) + size for header, _, size in parts)
 
-    def _prune_dcp(self, held: Path, relpath: str) -> None:
+    def _prune_dcp(self, held: Path, relpath: str) -> bool:
         """The first file of a DCP step N arriving: remove the steps before the newest
-        DCP_KEEP (and stop counting their files)."""
+        DCP_KEEP (and stop counting their files); whether it removed any."""
         match = _DCP_STEP.match(relpath)
         if match is None or (held / "dcp" / f"step-{match[1]}").is_dir():
-            return
+            return False
         steps = {*dcp_steps(held / "dcp"), int(match[1])}
         for old in sorted(steps)[:-DCP_KEEP]:
             gone = held / "dcp" / f"step-{old}"
@@ -382,6 +382,7 @@ class ReplicaStore:
                 if self._sizes is not None:
                     for path in [p for p in self._sizes if p.is_relative_to(gone)]:
                         self._held -= self._sizes.pop(path)
+        return len(steps) > DCP_KEEP
 
     def listing(self, source: str) -> list[dict[str, Any]]:
         return list_files(self.root / _safe_name(source))
