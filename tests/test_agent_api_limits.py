@@ -515,6 +515,24 @@ def test_a_replica_batch_that_stalls_midway_is_dropped_in_time(
     assert not held.exists() or list(held.iterdir()) == []
 
 
+def test_a_replica_batch_that_stalls_between_files_is_dropped_in_time(
+    server: AgentHTTPServer, tmp_path: Path
+) -> None:
+    """The next header stops coming after a file spliced whole (the socket blocks from
+    the first splice to the body's end): the transfer still ends within the io timeout;
+    the whole file stands, nothing of the next one does."""
+    data = os.urandom(200_000)
+    body = frame_header("a.data", len(data)) + data + b'{"path": "b.da'
+    with connect(server.port) as sock:
+        sock.sendall(head("POST", "/replica/node-1", Content_Length=len(body) + 100) + body)
+        began = time.monotonic()
+        assert everything_until_closed(sock) == b""  # a timeout: dropped, not a 507
+        assert SHORT.io_seconds - 0.1 <= time.monotonic() - began < SHORT.io_seconds + 10.0
+    held = tmp_path / "replicas" / "node-1"
+    assert sorted(p.name for p in held.iterdir()) == ["a.data"]
+    assert (held / "a.data").read_bytes() == data
+
+
 def test_an_idle_connection_is_closed(server: AgentHTTPServer) -> None:
     with connect(server.port) as sock:
         sock.sendall(head("GET", "/status"))

@@ -17,6 +17,7 @@ import fcntl
 import http
 import os
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -222,12 +223,18 @@ class Connection:
 
 class BodyStream:
     """``read(size)`` over a body: the buffered bytes first, then the socket's (each wait
-    for bytes lasts at most the socket's timeout); ``b""`` once ``length`` bytes were read."""
+    for bytes lasts at most the socket's timeout); ``b""`` once ``length`` bytes were read.
+
+    From its first :meth:`splice_into` to :meth:`close`, the socket blocks (with its
+    timeout as the kernel's, :func:`~trainguard.agent.blocking_socket.blocking`): once
+    per body, not once per file of a batch."""
 
     def __init__(self, conn: Connection, length: int) -> None:
         self._conn = conn
         self._left = length
         self._pipe: tuple[int, int] | None = None
+        self._bulk: contextlib.ExitStack | None = None  # the socket made blocking
+        self._seconds = conn.sock.gettimeout()
 
     def read(self, size: int = -1, /) -> bytes:
         """``size`` bytes (all that is left if fewer), fewer only if the client hangs up."""
@@ -241,7 +248,7 @@ class BodyStream:
         del buffer[:have]
         view = memoryview(chunk)
         while have < want:
-            got = self._conn.sock.recv_into(view[have:])
+            got = self._recv_into(view[have:])
             if not got:
                 break
             have += got
@@ -257,7 +264,7 @@ class BodyStream:
         target[:have] = buffer[:have]
         del buffer[:have]
         while have < want:
-            got = self._conn.sock.recv_into(target[have:want])
+            got = self._recv_into(target[have:want])
             if not got:
                 break
             have += got
@@ -268,9 +275,9 @@ class BodyStream:
         """Write the next ``count`` bytes of body to the file ``fd``: the buffered ones,
         then straight from the socket through a pipe (``splice``: the bytes never pass
         through Python, and the kernel copies them once, not twice; one pipe for the
-        whole body, closed by :meth:`close`). How many were written: none only when the
-        client hung up. :class:`TimeoutError` when a MiB of them (or the rest) does not
-        come within the socket's timeout."""
+        whole body, kept for the thread's next body by :meth:`close`). How many were
+        written: none only when the client hung up. :class:`TimeoutError` when a MiB
+        of them (or the rest) does not come within the socket's timeout."""
         count = min(count, self._left)
         buffer = self._conn.buffer
         done = min(len(buffer), count)
@@ -283,14 +290,20 @@ class BodyStream:
         sock = self._conn.sock
         if done < count and type(sock) is socket.socket:  # the kernel's bytes are the body
             if self._pipe is None:
-                self._pipe = _open_pipe()
+                self._pipe = _take_pipe()
             try:
+                if self._bulk is None:
+                    self._bulk = contextlib.ExitStack()
+                    self._bulk.enter_context(blocking(sock))
                 done += _splice(sock, self._pipe, fd, count - done)
+            except BlockingIOError:  # SO_RCVTIMEO ran out
+                self._drop_pipe()  # it may hold bytes: none may go to the next file
+                raise self._timed_out() from None
             except BaseException:
-                self.close()  # the pipe may hold bytes: none may go to the next file
+                self._drop_pipe()
                 raise
         elif done < count:  # a wrapped socket (TLS): its bytes through Python
-            chunk = sock.recv(min(_CHUNK, count - done))
+            chunk = self._recv(min(_CHUNK, count - done))
             done += len(chunk)
             while chunk:
                 chunk = chunk[os.write(fd, chunk) :]
@@ -309,7 +322,7 @@ class BodyStream:
             if end >= 0 or len(buffer) >= limit:
                 take = end + 1 if end >= 0 else limit
                 break
-            got = self._conn.sock.recv(min(_CHUNK, limit - len(buffer)))
+            got = self._recv(min(_CHUNK, limit - len(buffer)))
             if not got:
                 take = min(len(buffer), limit)
                 break
@@ -319,8 +332,32 @@ class BodyStream:
         self._left -= take
         return line
 
+    def _recv(self, size: int) -> bytes:
+        try:
+            return self._conn.sock.recv(size)
+        except BlockingIOError:  # blocking since a splice: SO_RCVTIMEO ran out
+            raise self._timed_out() from None
+
+    def _recv_into(self, view: memoryview) -> int:
+        try:
+            return self._conn.sock.recv_into(view)
+        except BlockingIOError:  # blocking since a splice: SO_RCVTIMEO ran out
+            raise self._timed_out() from None
+
+    def _timed_out(self) -> TimeoutError:
+        return TimeoutError(f"timed out after {self._seconds} s")
+
     def close(self) -> None:
-        """Close the pipe :meth:`splice_into` opened, if any."""
+        """The socket as it was (if a splice made it blocking); the pipe (empty) kept
+        for this thread's next body."""
+        if self._bulk is not None:
+            bulk, self._bulk = self._bulk, None
+            bulk.close()
+        if self._pipe is not None:
+            pipe, self._pipe = self._pipe, None
+            _give_back_pipe(pipe)
+
+    def _drop_pipe(self) -> None:
         if self._pipe is not None:
             pipe, self._pipe = self._pipe, None
             os.close(pipe[0])
@@ -333,6 +370,27 @@ class BodyStream:
         self.close()
 
 
+_spare = threading.local()
+"""Each thread's empty pipe between bodies (``pipe``): a body made one (and sized it)
+and closed it again before; the agent's workers live as long as it does."""
+
+
+def _take_pipe() -> tuple[int, int]:
+    pipe: tuple[int, int] | None = getattr(_spare, "pipe", None)
+    if pipe is None:
+        return _open_pipe()
+    _spare.pipe = None
+    return pipe
+
+
+def _give_back_pipe(pipe: tuple[int, int]) -> None:
+    if getattr(_spare, "pipe", None) is None:
+        _spare.pipe = pipe
+    else:
+        os.close(pipe[0])
+        os.close(pipe[1])
+
+
 def _open_pipe() -> tuple[int, int]:
     """A pipe for :func:`_splice`: (read end, write end), as large as allowed."""
     read_end, write_end = os.pipe2(os.O_CLOEXEC)
@@ -343,20 +401,19 @@ def _open_pipe() -> tuple[int, int]:
 
 def _splice(sock: socket.socket, pipe: tuple[int, int], fd: int, count: int) -> int:
     """Move ``count`` bytes from ``sock`` to the file ``fd`` through ``pipe`` (empty
-    before and after); how many moved (fewer: the peer hung up). The socket blocks
-    meanwhile (:func:`~trainguard.agent.blocking_socket.blocking`), so that one call
-    moves a pipe's worth of bytes (1 MiB) however they come in (a non-blocking one took
-    what had come: many calls, and a ``select`` each): :class:`TimeoutError` when a
-    pipe's worth (or the rest) does not come within the socket's timeout."""
+    before and after); how many moved (fewer: the peer hung up). The socket must block
+    (:func:`~trainguard.agent.blocking_socket.blocking`), so that one call moves a pipe's
+    worth of bytes (1 MiB) however they come in (a non-blocking one took what had come:
+    many calls, and a ``select`` each): :class:`BlockingIOError` when a pipe's worth (or
+    the rest) does not come within its receive timeout."""
     read_end, write_end = pipe
     moved = 0
-    with blocking(sock):
-        while moved < count:
-            got = os.splice(sock.fileno(), write_end, min(_PIPE_BYTES, count - moved))
-            if not got:
-                break
-            left = got
-            while left:
-                left -= os.splice(read_end, fd, left)
-            moved += got
+    while moved < count:
+        got = os.splice(sock.fileno(), write_end, min(_PIPE_BYTES, count - moved))
+        if not got:
+            break
+        left = got
+        while left:
+            left -= os.splice(read_end, fd, left)
+        moved += got
     return moved

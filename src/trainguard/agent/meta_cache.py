@@ -26,13 +26,14 @@ def _version(st: os.stat_result) -> Version:
 
 
 class MetaCache:
-    """The parsed JSON of the files it was asked for, by path, and their versions."""
+    """The parsed JSON of the files it was asked for, by path (each caller names a file
+    one way: a string or a :class:`~pathlib.Path`), and their versions."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: dict[Path, tuple[Version, Any]] = {}
+        self._held: dict[str | Path, tuple[Version, Any]] = {}
 
-    def read(self, path: Path) -> tuple[os.stat_result, Any]:
+    def read(self, path: str | Path) -> tuple[os.stat_result, Any]:
         """``path``'s status and parsed JSON (its version's: read under one open file).
         :class:`OSError` when it cannot be read, :class:`ValueError` when not JSON."""
         st = os.stat(path)
@@ -50,7 +51,7 @@ class MetaCache:
             self._held[path] = (_version(st), value)
         return st, value
 
-    def forget_except(self, paths: set[Path]) -> None:
+    def forget_except(self, paths: set[str] | set[Path]) -> None:
         """Drop what is held of files not in ``paths`` (those gone from a scan)."""
         with self._lock:
             for path in self._held.keys() - paths:

@@ -13,6 +13,7 @@ before its meta, whose checksum a pull checks).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, NamedTuple, Protocol
 
-from trainguard.checkpoint.tier_dir import open_private
+from trainguard.checkpoint.tier_dir import create_private
 
 __all__ = [
     "BATCH_QUERY",
@@ -28,6 +29,7 @@ __all__ = [
     "Frame",
     "ReplicaError",
     "ReplicaRoomError",
+    "check_relpath",
     "file_part",
     "frame_header",
     "read_frame",
@@ -64,11 +66,17 @@ class Frame(NamedTuple):
     size: int
 
 
-def safe_relpath(relpath: str) -> Path:
-    path = Path(relpath)
-    if not relpath or path.is_absolute() or ".." in path.parts or "\0" in relpath:
+def check_relpath(relpath: str) -> str:
+    """``relpath`` if it is a plain relative path (no root, no ``..``, no NUL byte), else
+    :class:`ReplicaError`; string tests (a batch checks every header's)."""
+    if not relpath or relpath[0] == "/" or "\0" in relpath or ".." in relpath.split("/"):
         raise ReplicaError(f"replica path {relpath!r} is not a plain relative path")
-    return path
+    return relpath
+
+
+def safe_relpath(relpath: str) -> Path:
+    """:func:`check_relpath`'s path."""
+    return Path(check_relpath(relpath))
 
 
 def frame_header(path: str, size: int) -> bytes:
@@ -96,8 +104,8 @@ def read_frame(stream: BatchStream) -> Frame | None:
             raise ReplicaError(f"replica batch: a header longer than {MAX_HEADER_BYTES} bytes")
         raise ReplicaError("replica batch: the body ended inside a header")
     try:
-        header = json.loads(line)
-    except ValueError:
+        header = json.loads(line.decode())
+    except ValueError:  # UnicodeDecodeError too
         raise ReplicaError(f"replica batch: a header is not JSON: {line[:80]!r}") from None
     if not isinstance(header, dict) or set(header) != {"path", "size"}:
         raise ReplicaError(f"replica batch: expected a header {{path, size}}, got {line[:80]!r}")
@@ -106,32 +114,44 @@ def read_frame(stream: BatchStream) -> Frame | None:
         raise ReplicaError(f"replica batch: path: expected a string, got {path!r}")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise ReplicaError(f"replica batch: {path!r}: size: expected a count, got {size!r}")
-    safe_relpath(path)
+    check_relpath(path)
     return Frame(path, size)
 
 
-def write_file(target: Path, stream: BatchStream, size: int, what: str) -> None:
+def write_file(target: str | Path, stream: BatchStream, size: int, what: str) -> None:
     """Write the next ``size`` bytes of ``stream`` to ``target`` (its directory made
     already, :func:`~trainguard.checkpoint.tier_dir.private_dir`) atomically (a temporary
     file renamed once whole: nothing of it stays when the stream fails or ends early)."""
-    tmp = target.parent / f".tmp-{target.name}-{threading.get_ident()}"
+    parent, name = os.path.split(target)
+    tmp = os.path.join(parent, f".tmp-{name}-{threading.get_ident()}")
+    try:
+        fd = create_private(tmp)
+        try:
+            _fill(fd, stream, size, what)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _fill(fd: int, stream: BatchStream, size: int, what: str) -> None:
+    """Write the next ``size`` bytes of ``stream`` to the file ``fd``."""
     # A request's body (the agent's server) is spliced from its socket to the file;
     # other streams (a reply, in a restore) are read into a buffer and written.
     splice: Callable[[int, int], int] | None = getattr(stream, "splice_into", None)
     view = memoryview(bytearray(0 if splice else min(CHUNK_BYTES, max(size, 1))))
     remaining = size
-    try:
-        with open_private(tmp) as out:
-            while remaining > 0:
-                if splice is not None:
-                    got = splice(out.fileno(), remaining)
-                else:
-                    got = stream.readinto(view[: min(len(view), remaining)])
-                    out.write(view[:got])
-                if not got:
-                    raise ReplicaError(f"replica {what}: body ended {remaining} bytes early")
-                remaining -= got
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    while remaining > 0:
+        if splice is not None:
+            got = splice(fd, remaining)
+        else:
+            got = stream.readinto(view[: min(len(view), remaining)])
+            written = 0
+            while written < got:
+                written += os.write(fd, view[written:got])
+        if not got:
+            raise ReplicaError(f"replica {what}: body ended {remaining} bytes early")
+        remaining -= got

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import urllib.parse
@@ -72,6 +73,7 @@ class ReplicaPusher:
     ) -> None:
         self.node_id = node_id
         self.memory_dir = memory_dir
+        self._root = str(memory_dir)
         self.peer_urls = peer_urls
         self.token = token
         self.interval = interval
@@ -140,7 +142,7 @@ class ReplicaPusher:
                 try:
                     for rel in (unit[1], unit[0]):
                         if rel is not None:
-                            f = files.enter_context(open(self.memory_dir / rel, "rb", 0))
+                            f = files.enter_context(open(os.path.join(self._root, rel), "rb", 0))
                             parts.append(file_part(f, rel))
                 except OSError as exc:  # a slot dropped since the scan: the next pass
                     logger.debug("replica push of %s skipped: %s", unit[0], exc)

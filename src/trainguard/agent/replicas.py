@@ -103,23 +103,30 @@ class Shard(NamedTuple):
 
 def checksummed_shards(root: Path, metas: MetaCache | None = None) -> list[Shard]:
     """Every shard in a memory tier whose meta has a checksum (``metas``: the metas read
-    before, read again only if changed)."""
+    before, read again only if changed). One listing of ``root`` and a ``stat`` per meta
+    (a data file is known from the listing)."""
     metas = metas if metas is not None else MetaCache()
+    try:
+        names = set(os.listdir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        names = set()
     shards = []
-    paths = sorted(root.glob("*.meta")) if root.is_dir() else []
-    for meta_path in paths:
-        data_path = meta_path.with_suffix(".data")
+    paths = set()
+    for name in sorted(n for n in names if n.endswith(".meta") and not n.startswith(".")):
+        path = os.path.join(root, name)
+        paths.add(path)
+        data = name[: -len(".meta")] + ".data"
         try:
-            st, meta = metas.read(meta_path)
+            st, meta = metas.read(path)
         except (OSError, ValueError):
             continue  # being rewritten; the next pass sees it
-        if not isinstance(meta, dict) or not meta.get("checksum") or not data_path.exists():
+        if not isinstance(meta, dict) or not meta.get("checksum") or data not in names:
             continue
         rank, step = meta.get("rank"), meta.get("step")
         if isinstance(rank, int) and isinstance(step, int):
             version = (st.st_mtime_ns, st.st_size)
-            shards.append(Shard(meta_path.name, data_path.name, version, rank, step))
-    metas.forget_except(set(paths))
+            shards.append(Shard(name, data, version, rank, step))
+    metas.forget_except(paths)
     return shards
 
 
@@ -192,6 +199,21 @@ def list_files(root: Path) -> list[dict[str, Any]]:
     return files
 
 
+class _Target(NamedTuple):
+    """Where a replica file is held: its path (and as a string), its directory, its
+    source's directory, and whether it is a DCP step's."""
+
+    path: Path
+    name: str
+    parent: Path
+    held: Path
+    dcp: bool
+
+
+_TARGETS_KEPT = 1024
+"""The most replica paths a store keeps worked out (then it starts over)."""
+
+
 class ReplicaStore:
     """The copies this node holds of other nodes' memory tiers: ``<root>/<source node>/...``.
 
@@ -210,7 +232,9 @@ class ReplicaStore:
         self._lock = threading.Lock()
         self._sizes: dict[Path, int] | None = None  # every file held (or being received)
         self._held = 0  # their bytes
+        self._walks = 0  # walks of the files held so far
         self._dirs: set[Path] = set()  # directories made (and checked) private
+        self._targets: dict[tuple[str, str], _Target] = {}  # (source, relpath) -> where
 
     def room(self, source: str, relpath: str) -> int:
         """The most bytes a received ``source/relpath`` may have: the free space of the
@@ -227,16 +251,7 @@ class ReplicaStore:
         """Write ``length`` bytes of ``stream`` to ``source/relpath`` (atomically: nothing
         of it stays when the stream fails or ends early), if :meth:`room` has room for
         them (else :class:`ReplicaRoomError`, before a byte is read)."""
-        held = self.root / _safe_name(source)
-        target = held / safe_relpath(relpath)
-        if relpath.startswith("dcp/"):
-            self._prune_dcp(held, relpath)
-        self._claim(target, length, relpath)
-        try:
-            self._private_dir(target.parent)
-            write_file(target, stream, length, relpath)
-        finally:
-            self._recount(target)  # the file received, or the one it was to replace
+        self._receive(source, relpath, stream, length, set())
 
     def receive_batch(self, source: str, stream: BatchStream) -> list[str]:
         """Write every file of the batch in ``stream`` under ``source``, in its order,
@@ -244,10 +259,46 @@ class ReplicaStore:
         :class:`ReplicaError` (:class:`ReplicaRoomError`) at the first bad (too large)
         file: those before it stand, nothing of it does."""
         stored = []
+        checked: set[Path] = set()  # directories found standing in this batch
         while (frame := read_frame(stream)) is not None:
-            self.receive(source, frame.path, stream, frame.size)
+            self._receive(source, frame.path, stream, frame.size, checked)
             stored.append(frame.path)
         return stored
+
+    def _receive(
+        self, source: str, relpath: str, stream: BatchStream, length: int, checked: set[Path]
+    ) -> None:
+        """:meth:`receive`; ``checked``: directories already made or found this batch."""
+        target = self._target(source, relpath)
+        if target.dcp and self._prune_dcp(target.held, relpath):
+            checked.clear()  # a directory it removed is made again if a file needs it
+        walks = self._claim(target.path, length, relpath)
+        stored = False
+        try:
+            if target.parent not in checked:
+                self._private_dir(target.parent)
+                checked.add(target.parent)
+            write_file(target.name, stream, length, relpath)
+            stored = True
+        finally:
+            # Stored: counted as claimed, unless the files were walked meanwhile (the
+            # walk may have seen the file it replaced). Not: the file it was to replace.
+            if not stored or walks != self._walks:
+                self._recount(target.path)
+
+    def _target(self, source: str, relpath: str) -> _Target:
+        """Where ``source/relpath`` is held; :class:`ReplicaError` for a bad path. A push
+        names the same files each time (a step's slots), so they are worked out once."""
+        key = (source, relpath)
+        target = self._targets.get(key)
+        if target is None:
+            held = self.root / _safe_name(source)
+            path = held / safe_relpath(relpath)
+            target = _Target(path, str(path), path.parent, held, relpath.startswith("dcp/"))
+            if len(self._targets) >= _TARGETS_KEPT:  # new DCP steps, sources: start over
+                self._targets.clear()
+            self._targets[key] = target
+        return target
 
     def _room(self, target: Path) -> int:
         """:meth:`room` for ``target``, with the lock held."""
@@ -257,8 +308,9 @@ class ReplicaStore:
             room = min(room, self.max_bytes - (self._held - sizes.get(target, 0)))
         return max(0, room)
 
-    def _claim(self, target: Path, size: int, relpath: str) -> None:
-        """Count ``size`` bytes for ``target`` (in place of its file's) if there is room."""
+    def _claim(self, target: Path, size: int, relpath: str) -> int:
+        """Count ``size`` bytes for ``target`` (in place of its file's) if there is room;
+        how many walks of the files held the count is from."""
         with self._lock:
             room = self._room(target)
             if size > room and self.max_bytes is not None:
@@ -269,6 +321,7 @@ class ReplicaStore:
             sizes = self._counted()
             self._held += size - sizes.get(target, 0)
             sizes[target] = size
+            return self._walks
 
     def _recount(self, target: Path) -> None:
         """Count ``target`` as it is on disk."""
@@ -288,6 +341,7 @@ class ReplicaStore:
         if self._sizes is None:
             self._sizes = {path: _size(path) for path in _files(self.root)}
             self._held = sum(self._sizes.values())
+            self._walks += 1
         return self._sizes
 
     def _private_dir(self, directory: Path) -> None:
@@ -313,12 +367,12 @@ class ReplicaStore:
                 parts.append(file_part(f, entry["path"]))
             yield parts, sum(len(header) + size for header, _, size in parts)
 
-    def _prune_dcp(self, held: Path, relpath: str) -> None:
+    def _prune_dcp(self, held: Path, relpath: str) -> bool:
         """The first file of a DCP step N arriving: remove the steps before the newest
-        DCP_KEEP (and stop counting their files)."""
+        DCP_KEEP (and stop counting their files); whether it removed any."""
         match = _DCP_STEP.match(relpath)
         if match is None or (held / "dcp" / f"step-{match[1]}").is_dir():
-            return
+            return False
         steps = {*dcp_steps(held / "dcp"), int(match[1])}
         for old in sorted(steps)[:-DCP_KEEP]:
             gone = held / "dcp" / f"step-{old}"
@@ -328,6 +382,7 @@ class ReplicaStore:
                 if self._sizes is not None:
                     for path in [p for p in self._sizes if p.is_relative_to(gone)]:
                         self._held -= self._sizes.pop(path)
+        return len(steps) > DCP_KEEP
 
     def listing(self, source: str) -> list[dict[str, Any]]:
         return list_files(self.root / _safe_name(source))
@@ -356,9 +411,11 @@ def _size(path: Path) -> int:
 
 def _free_bytes(path: Path) -> int:
     """Free bytes of the filesystem ``path`` is (or will be) on."""
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+    try:
         st = os.statvfs(path)  # there once a replica came; before, a parent answers
         return st.f_bavail * st.f_frsize
+    except (FileNotFoundError, NotADirectoryError):
+        pass
     for candidate in path.parents:
         try:
             st = os.statvfs(candidate)

@@ -18,7 +18,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["SHM", "TierDirError", "open_private", "private_dir", "user_root"]
+__all__ = ["SHM", "TierDirError", "create_private", "open_private", "private_dir", "user_root"]
 
 SHM = Path("/dev/shm")
 
@@ -72,7 +72,12 @@ def _check_own(part: Path, uid: int) -> None:
         os.chmod(part, 0o700)
 
 
+def create_private(path: str | Path) -> int:
+    """``path`` opened to write (created ``0600``, or truncated), not through a link: its
+    descriptor (for ``os.write``/``splice``; the caller closes it)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+
+
 def open_private(path: str | Path) -> BinaryIO:
-    """``path`` opened to write (created ``0600``, or truncated), not through a link."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    return os.fdopen(fd, "wb")
+    """:func:`create_private`'s descriptor as a buffered file."""
+    return os.fdopen(create_private(path), "wb")
