@@ -568,6 +568,38 @@ def test_the_client_keeps_one_connection_alive(server: AgentHTTPServer) -> None:
         client.close()
 
 
+def test_status_polls_are_answered_in_turn_and_a_large_one_without_stalling_others(
+    server: AgentHTTPServer,
+) -> None:
+    """Polls are answered on the selector thread: two sent at once on one connection
+    get two replies; a reply larger than the socket takes at once comes whole (a worker
+    sends its end) while another connection's poll is answered meanwhile."""
+    with connect(server.port) as sock:
+        sock.sendall(head("GET", "/status") * 2)
+        for _ in range(2):
+            status, _, body = read_reply(sock)
+            assert status == 200 and json.loads(body)["node_id"] == "node-0"
+        sock.sendall(head("GET", "/status"))
+        assert read_reply(sock)[0] == 200  # the connection was kept for the next poll
+    stacks = {0: "frame\n" * 1_000_000}  # 6 MB: more than a socket's buffers hold
+    large = StubNode().snapshot().model_copy(update={"stacks": stacks})
+    server.api.node.snapshot = lambda: large  # type: ignore[method-assign]
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    slow.connect(("127.0.0.1", server.port))
+    slow.settimeout(REPLY_TIMEOUT)
+    try:
+        slow.sendall(head("GET", "/status"))
+        time.sleep(0.2)  # the server's socket is full: the rest waits for this reader
+        client = AgentClient(f"http://127.0.0.1:{server.port}", TOKEN)
+        assert client.status().stacks == stacks
+        client.close()
+        status, _, body = read_reply(slow)
+        assert status == 200 and json.loads(body)["stacks"] == {"0": stacks[0]}
+    finally:
+        slow.close()
+
+
 def test_replica_transfers_beyond_their_cap_get_503(
     server: AgentHTTPServer, tmp_path: Path
 ) -> None:

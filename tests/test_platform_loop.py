@@ -3,6 +3,7 @@ platform, the inbox over real HTTP, and the contact verdicts."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -10,7 +11,9 @@ from dataclasses import replace
 from typing import Any
 
 import control_helpers as h
-from agent_harness import request_json
+from agent_harness import TOKEN, request_json
+from conftest import wait_for
+from trainguard.agent.server import AgentHTTPServer, ServerLimits
 from trainguard.control.actions import JobPhase, LaunchNodes
 from trainguard.control.assignment import StoreEndpoint
 from trainguard.control.config import ControlConfig
@@ -28,9 +31,9 @@ from trainguard.platform.base import Cancel, Observation
 from trainguard.platform.book import ReportBook, Taken
 from trainguard.platform.drive import deliveries, drive
 from trainguard.platform.inbox import Inbox
-from trainguard.platform.transport import Delivery
+from trainguard.platform.transport import AgentTransport, Delivery
 from trainguard.wire.requests import StopRequest
-from trainguard.wire.status import WorkerState
+from trainguard.wire.status import NodeStatus, WorkerState
 
 NODES = ("node-0", "node-1")
 COUNT = ContactRule(3)  # one machine: 3 failed contacts in a row, however short
@@ -133,6 +136,49 @@ def test_a_push_wakes_the_loop_and_a_poll_does_not() -> None:
     began = time.monotonic()
     book.wait(5.0)
     assert time.monotonic() - began < 2.0
+
+
+class _Node:
+    """An agent's node that is always ready (for an in-process agent server)."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+
+    def snapshot(self) -> NodeStatus:
+        return h.status(self.node_id).model_copy(update={"incarnation": self.node_id})
+
+
+def test_a_poll_of_a_few_nodes_takes_each_answer_and_times_out_a_silent_agent() -> None:
+    """One thread polls a few nodes at once: an agent that never answers (its port
+    accepts, nothing reads) does not hold up the others' answers, and gets a failed
+    contact after the timeout; a node whose kept-alive connection the agent closed is
+    asked again on a new one."""
+    book = ReportBook()
+    quick_idle = ServerLimits(idle_seconds=0.3)  # the agents close idle connections soon
+    nodes = [_Node(f"node-{i}") for i in (0, 1)]
+    servers = [AgentHTTPServer("127.0.0.1", 0, n, TOKEN, limits=quick_idle) for n in nodes]  # type: ignore[arg-type]
+    silent = socket.create_server(("127.0.0.1", 0))
+    for node, server in zip(nodes, servers, strict=True):
+        server.start()
+        book.reset(node.node_id, node.node_id)
+        book.located(node.node_id, f"http://127.0.0.1:{server.port}")
+    book.reset("quiet", "quiet")
+    book.located("quiet", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    transport = AgentTransport(book, TOKEN, poll_interval=1.0, timeout=1.0)
+    try:
+        transport.poll()
+        reports = book.reports()
+        assert all(reports[n.node_id].status is not None for n in nodes)
+        assert reports["quiet"].failed_contacts == 1 and "timed out" in str(reports["quiet"].error)
+        wait_for(lambda: all(s.connection_count() == 0 for s in servers), timeout=10.0)
+        book.failed("node-0", "before")  # the next answer clears it
+        transport.poll(["node-0", "node-1"])  # on kept-alive connections the agents closed
+        assert book.reports()["node-0"].failed_contacts == 0
+    finally:
+        transport.close()
+        silent.close()
+        for server in servers:
+            server.stop()
 
 
 # -- the loop ---------------------------------------------------------------------------

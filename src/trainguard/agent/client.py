@@ -17,6 +17,7 @@ import socket
 import threading
 import urllib.parse
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import IO
 
 from pydantic import ValidationError
@@ -37,7 +38,7 @@ from trainguard.wire.requests import (
 )
 from trainguard.wire.status import NodeStatus
 
-__all__ = ["DEFAULT_TIMEOUT", "AgentClient", "AgentError", "AgentUnreachable"]
+__all__ = ["DEFAULT_TIMEOUT", "AgentClient", "AgentError", "AgentUnreachable", "StatusPoll"]
 
 DEFAULT_TIMEOUT = 5.0  # s per request
 MAX_REPLY_BYTES = 64 * 1024 * 1024
@@ -60,6 +61,15 @@ class AgentUnreachable(AgentError):
     """No answer: connection refused, reset, or timed out."""
 
 
+@dataclass(frozen=True)
+class StatusPoll:
+    """A status request sent on ``sock`` (a kept-alive connection if ``reused``), its
+    reply not read yet (:meth:`AgentClient.status_of`)."""
+
+    sock: socket.socket
+    reused: bool
+
+
 class _Dropped(Exception):
     """A kept-alive connection the agent closed before this request (retry once)."""
 
@@ -79,7 +89,47 @@ class AgentClient:
         self._lock = threading.Lock()
 
     def status(self) -> NodeStatus:
-        raw = self._request("GET", "/status", None)
+        return self._status(self._request("GET", "/status", None))
+
+    def status_sent(self) -> StatusPoll:
+        """Ask for the status and return at once: :meth:`status_of` reads the reply
+        (once its socket is readable, so that one thread polls several agents at once)."""
+        url = self.base_url + "/status"
+        message = b"GET /status HTTP/1.1\r\n" + self._head + b"\r\n"
+        for attempt in (0, 1):
+            sock, reused = self._connection(url, "GET")
+            try:
+                sock.sendall(message)
+            except OSError as exc:
+                sock.close()
+                if reused and attempt == 0:
+                    continue  # the agent closed a kept-alive connection meanwhile
+                raise AgentUnreachable(f"GET {url}: {exc or type(exc).__name__}") from None
+            return StatusPoll(sock, reused)
+        raise AssertionError("unreachable")
+
+    def status_of(self, poll: StatusPoll) -> NodeStatus:
+        """The reply to :meth:`status_sent`'s request (waiting for it at most the
+        timeout); a kept-alive connection the agent had closed is retried once."""
+        url = self.base_url + "/status"
+        try:
+            status, keep, reply = _reply(poll.sock)
+        except _Dropped:
+            poll.sock.close()
+            if poll.reused:
+                return self.status()
+            raise AgentUnreachable(f"GET {url}: connection closed") from None
+        except (OSError, ValueError) as exc:
+            poll.sock.close()
+            raise AgentUnreachable(f"GET {url}: {exc or type(exc).__name__}") from None
+        return self._status(self._finish(poll.sock, "GET", url, status, keep, reply))
+
+    def timed_out(self, poll: StatusPoll) -> AgentUnreachable:
+        """Give up :meth:`status_sent`'s request: no reply within the timeout."""
+        poll.sock.close()
+        return AgentUnreachable(f"GET {self.base_url}/status: timed out")
+
+    def _status(self, raw: bytes) -> NodeStatus:
         try:
             return NodeStatus.model_validate_json(raw)
         except ValidationError as exc:
@@ -179,14 +229,20 @@ class AgentClient:
             except (OSError, ValueError) as exc:
                 sock.close()
                 raise AgentUnreachable(f"{method} {url}: {exc or type(exc).__name__}") from None
-            if keep:
-                self._release(sock)
-            else:
-                sock.close()
-            if status >= 400:
-                raise AgentError(f"{method} {url}: {status} {error_text(reply)}", status)
-            return reply
+            return self._finish(sock, method, url, status, keep, reply)
         raise AssertionError("unreachable")
+
+    def _finish(
+        self, sock: socket.socket, method: str, url: str, status: int, keep: bool, reply: bytes
+    ) -> bytes:
+        """Keep or close the connection a reply came on; the reply's body, or its error."""
+        if keep:
+            self._release(sock)
+        else:
+            sock.close()
+        if status >= 400:
+            raise AgentError(f"{method} {url}: {status} {error_text(reply)}", status)
+        return reply
 
     def _connection(self, url: str, method: str) -> tuple[socket.socket, bool]:
         with self._lock:
@@ -229,6 +285,17 @@ def _exchange(
             data = data or sock.recv(_CHUNK)
     except (ConnectionError, BrokenPipeError) as exc:
         raise _Dropped from exc
+    return _reply(sock, data)
+
+
+def _reply(sock: socket.socket, data: bytes | None = None) -> tuple[int, bool, bytes]:
+    """Read one reply whose first bytes (``data``) may be in: (status, keep the
+    connection, body); :class:`_Dropped` when the connection failed before any byte."""
+    if data is None:
+        try:
+            data = sock.recv(_CHUNK)
+        except ConnectionError as exc:
+            raise _Dropped from exc
     if not data:
         raise _Dropped
     while b"\r\n\r\n" not in data:

@@ -148,7 +148,7 @@ class Connection:
     """A client's connection: its socket, the bytes read but not used yet, and when it
     was opened, last finished a request, and began sending the current head."""
 
-    __slots__ = ("buffer", "head_since", "peer", "settled", "sock")
+    __slots__ = ("buffer", "head_since", "peer", "settled", "sock", "unsent")
 
     def __init__(self, sock: socket.socket, peer: str, now: float) -> None:
         self.sock = sock
@@ -156,6 +156,9 @@ class Connection:
         self.buffer = bytearray()
         self.settled = now  # accepted, or its latest request answered
         self.head_since: float | None = None  # the first byte of a head came
+        # The end of a reply the selector thread could not send at once (for a worker),
+        # and whether to keep the connection after it.
+        self.unsent: tuple[bytes, bool] | None = None
 
     def take_head(self) -> RequestHead:
         """Parse and consume the whole head at the start of the buffer."""

@@ -24,8 +24,8 @@ import threading
 import urllib.parse
 from collections.abc import Iterator
 
-from trainguard.agent.api import AgentApi, error_reply, json_reply
-from trainguard.agent.http_conn import Connection, HttpError, RequestHead
+from trainguard.agent.api import AgentApi, Reply, error_reply, json_reply
+from trainguard.agent.http_conn import Connection, HttpError, RequestHead, parse_head, reply_bytes
 from trainguard.agent.replica_batch import BATCH_QUERY
 from trainguard.agent.replicas import REPLICA_PATH, ReplicaError, ReplicaRoomError, ReplicaStore
 
@@ -34,6 +34,8 @@ __all__ = ["RequestHandler"]
 logger = logging.getLogger(__name__)
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_QUICK = b"GET /status "
+"""The request line's start of the one request answered without a worker (a poll)."""
 
 
 class RequestHandler:
@@ -68,13 +70,47 @@ class RequestHandler:
         except OSError as exc:  # hung up, reset, timed out
             logger.debug("%s: connection dropped: %s", conn.peer, exc or type(exc).__name__)
         except Exception as exc:
-            what = f"{head.method} {head.path}" if head is not None else "request"
-            logger.warning("%s: %s failed: %r", conn.peer, what, exc)
-            logger.debug("%s: the traceback of %r", conn.peer, exc, exc_info=True)
             with contextlib.suppress(OSError):
-                reply = error_reply(500, f"internal error ({type(exc).__name__})")
-                conn.send_reply(reply, close=True)
+                conn.send_reply(_internal_error(conn, head, exc), close=True)
         return False
+
+    def finish(self, conn: Connection) -> bool:
+        """Send the end of the reply :meth:`quick` made (``conn.unsent``); whether to keep
+        the connection."""
+        assert conn.unsent is not None
+        (data, keep), conn.unsent = conn.unsent, None
+        try:
+            conn.sock.settimeout(self.io_seconds)
+            conn.send(data)
+        except OSError as exc:  # hung up, reset, timed out
+            logger.debug("%s: connection dropped: %s", conn.peer, exc or type(exc).__name__)
+            return False
+        return keep
+
+    def quick(self, conn: Connection, end: int) -> tuple[bytes, bool] | None:
+        """A status poll's reply, made without blocking: the reply's bytes and whether to
+        keep the connection; None (nothing consumed) for any other request, or one that
+        is refused (a worker answers those, :meth:`serve`). ``end``: where the head in
+        ``conn``'s buffer ends."""
+        buffer = conn.buffer
+        if not buffer.startswith(_QUICK):
+            return None
+        try:
+            head = parse_head(bytes(buffer[:end]))
+            if head.path != "/status" or head.content_length() or head.expects_continue:
+                return None
+        except HttpError:
+            return None
+        if not self.api.authorized(head.headers.get("authorization")):
+            return None
+        del buffer[:end]
+        keep = head.keep_alive
+        try:
+            reply = self.api.handle(head.method, head.target, b"")
+        except Exception as exc:
+            reply, keep = _internal_error(conn, head, exc), False
+        _log_request(conn, head, reply.status)
+        return reply_bytes(reply, close=not keep), keep
 
     def _exchange(self, conn: Connection, head: RequestHead) -> bool:
         api = self.api
@@ -188,6 +224,15 @@ def _too_large(head: RequestHead, limit: int) -> str:
     if limit == 0:
         return f"{head.method} {head.path} takes no body"
     return f"{head.method} {head.path}: body larger than {limit} bytes"
+
+
+def _internal_error(conn: Connection, head: RequestHead | None, exc: Exception) -> Reply:
+    """The 500 of an unexpected error, logged (one warning line, its traceback at debug
+    level)."""
+    what = f"{head.method} {head.path}" if head is not None else "request"
+    logger.warning("%s: %s failed: %r", conn.peer, what, exc)
+    logger.debug("%s: the traceback of %r", conn.peer, exc, exc_info=True)
+    return error_reply(500, f"internal error ({type(exc).__name__})")
 
 
 def _log_request(conn: Connection, head: RequestHead | None, status: int) -> None:

@@ -7,8 +7,11 @@ with bounded threads, connections, heads, bodies and time; every number is in
 - One thread, the *selector*, accepts connections, watches every idle one and reads
   each request's head. A request whose head is in goes to a pool of at most
   ``workers`` threads, which check its token, read its body, answer and hand the
-  connection back. An idle connection costs a file descriptor, never a thread: however
-  many are open, the server has 1 + ``workers`` threads.
+  connection back; but the selector answers a status poll (an authorized ``GET
+  /status``, the controller's twice a second) itself, without blocking: a reply the
+  socket does not take at once is finished by a worker. An idle connection costs a
+  file descriptor, never a thread: however many are open, the server has 1 +
+  ``workers`` threads.
 - At most ``connections`` are open. One more closes the open connection that has gone
   longest without finishing a request (idle, or still sending its head; never one a
   worker serves). A client's kept-alive connection closed that way is reopened by it
@@ -284,10 +287,43 @@ class AgentHTTPServer:
             conn.head_since = time.monotonic()
         conn.buffer += data
         end = head_end(conn.buffer)
-        if end is not None and end <= limit:
-            self._dispatch(conn)
-        elif end is not None or len(conn.buffer) > limit:
+        while end is not None and end <= limit:
+            answered = self._answer_here(conn, end)
+            if answered is None:  # not a status poll: a worker's
+                self._dispatch(conn)
+            if not answered:
+                return
+            end = head_end(conn.buffer)  # pipelined: the next head is in
+        if end is not None or len(conn.buffer) > limit:
             self._refuse(conn, HttpError(431, f"request head larger than {limit} bytes"))
+
+    def _answer_here(self, conn: Connection, end: int) -> bool | None:
+        """Answer a status poll on this thread: it never blocks (a worker sends what the
+        socket does not take at once). True: the connection waits for its next request
+        here; False: it was closed or handed to a worker; None: not a status poll."""
+        answer = self._handler.quick(conn, end)
+        if answer is None:
+            return None
+        data, keep = answer
+        try:
+            sent = conn.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            logger.debug("%s: connection dropped: %s", conn.peer, exc)
+            self._drop(conn)
+            return False
+        if sent < len(data):
+            conn.unsent = (data[sent:], keep)
+            self._dispatch(conn)
+            return False
+        if not keep:
+            self._drop(conn)
+            return False
+        now = time.monotonic()
+        conn.settled = now
+        conn.head_since = now if conn.buffer else None
+        return True
 
     def _expire(self, now: float) -> None:
         limits = self.limits
@@ -367,7 +403,11 @@ class AgentHTTPServer:
             conn = self._work.get()
             if conn is None:
                 return
-            if self._handler.serve(conn) and not self._stopping.is_set():
+            if conn.unsent is not None:
+                keep = self._handler.finish(conn)
+            else:
+                keep = self._handler.serve(conn)
+            if keep and not self._stopping.is_set():
                 self._returned.put(conn)
                 self._wake()
             else:
