@@ -310,7 +310,8 @@ def test_a_rank_that_raises_fails_the_job_saying_why(tg: Trainguard, tmp_path: P
     assert job["faults"][0]["evidence"]["error"] == "ValueError: lr must be positive"
     assert [e["message"] for e in job["events"] if e["kind"] == "JobFailed"] == [job["reason"]]
     assert f"Reason:    {why}" in tg.run("describe", job["id"]).stdout
-    env = json.loads((out / "rank-0-attempt-0.json").read_text())["env"]
+    # Rank 1's record: it writes it before it raises (rank 0 may be stopped before its own).
+    env = json.loads((out / "rank-1-attempt-0.json").read_text())["env"]
     assert env["OMP_NUM_THREADS"] == "1"  # 2 workers on this machine, though 1 per node
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
