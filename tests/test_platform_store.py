@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.platform.store import DB_NAME, Store
+from trainguard.platform.store import DB_NAME, JobAsks, JobNotFound, Store
 
 
 def writer_lock_free(root: Path) -> bool:
@@ -47,3 +47,25 @@ def test_a_batch_that_writes_nothing_takes_no_lock_and_one_that_writes_commits_o
         assert writer_lock_free(tmp_path)
     finally:
         store.close()
+
+
+def test_asks_reads_what_another_process_asked_of_a_running_job(tmp_path: Path) -> None:
+    store, other = Store(tmp_path), Store(tmp_path)  # the controller's, a CLI command's
+    try:
+        store.create_job("j1", "job", "job.yaml", tmp_path / "j1", 2, 2, {})
+        assert store.asks("j1") == JobAsks(None, None, "[]")
+        other.request("j1", "stop")
+        other.set_capacity("j1", 1)
+        other.request_replace("j1", "node-1", "bad disk")
+        assert store.asks("j1") == JobAsks("stop", 1, '[["node-1", "bad disk"]]')
+        row = store.job("j1")
+        assert (row.desired, row.capacity, row.node_requests) == (
+            "stop",
+            1,
+            '[["node-1", "bad disk"]]',
+        )
+        with pytest.raises(JobNotFound, match="no job 'nope'"):
+            store.asks("nope")
+    finally:
+        store.close()
+        other.close()

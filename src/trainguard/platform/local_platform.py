@@ -39,7 +39,7 @@ from trainguard.platform.book import ReportBook
 from trainguard.platform.follow import FollowedFile, LineSource
 from trainguard.platform.node import LaunchedNode, NoCapacity, NodeLauncher
 from trainguard.platform.procs import free_port, start_time
-from trainguard.platform.store import JobRow, NodeRow, Store
+from trainguard.platform.store import JobAsks, NodeRow, Store
 from trainguard.platform.transport import AgentTransport, Delivery
 from trainguard.rendezvous.client import StoreServiceHandle
 from trainguard.wire.requests import AssignRequest
@@ -312,7 +312,7 @@ class LocalPlatform:
             if (why := node.exited()) is not None:
                 self.book.gone(node_id, why)
         cancel = None
-        job = self.store.job(self.job_id)
+        job = self.store.asks(self.job_id)
         if (why := self._interrupted()) is not None:  # Ctrl-C, SIGTERM
             cancel = Cancel(why)
         elif self.cancel is not None:
@@ -352,7 +352,7 @@ class LocalPlatform:
                 self._shutdown([node_id])
                 self.book.gone(node_id, "preempted (its capacity was taken away)")
 
-    def _replace_requests(self, job: JobRow) -> list[Replace]:
+    def _replace_requests(self, job: JobAsks) -> list[Replace]:
         """The node replacements asked for since the last look (`trainguard node replace`)."""
         try:
             requests = json.loads(job.node_requests)
