@@ -568,12 +568,25 @@ def test_the_client_keeps_one_connection_alive(server: AgentHTTPServer) -> None:
         client.close()
 
 
+@pytest.fixture
+def patient_server(tmp_path: Path) -> Iterator[AgentHTTPServer]:
+    """:func:`server` with the default timeouts: a reader may take seconds to come back
+    (SHORT's 1 s drops a reply whose reader is still parsing another 6 MB at load)."""
+    store = ReplicaStore(tmp_path / "replicas")
+    limits = ServerLimits(workers=3, replica_transfers=1, connections=6, per_peer=3)
+    server = AgentHTTPServer("127.0.0.1", 0, StubNode(), TOKEN, store, limits)
+    server.start()
+    yield server
+    server.stop()
+
+
 def test_status_polls_are_answered_in_turn_and_a_large_one_without_stalling_others(
-    server: AgentHTTPServer,
+    patient_server: AgentHTTPServer,
 ) -> None:
     """Polls are answered on the selector thread: two sent at once on one connection
     get two replies; a reply larger than the socket takes at once comes whole (a worker
     sends its end) while another connection's poll is answered meanwhile."""
+    server = patient_server
     with connect(server.port) as sock:
         sock.sendall(head("GET", "/status") * 2)
         for _ in range(2):
