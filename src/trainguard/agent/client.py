@@ -95,7 +95,7 @@ class AgentClient:
         """Ask for the status and return at once: :meth:`status_of` reads the reply
         (once its socket is readable, so that one thread polls several agents at once)."""
         url = self.base_url + "/status"
-        message = b"GET /status HTTP/1.1\r\n" + self._head + b"\r\n"
+        message = self._message("GET", "/status", None)
         for attempt in (0, 1):
             sock, reused = self._connection(url, "GET")
             try:
@@ -207,11 +207,15 @@ class AgentClient:
     # -- HTTP ----------------------------------------------------------------------------
 
     def _request(self, method: str, path: str, payload: Wire | None) -> bytes:
+        return self._send(method, path, self._message(method, path, payload))
+
+    def _message(self, method: str, path: str, payload: Wire | None) -> bytes:
+        """A request's bytes: its head, then ``payload``'s JSON if any."""
         body = payload.model_dump_json().encode() if payload is not None else b""
         head = f"{method} {path} HTTP/1.1\r\n".encode() + self._head
         if body or method == "POST":
             head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
-        return self._send(method, path, head + b"\r\n" + body)
+        return head + b"\r\n" + body
 
     def _send(self, method: str, path: str, message: bytes, parts: Sequence[Part] = ()) -> bytes:
         """One request (``message``, then ``file``'s bytes if any); retried once on a
