@@ -193,6 +193,7 @@ class FakePlatform:
         self.refuse = refuse
         self.cancel: Cancel | None = None
         self.turns = 0
+        self.paces: list[float] = []
 
     def launch(self, request: LaunchNodes) -> None:
         self.calls.append(("launch", request.node_ids))
@@ -222,6 +223,9 @@ class FakePlatform:
 
     def wait(self, timeout: float) -> None:
         self.turns += 1
+
+    def pace(self, interval: float) -> None:
+        self.paces.append(interval)
 
     def observe(self, now: float) -> Observation:
         return Observation(dict(self.reports), self.cancel)

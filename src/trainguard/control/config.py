@@ -56,6 +56,10 @@ class ControlConfig:
     # -- the loop and what a node's silence means --------------------------------
     # How often the platform polls every agent (pushes wake the loop sooner).
     poll_interval: float = 0.5
+    # While every rank trains and no timer of the attempt is near, it polls this seldom
+    # instead (None: always ``poll_interval``); agents still push every change at once
+    # (JobController.pace). Across hosts the polls are the liveness check: None there.
+    quiet_poll_interval: float | None = None
     # A launched node's agent must answer within this long, or the node is lost.
     node_start_timeout: float = 60.0
     # A node no host can run yet (a job across hosts whose host was lost, and no spare):
@@ -138,6 +142,12 @@ class ControlConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+        quiet = self.quiet_poll_interval
+        if quiet is not None and not (math.isfinite(quiet) and quiet >= self.poll_interval):
+            raise ValueError(
+                f"quiet_poll_interval: must be a finite number >= poll_interval "
+                f"({self.poll_interval:g}), got {quiet!r}"
+            )
         for name in ("exit_hang_timeout", "no_progress_timeout"):
             bound = getattr(self, name)
             if bound is not None and not (math.isfinite(bound) and bound > 0):

@@ -55,6 +55,7 @@ from trainguard.control.elastic import ElasticWatch
 from trainguard.control.events import Event, EventKind, Fault, Note
 from trainguard.control.health import HealthBook
 from trainguard.control.inprocess import Rejoin
+from trainguard.control.pace import poll_pace
 from trainguard.control.persist import CheckpointPlanner
 from trainguard.control.policy import RestartRecord, RestartScope
 from trainguard.control.record import JobRecord
@@ -244,6 +245,20 @@ class JobController:
         else:
             return []
         return self._apply(now, attempt, planned, reports)
+
+    def pace(self, now: float, reports: Mapping[str, NodeReport]) -> float:
+        """Seconds until the controller wants fresh reports (control/pace.py)."""
+        limit = self.config.active_deadline_seconds
+        started = self.started_at
+        busy = self.phase is not JobPhase.RUNNING or self._cancel is not None
+        return poll_pace(
+            self.config,
+            self.current,
+            now,
+            reports,
+            busy=busy or self.checkpoints.busy,
+            deadline=started + limit if limit is not None and started is not None else None,
+        )
 
     # -- running -------------------------------------------------------------------------------
 

@@ -326,6 +326,14 @@ class AttemptWatch:
                 )
         return faults
 
+    def due(self, current: Sequence[tuple[str, NodeStatus]]) -> float | None:
+        """The soonest a hang timer (log rules, heartbeats, progress) can fire, from what
+        was observed and ``current``; None: none can. While the attempt is paused a timer
+        fires no sooner than this."""
+        times = [self._stalls.due(self.progress, current)]
+        times += [w.due() for w in (self._hang, self._beats) if w is not None]
+        return min((t for t in times if t is not None), default=None)
+
     def pause(self, now: float) -> None:
         for watch in (self._hang, self._beats):
             if watch is not None:

@@ -77,21 +77,15 @@ class StallWatch:
         """A stall to report now (once per attempt), or None."""
         if self.timeout is None or self._fired or progress is None:
             return None
+        ranks = _rank_steps(current)
+        if ranks is None:
+            return None  # a rank exited: not this rule's silence
         latest = (progress.step, progress.time)
-        ranks: dict[int, tuple[str, int, float]] = {}  # rank -> node, its latest step, time
-        for node_id, status in current:
-            if any(w.state is not WorkerState.RUNNING for w in status.workers):
-                return None  # a rank exited: not this rule's silence
-            steps = {r: (s, t) for r, (s, t) in status.monitor.rank_steps.items()}
-            for rank, beat in status.heartbeats.items():
-                if beat.step is not None and beat.time > steps.get(rank, (0, -1.0))[1]:
-                    steps[rank] = (beat.step, beat.time)
-            for rank, (step, t) in steps.items():
-                ranks[rank] = (node_id, step, t)
-                if t > latest[1]:
-                    latest = (step, t)
+        for _, step, t in ranks.values():
+            if t > latest[1]:
+                latest = (step, t)
+        bound = self._bound(self.timeout, progress)
         per_step = step_seconds(progress)
-        bound = max(self.timeout, STEP_FACTOR * per_step) if per_step else self.timeout
         if self.clock.elapsed(latest[1], now) > bound:
             self._fired = True
             return Stall(latest[0], latest[1], bound, per_step)
@@ -101,5 +95,41 @@ class StallWatch:
                 return Stall(step, t, bound, per_step, rank, node_id)
         return None
 
+    def due(
+        self, progress: Progress | None, current: Sequence[tuple[str, NodeStatus]]
+    ) -> float | None:
+        """The soonest :meth:`check` can find a stall, from these reports (a pause only
+        puts it off); None: it cannot."""
+        if self.timeout is None or self._fired or progress is None:
+            return None
+        ranks = _rank_steps(current)
+        if ranks is None:
+            return None
+        oldest = min((t for _, _, t in ranks.values()), default=progress.time)
+        return min(oldest, progress.time) + self._bound(self.timeout, progress)
+
+    @staticmethod
+    def _bound(timeout: float, progress: Progress) -> float:
+        per_step = step_seconds(progress)
+        return max(timeout, STEP_FACTOR * per_step) if per_step else timeout
+
     def elapsed(self, stall: Stall, now: float) -> float:
         return self.clock.elapsed(stall.since, now)
+
+
+def _rank_steps(
+    current: Sequence[tuple[str, NodeStatus]],
+) -> dict[int, tuple[str, int, float]] | None:
+    """Each rank's node, latest step and its time (a heartbeat's where newer than the
+    progress line's); None when a rank is not running."""
+    ranks: dict[int, tuple[str, int, float]] = {}
+    for node_id, status in current:
+        if any(w.state is not WorkerState.RUNNING for w in status.workers):
+            return None
+        steps = {r: (s, t) for r, (s, t) in status.monitor.rank_steps.items()}
+        for rank, beat in status.heartbeats.items():
+            if beat.step is not None and beat.time > steps.get(rank, (0, -1.0))[1]:
+                steps[rank] = (beat.step, beat.time)
+        for rank, (step, t) in steps.items():
+            ranks[rank] = (node_id, step, t)
+    return ranks

@@ -285,6 +285,9 @@ class KubePlatform:
     def wait(self, timeout: float) -> None:
         self.book.wait(timeout)
 
+    def pace(self, interval: float) -> None:
+        self.transport.pace(interval)
+
     def observe(self, now: float) -> Observation:
         admitted = None
         if self.kueue is not None:

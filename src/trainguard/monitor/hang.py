@@ -135,6 +135,22 @@ class HangWatch:
                 found.append(hang)
         return found
 
+    def due(self) -> float | None:
+        """The soonest a rule can hang, from what was observed so far (a pause only puts
+        it off); None: none can."""
+        times = []
+        for timer in self._timers.values():
+            if timer.reported or timer.stopped:
+                continue
+            cutoff = timer.rule.expected_start_cut_off_in_seconds
+            every = timer.rule.expected_recurring_frequency_in_seconds
+            if timer.last_match_at is None:
+                if cutoff is not None:
+                    times.append(self.started_at + cutoff)
+            elif every is not None:
+                times.append(timer.last_match_at + every)
+        return min(times, default=None)
+
     def _hang(self, timer: _Timer, now: float) -> HangDetection | None:
         rule = timer.rule
         cutoff = rule.expected_start_cut_off_in_seconds
@@ -180,6 +196,13 @@ class HeartbeatWatch:
 
     def resume(self, now: float) -> None:
         self._clock.resume(now)
+
+    def due(self) -> float | None:
+        """The soonest a rank can go stale, from the beats seen so far (None: none can)."""
+        return min(
+            (beat + self.timeout for r, beat in self._beats.items() if r not in self._reported),
+            default=None,
+        )
 
     def check(self, now: float) -> list[StaleRank]:
         """Ranks whose last beat is more than `timeout` active seconds old, not reported yet."""

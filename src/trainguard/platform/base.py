@@ -74,6 +74,10 @@ class Platform(Protocol):
     def wait(self, timeout: float) -> None:
         """Sleep until news arrives (a push, a finished poll) or ``timeout`` seconds pass."""
 
+    def pace(self, interval: float) -> None:
+        """Poll every agent every ``interval`` seconds from now on (the controller's pace;
+        a shorter one than before takes effect at once)."""
+
     def observe(self, now: float) -> Observation:
         """Every node's report now, and any request to stop the job."""
 

@@ -13,6 +13,9 @@ from trainguard.wire.logs import LogLimits
 
 STUCK_RANK_SECONDS = 3.0
 """How long after an in-process restart a survivor may still be in the failed attempt."""
+QUIET_POLL_SECONDS = 2.0
+"""On one machine, while every rank trains and no timer is near: seconds between polls
+(``pollIntervalSeconds`` when that is longer). Changes are pushed by the agents."""
 
 
 def stuck_rank_timeout(barrier_timeout: float) -> float:
@@ -22,14 +25,17 @@ def stuck_rank_timeout(barrier_timeout: float) -> float:
 
 
 def control_config(
-    plan: JobPlan, job_id: str, *, durable: bool, hosts: bool = False
+    plan: JobPlan, job_id: str, *, durable: bool, hosts: bool = False, quiet_polls: bool = False
 ) -> tuple[ControlConfig, dict[str, tuple[int, NodeGroupPlan]]]:
     """The :class:`ControlConfig` of ``plan``, and each node id's group (index, plan).
 
     Node ids ``node-0..N-1`` run the job, in group order; each group's spare nodes follow
     them. ``durable``: the platform has a durable checkpoint tier, so the controller
     schedules persisting to it (``spec.checkpointing``'s cadence); ``hosts``: the job
-    spans hosts (a node is lost only after ``nodeLostAfterSeconds`` of silence).
+    spans hosts (a node is lost only after ``nodeLostAfterSeconds`` of silence);
+    ``quiet_polls``: the platform sees a dead agent without polling it (one machine: its
+    process exits), so polls may be seldom while the job trains steadily
+    (:data:`QUIET_POLL_SECONDS`).
     """
     groups: dict[str, tuple[int, NodeGroupPlan]] = {}
     active: list[str] = []
@@ -72,6 +78,9 @@ def control_config(
         else None,
         replicas=checkpointing.replicas,
         poll_interval=plan.poll_interval_seconds,
+        quiet_poll_interval=max(plan.poll_interval_seconds, QUIET_POLL_SECONDS)
+        if quiet_polls
+        else None,
         node_start_timeout=plan.node_start_timeout_seconds,
         in_process=options.in_process_restart,
         hot_spares=options.hot_spares,

@@ -10,9 +10,11 @@
    node it names at once (:class:`~trainguard.platform.transport.Delivery`); refusals go
    back to the controller on the next turn.
 
-The loop sleeps in :meth:`Platform.wait` between turns: up to ``poll_interval``, or
-until an agent pushes news, so a worker's death is decided on within milliseconds of
-its report. It ends when the controller's phase is terminal.
+The loop sleeps in :meth:`Platform.wait` between turns: until an agent pushes news, so a
+worker's death is decided on within milliseconds of its report, or a poll's answers
+come, or the controller's pace runs out (:meth:`JobController.pace`: ``poll_interval``,
+or longer while the job trains steadily; the platform polls at that pace). It ends when
+the controller's phase is terminal.
 """
 
 from __future__ import annotations
@@ -59,9 +61,10 @@ def drive(
     platform.announce(controller)
     refusals = execute(platform, first)
     platform.record(controller, None)
+    pace = controller.config.poll_interval
     while not controller.phase.terminal:
         if not refusals:
-            platform.wait(controller.config.poll_interval)
+            platform.wait(pace)
         seen = platform.observe(clock())
         now = clock()  # after observing: a decision is never stamped before its evidence
         actions: list[Action] = []
@@ -76,6 +79,8 @@ def drive(
         for hook in hooks:
             hook(controller, seen)
         platform.record(controller, seen)
+        pace = controller.pace(clock(), seen.reports)
+        platform.pace(pace)
 
 
 def execute(platform: Platform, actions: Sequence[Action]) -> list[Refusal]:

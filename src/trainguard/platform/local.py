@@ -182,7 +182,9 @@ class LocalRunner:
         self.memory_root = MEMORY_ROOT / self.job_id
         # Raises ValueError naming the SPEC when a target is out of range.
         self.injector = injector_for(injections, plan, across_hosts=across)
-        self.config, self.groups = control_config(plan, self.job_id, durable=True, hosts=across)
+        self.config, self.groups = control_config(
+            plan, self.job_id, durable=True, hosts=across, quiet_polls=not across
+        )
         if slurm is not None and (stop_within := slurm.stop_within) is not None:
             grace = min(self.config.stop_grace_seconds, stop_within / 2)
             self.config = dataclasses.replace(

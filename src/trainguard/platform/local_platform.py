@@ -302,6 +302,9 @@ class LocalPlatform:
             if self.book.wait(min(left, LOCATE_INTERVAL)) or self._located():
                 return
 
+    def pace(self, interval: float) -> None:
+        self.transport.pace(interval)
+
     def observe(self, now: float) -> Observation:
         if self._awaiting:
             self._launch_awaiting()

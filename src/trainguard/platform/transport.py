@@ -1,8 +1,9 @@
 """Talking to every agent of a job: concurrent polls and requests, over kept-alive HTTP.
 
 - A poller thread asks every located agent for its status, ``concurrency`` at a time,
-  once per ``poll_interval`` (a cycle that takes longer starts the next at once), and
-  wakes the drive loop when a cycle is done. Agents also push on their own
+  once per ``poll_interval`` (a cycle that takes longer starts the next at once; the
+  controller sets the interval through :meth:`AgentTransport.pace`), and wakes the
+  drive loop when a cycle is done. Agents also push on their own
   (:mod:`trainguard.platform.inbox`); both land in the :class:`ReportBook`. Polls pause
   while requests go out: a stop broadcast to thousands of nodes comes first.
 - :meth:`AgentTransport.send` delivers requests to many agents at once, each retried
@@ -97,6 +98,7 @@ class AgentTransport:
         self._polls = ThreadPoolExecutor(poll_concurrency, thread_name_prefix="tg-poll")
         self._sends = ThreadPoolExecutor(send_concurrency, thread_name_prefix="tg-send")
         self._stop = threading.Event()
+        self._kick = threading.Event()
         self._sending = 0  # send() calls under way (polls wait for them)
         self._idle = threading.Condition()
         self._poller = threading.Thread(target=self._poll_forever, name="tg-poller", daemon=True)
@@ -106,6 +108,7 @@ class AgentTransport:
 
     def close(self) -> None:
         self._stop.set()
+        self._kick.set()
         if self._poller.is_alive():
             self._poller.join(self.timeout + 1.0)
         self._polls.shutdown(wait=False, cancel_futures=True)
@@ -244,10 +247,23 @@ class AgentTransport:
                 self.poll()
             except RuntimeError:  # the pool shut down under us: closing
                 return
-            took = time.monotonic() - began
-            self.cycle_seconds = [*self.cycle_seconds[-99:], took]
+            self.cycle_seconds = [*self.cycle_seconds[-99:], time.monotonic() - began]
             self.book.wake()
-            self._stop.wait(max(0.0, self.poll_interval - took))
+            while (
+                not self._stop.is_set()
+                and (left := began + self.poll_interval - time.monotonic()) > 0
+            ):
+                self._kick.wait(left)  # set by pace() (a shorter interval) and close()
+                self._kick.clear()
+
+    def pace(self, interval: float) -> None:
+        """Poll every ``interval`` seconds from now on (a cycle is due that long after the
+        previous one began): a shorter interval than the one being waited out takes
+        effect at once, so a controller that wants fresh reports gets them now."""
+        shorter = interval < self.poll_interval
+        self.poll_interval = interval
+        if shorter:
+            self._kick.set()
 
 
 def _dealt(

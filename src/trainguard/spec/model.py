@@ -298,7 +298,9 @@ class TrainguardOptions(SpecModel):
         gt=0,
         le=MAX_POLL_INTERVAL_SECONDS,
         allow_inf_nan=False,
-        description="trainguard extension: how often the controller polls node agents.",
+        description="trainguard extension: how often the controller polls node agents "
+        "(on one machine, every 2 s or this when longer, while every rank trains and no "
+        "hang timer is near: agents push every change at once).",
     )
     node_start_timeout_seconds: Seconds = Field(
         default=DEFAULT_NODE_START_TIMEOUT_SECONDS,
