@@ -44,9 +44,7 @@ JOB = "observed"
 LINGER = 5.0
 """Seconds the run's endpoint stays up after the job ends: a few scrapes of the end."""
 HANG_SECONDS = 5
-STEPS = 100
-"""The last attempt (from step 30) trains for 7 s: at quiet polls (2 s apart) a rank's
-speed needs two of them over its 20-step window (control/pace.py)."""
+STEPS = 60
 INJECTIONS = ("kill:rank=1@step=10", "hang:rank=0@step=30")
 END_SLACK = 1e-6
 """The metrics and ``describe`` account the same samples up to the same end (the

@@ -182,8 +182,10 @@ class LocalRunner:
         self.memory_root = MEMORY_ROOT / self.job_id
         # Raises ValueError naming the SPEC when a target is out of range.
         self.injector = injector_for(injections, plan, across_hosts=across)
+        # A rehearsal (--inject) times its injections by the loop's turns: no quiet polls.
+        quiet = not across and not injections
         self.config, self.groups = control_config(
-            plan, self.job_id, durable=True, hosts=across, quiet_polls=not across
+            plan, self.job_id, durable=True, hosts=across, quiet_polls=quiet
         )
         if slurm is not None and (stop_within := slurm.stop_within) is not None:
             grace = min(self.config.stop_grace_seconds, stop_within / 2)

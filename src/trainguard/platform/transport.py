@@ -260,6 +260,9 @@ class AgentTransport:
         """Poll every ``interval`` seconds from now on (a cycle is due that long after the
         previous one began): a shorter interval than the one being waited out takes
         effect at once, so a controller that wants fresh reports gets them now."""
+        if interval == self.poll_interval:
+            return
+        logger.debug("polls every %gs from now on", interval)
         shorter = interval < self.poll_interval
         self.poll_interval = interval
         if shorter:
