@@ -84,8 +84,8 @@ class StallWatch:
         for _, step, t in ranks.values():
             if t > latest[1]:
                 latest = (step, t)
-        bound = self._bound(self.timeout, progress)
         per_step = step_seconds(progress)
+        bound = _bound(self.timeout, per_step)
         if self.clock.elapsed(latest[1], now) > bound:
             self._fired = True
             return Stall(latest[0], latest[1], bound, per_step)
@@ -106,15 +106,15 @@ class StallWatch:
         if ranks is None:
             return None
         oldest = min((t for _, _, t in ranks.values()), default=progress.time)
-        return min(oldest, progress.time) + self._bound(self.timeout, progress)
-
-    @staticmethod
-    def _bound(timeout: float, progress: Progress) -> float:
-        per_step = step_seconds(progress)
-        return max(timeout, STEP_FACTOR * per_step) if per_step else timeout
+        return min(oldest, progress.time) + _bound(self.timeout, step_seconds(progress))
 
     def elapsed(self, stall: Stall, now: float) -> float:
         return self.clock.elapsed(stall.since, now)
+
+
+def _bound(timeout: float, per_step: float | None) -> float:
+    """The stall bound: ``timeout``, or :data:`STEP_FACTOR` steps when that is longer."""
+    return max(timeout, STEP_FACTOR * per_step) if per_step else timeout
 
 
 def _rank_steps(

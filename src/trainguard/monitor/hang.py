@@ -140,28 +140,30 @@ class HangWatch:
         it off); None: none can."""
         times = []
         for timer in self._timers.values():
-            if timer.reported or timer.stopped:
-                continue
-            cutoff = timer.rule.expected_start_cut_off_in_seconds
-            every = timer.rule.expected_recurring_frequency_in_seconds
-            if timer.last_match_at is None:
-                if cutoff is not None:
-                    times.append(self.started_at + cutoff)
-            elif every is not None:
-                times.append(timer.last_match_at + every)
+            running = None if timer.reported or timer.stopped else self._running(timer)
+            if running is not None:
+                _, since, limit = running
+                times.append(since + limit)
         return min(times, default=None)
 
     def _hang(self, timer: _Timer, now: float) -> HangDetection | None:
-        rule = timer.rule
-        cutoff = rule.expected_start_cut_off_in_seconds
-        every = rule.expected_recurring_frequency_in_seconds
-        last = timer.last_match_at
-        if last is None:
-            if cutoff is not None and self._clock.elapsed(self.started_at, now) > cutoff:
-                return HangDetection(rule.name, "start", now, self.started_at, cutoff)
-        elif every is not None and self._clock.elapsed(last, now) > every:
-            return HangDetection(rule.name, "recurring", now, last, every)
+        running = self._running(timer)
+        if running is None:
+            return None
+        kind, since, limit = running
+        if self._clock.elapsed(since, now) > limit:
+            return HangDetection(timer.rule.name, kind, now, since, limit)
         return None
+
+    def _running(self, timer: _Timer) -> tuple[HangKind, float, float] | None:
+        """The rule's timer that runs: its kind, since when, and its limit. Before the
+        first match only the start cut-off (None without one); then the recurring one."""
+        rule = timer.rule
+        if timer.last_match_at is None:
+            cutoff = rule.expected_start_cut_off_in_seconds
+            return None if cutoff is None else ("start", self.started_at, cutoff)
+        every = rule.expected_recurring_frequency_in_seconds
+        return None if every is None else ("recurring", timer.last_match_at, every)
 
 
 class StaleRank(NamedTuple):
