@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sqlite3
+import stat
 import subprocess
 from pathlib import Path
 
@@ -349,11 +350,16 @@ def test_stop_keeps_the_job_and_delete_keeps_its_checkpoints(
     wait_for(lambda: len(list(out.glob("rank-*.json"))) == 1)
     pids = worker_pids(out)
     job_id = json.loads(cli(tg, "list", "-o", "json")[1])[0]["id"]
+    # Its controller answers the doorbell that `stop` rings (platform/doorbell.py): the
+    # ask is read at once, not at the loop's next turn.
+    bell = Path(json.loads(cli(tg, "describe", job_id, "-o", "json")[1])["job_dir"]) / "doorbell"
+    assert stat.S_ISFIFO(bell.stat().st_mode)
     assert cli(tg, "stop", job_id) == (0, f"job {job_id} stopped\n", "")
     proc.communicate(timeout=60)
     wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=30)
     job = json.loads(cli(tg, "describe", job_id, "-o", "json")[1])
     assert (job["phase"], job["reason"]) == ("Stopped", "stopped by user")
+    assert not bell.exists()  # gone with its controller
     assert "hello from rank 0" in cli(tg, "logs", job_id)[1]  # the record stays
     assert cli(tg, "stop", job_id)[1] == f"job {job_id} is already Stopped\n"
 

@@ -269,6 +269,7 @@ class LocalRunner:
             self.hosts.platform = platform
         injection = InjectionHook(platform, self.injector)
         platform.console_dir = self.logs_dir  # adopted agents' consoles (resume)
+        platform.answer_doorbell(self.job_dir)
         platform.rendezvous = self._rendezvous(token)
         controller = JobController(self.config, platform.endpoint)
         previous = self._install_signal_handlers()

@@ -36,6 +36,7 @@ from trainguard.observe.live import LiveLine
 from trainguard.observe.summary import event_line
 from trainguard.platform.base import Cancel, Observation, Replace
 from trainguard.platform.book import ReportBook
+from trainguard.platform.doorbell import Doorbell
 from trainguard.platform.follow import FollowedFile, LineSource
 from trainguard.platform.node import LaunchedNode, NoCapacity, NodeLauncher
 from trainguard.platform.procs import free_port, start_time
@@ -118,6 +119,7 @@ class LocalPlatform:
         self.console_dir: Path | None = None
         # The job's rendezvous store service (None: rank 0 hosts each attempt's store).
         self.rendezvous: StoreServiceHandle | None = None
+        self._doorbell: Doorbell | None = None  # asks from other terminals wake the loop
         self._closed = threading.Event()
         self._followers: list[threading.Thread] = []
         self.job_id = job_id
@@ -261,8 +263,16 @@ class LocalPlatform:
             self._awaiting.pop(node_id, None)
             self.book.forget(node_id)
 
+    def answer_doorbell(self, job_dir: Path) -> None:
+        """Wake the loop when another terminal writes an ask to the store and rings the
+        job's doorbell (:mod:`trainguard.platform.doorbell`): it is read at once, not at
+        the next turn (up to a quiet poll's 2 s later)."""
+        self._doorbell = Doorbell.open(job_dir, self.book.wake)
+
     def close(self) -> None:
         """Shut every agent down (the job ended, or the runner is going away)."""
+        if self._doorbell is not None:
+            self._doorbell.close()  # asks from now on wait for the next controller
         self._shutdown(list(self.nodes))
         self._closed.set()  # the agents are gone: the followers read what they left
         for follower in self._followers:
