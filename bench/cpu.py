@@ -113,7 +113,11 @@ class CpuSampler:
                     continue
                 key = (proc.pid, proc.started)
                 known = self._seen.get(key)
-                kind = known[0] if known else role(proc.pid)
+                # A launcher's process is looked at again each time: a worker seen between
+                # its fork and its exec (torchrun's Popen) still has the launcher's command
+                # line and environment, and would count as the launcher's for good (one
+                # torchrun repetition read 21.6 CPU s/min so).
+                kind = known[0] if known and known[0] != LAUNCHER else role(proc.pid)
                 self._seen[key] = (kind, cpu)
                 if kind == TEMPLATE and (memory := memory_mib(proc.pid)) is not None:
                     kept = self.templates.setdefault(key, memory)
