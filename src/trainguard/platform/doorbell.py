@@ -2,9 +2,10 @@
 
 A controller with nothing in motion turns every 2 s (quiet polls, :mod:`trainguard.control.pace`),
 and it reads the asks another terminal writes to the store (``trainguard stop``,
-``delete``, ``scale``, ``node replace``) at its turns. After writing one, the command
-rings the job's doorbell: a named pipe (FIFO) ``doorbell`` in the job's directory, which
-the controller holds open. A byte in it wakes the drive loop, which reads the asks from
+``delete``, ``scale``, ``node replace``) at its turns. The store rings the job's
+doorbell when it commits an ask (``Store.request``, ``set_capacity``,
+``request_replace``): a named pipe (FIFO) ``doorbell`` in the job's directory, which the
+controller holds open. A byte in it wakes the drive loop, which reads the asks from
 the store as at any turn. The byte says nothing else, so nothing in it is trusted: it
 costs a turn at most. The directory is the job's (private), and only its owner can ring.
 With no controller holding the doorbell (the job ended; it has none yet), a ring finds

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from trainguard.control.events import EventKind
-from trainguard.platform.doorbell import ring
 from trainguard.platform.store import JobRow, Store
 from trainguard.platform.views import _table, controller_runs, effective_phase
 
@@ -83,7 +81,6 @@ def replace(store: Store, ref: str, node_id: str, reason: str) -> int:
         )
         return EXIT_USAGE
     store.request_replace(job.id, node_id, reason)
-    ring(Path(job.job_dir))  # its controller reads the ask now, not at its next turn
     print(f"job {job.id}: asked to replace {node_id} ({reason})")
     return 0
 
@@ -100,7 +97,6 @@ def scale(store: Store, ref: str, capacity: int) -> int:
         )
         return EXIT_USAGE
     store.set_capacity(job.id, capacity)
-    ring(Path(job.job_dir))
     print(f"job {job.id}: capacity {capacity} nodes")
     return 0
 

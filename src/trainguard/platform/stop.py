@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard.platform.doorbell import ring
 from trainguard.platform.local import MEMORY_ROOT
 from trainguard.platform.procs import alive, kill_recorded
 from trainguard.platform.store import JobRow, Store
@@ -131,7 +130,6 @@ def _stop_running(
     and wait until it has; None (a message said why) when it did not in ``timeout``
     seconds, unless ``force``: then its controller is killed."""
     store.request(job.id, desired)
-    ring(Path(job.job_dir))  # its controller reads the ask now, not at its next turn
     deadline = time.monotonic() + timeout
     while effective_phase(job := store.job(job.id)) not in (*TERMINAL_PHASES, "Lost"):
         if time.monotonic() > deadline:

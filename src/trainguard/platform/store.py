@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.control.events import Event
+from trainguard.platform.doorbell import ring
 from trainguard.platform.procs import start_time
 
 STATE_DIR_ENV = "TRAINGUARD_STATE_DIR"
@@ -385,9 +386,11 @@ class Store:
             db.execute(f"UPDATE jobs SET {cols} WHERE id = ?", (*fields.values(), job_id))
 
     def request(self, job_id: str, desired: str) -> None:
-        """Ask the job's controller (in whatever process) to act, e.g. ``desired="delete"``."""
+        """Ask the job's controller (in whatever process) to act, e.g. ``desired="delete"``.
+        Each ask rings the job's doorbell (:meth:`_ring`)."""
         with self._tx() as db:
             db.execute("UPDATE jobs SET desired = ? WHERE id = ?", (desired, job_id))
+        self._ring(job_id)
 
     def set_capacity(self, job_id: str, capacity: int, delta: bool = False) -> int:
         """Set (or, with ``delta``, change) how many nodes an elastic job may use; the
@@ -397,6 +400,7 @@ class Store:
             current = row["capacity"] if row is not None else None
             value = max(0, (current or 0) + capacity) if delta else capacity
             db.execute("UPDATE jobs SET capacity = ? WHERE id = ?", (value, job_id))
+        self._ring(job_id)
         return int(value)
 
     def request_replace(self, job_id: str, node_id: str, reason: str) -> None:
@@ -408,6 +412,15 @@ class Store:
             db.execute(
                 "UPDATE jobs SET node_requests = ? WHERE id = ?", (json.dumps(requests), job_id)
             )
+        self._ring(job_id)
+
+    def _ring(self, job_id: str) -> None:
+        """Ring the doorbell of the job's controller (:mod:`trainguard.platform.doorbell`)
+        after an ask is committed: it reads the ask now, not at its next turn (a quiet
+        poll's 2 s later). Nothing happens where no controller holds one."""
+        row = self._db.execute("SELECT job_dir FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is not None:
+            ring(Path(row["job_dir"]))
 
     def job(self, ref: str) -> JobRow:
         """A job by id, or by name when one job has it; :class:`AmbiguousJob` (newest
